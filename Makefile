@@ -1,0 +1,43 @@
+# elastrain — the two commands that matter: `make run` and `make test`.
+# Both bootstrap .venv themselves (Python >= 3.11, packages from PyPI; torch is the pinned CPU wheel).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv run test lint types unit integration bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m scripts.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check service worker tests benchmarks scripts
+	$(VENV)/bin/ruff format --check service worker tests benchmarks scripts
+
+types: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+integration: $(STAMP)
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+test: lint types
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""elastrain's control plane. Imports no torch."""

@@ -1,0 +1,1 @@
+"""elastrain's worker: what torchrun starts in each process."""

@@ -1,0 +1,19 @@
+"""One error hierarchy for the worker and the service (torch-free)."""
+
+from __future__ import annotations
+
+
+class ElastrainError(Exception):
+    """Base of every error elastrain raises on purpose; its message is for a person."""
+
+
+class SpecError(ElastrainError):
+    """A job spec that cannot run: the message names the field and the fix."""
+
+
+class CheckpointError(ElastrainError):
+    """A checkpoint that cannot be written, verified or loaded."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A published checkpoint whose bytes do not match its manifest."""

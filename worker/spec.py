@@ -1,0 +1,258 @@
+"""The JobSpec: one schema for a training job, used by the REST API, the CLI and the worker.
+
+Torch-free on purpose: the service imports it. Every model is frozen and refuses unknown
+fields; types are strict (``"8"`` is not a batch size). ``load_spec`` turns a validation
+failure into a :class:`SpecError` whose message names the field and what would fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from worker.errors import SpecError
+
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
+
+Scalar = str | int | float | bool
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _check_factory(value: str | None) -> str | None:
+    if value is not None and not _FACTORY_RE.match(value):
+        raise ValueError(f"{value!r} is not of the form 'package.module:function'")
+    return value
+
+
+class ModelSpec(_Frozen):
+    """Which network to train: a built-in by ``name`` or user code by ``factory``."""
+
+    name: Literal["mlp", "tiny-gpt"] | None = None
+    factory: str | None = None
+    kwargs: dict[str, Scalar] = Field(default_factory=dict)
+
+    _factory = field_validator("factory")(_check_factory)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.name is None) == (self.factory is None):
+            raise ValueError("give exactly one of 'name' (mlp, tiny-gpt) or 'factory'")
+        return self
+
+
+class DataSpec(_Frozen):
+    """Which data: a built-in generated set by ``name`` or user code by ``factory``."""
+
+    name: Literal["synthetic", "tokens"] | None = None
+    factory: str | None = None
+    samples: PositiveInt = 4096
+    eval_samples: int = Field(default=0, ge=0)
+    version: str = "1"
+    kwargs: dict[str, Scalar] = Field(default_factory=dict)
+
+    _factory = field_validator("factory")(_check_factory)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if (self.name is None) == (self.factory is None):
+            raise ValueError("give exactly one of 'name' (synthetic, tokens) or 'factory'")
+        return self
+
+
+class OptimizerSpec(_Frozen):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    grad_clip_norm: float | None = Field(default=1.0, gt=0)
+
+
+class LRScheduleSpec(_Frozen):
+    """An LR schedule keyed by samples seen, never by local steps."""
+
+    warmup_samples: int = Field(default=0, ge=0)
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    decay_samples: int | None = Field(default=None, gt=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+
+
+class LossScaleSpec(_Frozen):
+    """Dynamic loss scaling for fp16 (ignored for fp32 and bf16)."""
+
+    init_scale: float = Field(default=2.0**16, gt=0)
+    growth_factor: float = Field(default=2.0, gt=1)
+    backoff_factor: float = Field(default=0.5, gt=0, lt=1)
+    growth_interval: PositiveInt = 2000
+    min_scale: float = Field(default=1.0, gt=0)
+
+
+class DDPSpec(_Frozen):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    bucket_cap_mb: float = Field(default=25.0, gt=0)
+
+
+class MonitorSpec(_Frozen):
+    """Underflow watch: how often to measure, and when a parameter counts as stale."""
+
+    every_steps: PositiveInt = 10
+    stale_after_steps: PositiveInt = 100
+
+
+class RetentionSpec(_Frozen):
+    # At least two: the newest may still be in flight when a failure hits.
+    keep_latest: int = Field(default=3, ge=2)
+    milestone_every_steps: int | None = Field(default=None, gt=0)
+    keep_best: int = Field(default=0, ge=0)
+    best_metric: str = "loss"
+    best_mode: Literal["min", "max"] = "min"
+    pinned_steps: tuple[int, ...] = ()
+
+
+class CheckpointSpec(_Frozen):
+    dir: str | None = None
+    interval_steps: int | None = Field(default=None, gt=0)
+    interval_seconds: float | None = Field(default=None, gt=0)
+    interval: Literal["fixed", "auto"] = "fixed"
+    mtbf_seconds: float | None = Field(default=None, gt=0)
+    async_save: bool = Field(default=False, alias="async")
+    resume: str = "auto"
+    retention: RetentionSpec = Field(default_factory=RetentionSpec)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_interval(self) -> CheckpointSpec:
+        if self.interval_steps is not None and self.interval_seconds is not None:
+            raise ValueError("give at most one of 'interval_steps' or 'interval_seconds'")
+        return self
+
+
+class EvalSpec(_Frozen):
+    every_steps: int | None = Field(default=None, gt=0)
+
+
+class JobSpec(_Frozen):
+    """A training job. The worker reads the fields it needs; the service also uses
+    ``nodes``, ``nproc_per_node``, ``max_restarts`` and ``resources``."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+    model: ModelSpec
+    data: DataSpec
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    micro_batch_size: PositiveInt
+    grad_accum_steps: int | None = Field(default=None, gt=0)
+    global_batch_size: int | None = Field(default=None, gt=0)
+    max_steps: PositiveInt
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    deterministic: bool = False
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    lr_reference_batch_size: int | None = Field(default=None, gt=0)
+    loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec)
+    ddp: DDPSpec = Field(default_factory=DDPSpec)
+    monitor: MonitorSpec = Field(default_factory=MonitorSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    log_every_steps: PositiveInt = 10
+    # Fields for the control plane; a bare torchrun worker ignores them.
+    nodes: str = "1"
+    nproc_per_node: PositiveInt = 1
+    max_restarts: int = Field(default=3, ge=0)
+    resources: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, value: str) -> str:
+        lo, hi = parse_nodes(value)
+        if lo < 1 or hi < lo:
+            raise ValueError(f"{value!r} must be N or MIN:MAX with 1 <= MIN <= MAX")
+        return value
+
+    @model_validator(mode="after")
+    def _batch(self) -> JobSpec:
+        if self.grad_accum_steps is not None and self.global_batch_size is not None:
+            raise ValueError("give only one of 'grad_accum_steps' or 'global_batch_size'")
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"'global_batch_size' {self.global_batch_size} is not a multiple of "
+                f"'micro_batch_size' {self.micro_batch_size}"
+            )
+        return self
+
+    @property
+    def accum_steps_or_default(self) -> int:
+        return self.grad_accum_steps if self.grad_accum_steps is not None else 1
+
+
+def parse_nodes(value: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4)."""
+    match = _NODES_RE.match(value.strip())
+    if not match:
+        raise ValueError(f"{value!r} is not N or MIN:MAX")
+    lo = int(match.group(1))
+    hi = int(match.group(2)) if match.group(2) else lo
+    return lo, hi
+
+
+_FIX_HINTS = {
+    "extra_forbidden": "remove it (check the spelling against the documented fields)",
+    "missing": "add it",
+    "int_type": "give a whole number without quotes",
+    "float_type": "give a number without quotes",
+    "bool_type": "give true or false",
+    "string_type": "give a string in quotes",
+    "greater_than": "give a larger value",
+    "greater_than_equal": "give a larger value",
+    "less_than": "give a smaller value",
+    "less_than_equal": "give a smaller value",
+    "literal_error": "use one of the listed values",
+    "string_pattern_mismatch": "use lowercase letters, digits and '-' (like a DNS label)",
+    "json_invalid": "fix the JSON syntax",
+}
+
+
+def describe(error: ValidationError) -> str:
+    """One line per problem: the field path, what is wrong, and what would fix it."""
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(part) for part in item["loc"]) or "spec"
+        msg = item["msg"].removeprefix("Value error, ")
+        hint = _FIX_HINTS.get(item["type"])
+        lines.append(f"field '{loc}': {msg}" + (f"; {hint}" if hint else ""))
+    return "; ".join(lines)
+
+
+def parse_spec(raw: str | bytes | dict[str, Any]) -> JobSpec:
+    """Validate a spec given as JSON text or a decoded dict. Raises :class:`SpecError`."""
+    try:
+        if isinstance(raw, dict):
+            return JobSpec.model_validate(raw)
+        return JobSpec.model_validate_json(raw)
+    except ValidationError as exc:
+        raise SpecError(describe(exc)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a spec file. Raises :class:`SpecError` naming the problem."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"cannot read spec file {str(path)!r}: {exc.strerror}") from None
+    return parse_spec(text)
+
+
+def spec_json(spec: JobSpec) -> str:
+    """Canonical JSON of a spec (sorted keys, aliases): what the hash and the run record use."""
+    return json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
