@@ -1,0 +1,94 @@
+"""What worker reports do to a job record, pure.
+
+Workers tell the service what only they can see: the group re-formed (after torchrun restarted
+it), the state was loaded, the first step after resume finished. These close the loop of a
+recovery (RECOVERING -> RUNNING) or a rescale (RESCALING -> RUNNING), and a re-formation the
+service did not cause (a worker process died and torchrun restarted the group) opens one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.jobs.machine import move
+from service.jobs.model import MAX_RECOVERIES, JobRecord, JobState, Recovery
+
+S = JobState
+WorkerEventKind = Literal["group_formed", "state_loaded", "first_step", "failed", "finished", "log"]
+
+
+class WorkerEvent(BaseModel):
+    """A worker's report. ``group_formed`` is sent once per formation by global rank 0 with a
+    ``group_id`` unique to that formation (repeats with the same id are ignored)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: WorkerEventKind
+    rank: int | None = Field(default=None, ge=0)
+    node_index: int | None = Field(default=None, ge=0)
+    group_id: str | None = Field(default=None, max_length=200)
+    world_size: int | None = Field(default=None, gt=0)
+    restart_count: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=0)
+    message: str = Field(default="", max_length=2000)
+
+
+def apply_worker_event(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
+    """Fold one worker event into the record. Events for a finished job change nothing."""
+    if job.state.terminal:
+        return job
+    if event.kind == "group_formed":
+        return _group_formed(job, event, now)
+    if event.kind == "state_loaded":
+        job = _update_recovery(job, state_loaded_at=now, resumed_step=event.step)
+        return job.with_event(now, "worker", f"state loaded at step {event.step}")
+    if event.kind == "first_step":
+        return first_step_done(job, event.step, now)
+    who = f"rank {event.rank}" if event.rank is not None else "worker"
+    return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
+
+
+def first_step_done(job: JobRecord, step: int | None, now: float) -> JobRecord:
+    """A step finished after a (re-)formation: a recovery or rescale is over."""
+    if job.state not in (S.RECOVERING, S.RESCALING):
+        return job
+    recovery = job.current_recovery
+    if job.state == S.RECOVERING and recovery is not None:
+        resumed = recovery.resumed_step
+        if resumed is None and step is not None:
+            resumed = max(0, step - 1)
+        job = _update_recovery(job, first_step_at=now, resumed_step=resumed)
+    return move(job, S.RUNNING, now)
+
+
+def _group_formed(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
+    if event.group_id is not None and event.group_id == job.last_group_id:
+        return job
+    reformed = job.groups_formed > 0
+    job = job.model_copy(
+        update={
+            "groups_formed": job.groups_formed + 1,
+            "last_group_id": event.group_id,
+            "world_size": event.world_size or job.world_size,
+        }
+    )
+    job = job.with_event(now, "worker", f"worker group formed with world size {event.world_size}")
+    if reformed and job.state == S.RUNNING:
+        reason = "the worker group re-formed (a worker process died and torchrun restarted the group)"
+        recovery = Recovery(reason=reason, failed_at=now, step_before=job.last_step, group_formed_at=now)
+        recoveries = (*job.recoveries, recovery)[-MAX_RECOVERIES:]
+        job = job.model_copy(update={"restarts": job.restarts + 1, "recoveries": recoveries})
+        return move(job, S.RECOVERING, now, reason=reason)
+    if job.state == S.RECOVERING:
+        job = _update_recovery(job, group_formed_at=now)
+    return job
+
+
+def _update_recovery(job: JobRecord, **fields: object) -> JobRecord:
+    recovery = job.current_recovery
+    if recovery is None:
+        return job
+    changed = recovery.model_copy(update={k: v for k, v in fields.items() if v is not None})
+    return job.model_copy(update={"recoveries": (*job.recoveries[:-1], changed)})

@@ -1,0 +1,169 @@
+"""The job record: what etcd holds about one job, and the values the state machine trades in.
+
+Records are frozen pydantic models serialised as JSON; a change is a ``model_copy`` that the
+caller writes back with a compare-and-set on the key's mod_revision.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_EVENTS = 50
+MAX_RECOVERIES = 20
+
+
+class JobState(StrEnum):
+    PENDING = "PENDING"
+    LAUNCHING = "LAUNCHING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    RESCALING = "RESCALING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+
+class NodePhase(StrEnum):
+    """One node = one torchrun agent app.
+
+    LAUNCHING: the launch intent is recorded, no handle yet. RUNNING: launched, handle known.
+    STOPPING: a cancel was issued and is repeated until the scheduler no longer says running.
+    SUCCEEDED / FAILED / LOST / STOPPED: ended (LOST: no heartbeat or unknown to the scheduler).
+    """
+
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    LOST = "lost"
+    STOPPED = "stopped"
+
+    @property
+    def active(self) -> bool:
+        """Counts towards the job's node count (launching or running)."""
+        return self in (NodePhase.LAUNCHING, NodePhase.RUNNING)
+
+    @property
+    def ended(self) -> bool:
+        return self in (NodePhase.SUCCEEDED, NodePhase.FAILED, NodePhase.LOST, NodePhase.STOPPED)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class NodeRecord(_Frozen):
+    index: int
+    attempt: int = 0
+    launch_id: str
+    phase: NodePhase = NodePhase.LAUNCHING
+    handle: str | None = None
+    exit_code: int | None = None
+    launched_at: float | None = None
+    ended_at: float | None = None
+
+
+class JobEvent(_Frozen):
+    time: float
+    kind: str
+    message: str
+
+
+class Recovery(_Frozen):
+    """One unplanned re-formation of the worker group, measured from the service's view."""
+
+    reason: str
+    failed_at: float
+    step_before: int | None = None
+    group_formed_at: float | None = None
+    state_loaded_at: float | None = None
+    resumed_step: int | None = None
+    first_step_at: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        """Failure -> first finished step after resume, or None while in progress."""
+        return None if self.first_step_at is None else self.first_step_at - self.failed_at
+
+    @property
+    def steps_lost(self) -> int | None:
+        if self.step_before is None or self.resumed_step is None:
+            return None
+        return max(0, self.step_before - self.resumed_step)
+
+
+class JobRecord(_Frozen):
+    id: str
+    name: str
+    spec: dict[str, Any]
+    spec_hash: str
+    state: JobState = JobState.PENDING
+    state_since: float
+    desired_nodes: int
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int
+    checkpoint_dir: str
+    worker_token_hash: str
+    nodes: tuple[NodeRecord, ...] = ()
+    restarts: int = 0
+    cancel_requested: bool = False
+    world_size: int | None = None
+    last_step: int | None = None
+    last_published_step: int | None = None
+    last_group_id: str | None = None
+    groups_formed: int = 0
+    reason: str | None = None
+    events: tuple[JobEvent, ...] = ()
+    recoveries: tuple[Recovery, ...] = ()
+    created_at: float
+    updated_at: float
+    finished_at: float | None = None
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> JobRecord:
+        return cls.model_validate_json(raw)
+
+    @property
+    def active_nodes(self) -> tuple[NodeRecord, ...]:
+        return tuple(n for n in self.nodes if n.phase.active)
+
+    @property
+    def current_recovery(self) -> Recovery | None:
+        last = self.recoveries[-1] if self.recoveries else None
+        return last if last is not None and last.first_step_at is None else None
+
+    def with_event(self, now: float, kind: str, message: str) -> JobRecord:
+        events = (*self.events, JobEvent(time=now, kind=kind, message=message))[-MAX_EVENTS:]
+        return self.model_copy(update={"events": events, "updated_at": now})
+
+
+class Progress(_Frozen):
+    """The newest training progress a worker (rank 0) reported; last writer wins."""
+
+    step: int = Field(ge=0)
+    samples_seen: int | None = None
+    samples_per_s: float | None = None
+    loss: float | None = None
+    world_size: int | None = None
+    time: float
+
+
+def launch_id(job_id: str, index: int, attempt: int) -> str:
+    """A name unique to one launch of one node slot (usable as an app name)."""
+    return f"{job_id}-n{index}-a{attempt}"
