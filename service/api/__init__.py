@@ -1,0 +1,1 @@
+"""The REST API: ``service.api.app.create_app`` builds it."""

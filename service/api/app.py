@@ -1,0 +1,87 @@
+"""The FastAPI app: ``create_app(settings, store, ...)`` wires routes, auth, errors and limits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from service.api import errors
+from service.api.deps import Context
+from service.api.limits import BodyLimit
+from service.api.metrics import Metrics, RequestMetrics
+from service.api.routes import health, jobs, workers
+from service.jobs.service import JobService, ensure_worker_secret
+from service.jobs.tokens import hash_token
+from service.settings import Settings
+from service.store import KVStore
+from worker.spec import JobSpec
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
+
+def create_app(
+    settings: Settings,
+    store: KVStore,
+    *,
+    api_token: str,
+    scheduler: Any = None,
+    coordinator: Any = None,
+    metrics: Metrics | None = None,
+    secret: bytes | None = None,
+    clock: Callable[[], float] = time.time,
+    leader: Callable[[], bool] | None = None,
+    lifespan: Lifespan | None = None,
+) -> FastAPI:
+    """Build the app. ``store`` must be reachable (the worker-token secret is read from it)."""
+    metrics = metrics or Metrics()
+    service = JobService(store, settings.checkpoint_root, secret or ensure_worker_secret(store), clock)
+    app = FastAPI(
+        title="elastrain",
+        version="0.1.0",
+        description="Fault-tolerant elastic training: jobs, scaling, checkpoints.",
+        lifespan=lifespan,
+    )
+    app.state.ctx = Context(
+        settings=settings,
+        jobs=service,
+        metrics=metrics,
+        api_token_hash=hash_token(api_token),
+        scheduler=scheduler,
+        coordinator=coordinator,
+        extra={"leader": leader},
+    )
+    errors.install(app, on_error=lambda code: metrics.errors.labels(code).inc())
+    app.include_router(jobs.router)
+    app.include_router(workers.router)
+    app.include_router(health.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    _document_spec(app)
+    return app
+
+
+def _document_spec(app: FastAPI) -> None:
+    """Put the JobSpec schema (the POST /v1/jobs body) into the OpenAPI components."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        spec = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(spec.pop("$defs", {}))
+        components["JobSpec"] = spec
+        bearer = {"type": "http", "scheme": "bearer"}
+        schema["components"].setdefault("securitySchemes", {})["bearer"] = bearer
+        schema["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,61 @@
+"""What routes depend on: the service context and the two kinds of authentication."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from service.api.auth import Principal, authorize, bearer
+from service.api.errors import ApiError
+from service.api.metrics import Metrics
+from service.jobs.service import JobService
+from service.settings import Settings
+
+
+@dataclass
+class Context:
+    """Everything a request may use; one per app, on ``app.state.ctx``."""
+
+    settings: Settings
+    jobs: JobService
+    metrics: Metrics
+    api_token_hash: str
+    scheduler: Any = None
+    coordinator: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def get_context(request: Request) -> Context:
+    ctx: Context = request.app.state.ctx
+    return ctx
+
+
+ContextDep = Annotated[Context, Depends(get_context)]
+
+
+def _check(request: Request, ctx: Context, *, job_id: str | None, worker_route: bool) -> Principal:
+    decision = authorize(
+        bearer(request.headers.get("authorization")),
+        api_token_hash=ctx.api_token_hash,
+        secret=ctx.jobs.secret,
+        job_id=job_id,
+        worker_route=worker_route,
+    )
+    if decision.principal is None:
+        raise ApiError(decision.status, decision.code, decision.message)
+    return decision.principal
+
+
+def require_api(request: Request, ctx: ContextDep) -> Principal:
+    return _check(request, ctx, job_id=None, worker_route=False)
+
+
+def require_worker(job_id: str, request: Request, ctx: ContextDep) -> Principal:
+    """The API token, or the worker token of the job in the path."""
+    return _check(request, ctx, job_id=job_id, worker_route=True)
+
+
+ApiAuth = Annotated[Principal, Depends(require_api)]
+WorkerAuth = Annotated[Principal, Depends(require_worker)]

@@ -1,0 +1,138 @@
+"""Every error becomes one JSON shape, here and nowhere else:
+
+    {"error": {"code": "not_found", "message": "<what is wrong and how to fix it>", "field": null}}
+
+Known errors map to 4xx (or 503 while etcd is unreachable); an unexpected exception is logged
+with its traceback, counted, and answered 500 without internals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.jobs.machine import IllegalTransitionError
+from service.jobs.paths import PathError
+from service.jobs.service import ConflictError, NotFoundError, NotLeaderError
+from service.store import StoreUnavailableError
+from worker.errors import ElastrainError, SpecError
+
+log = logging.getLogger("elastrain.api")
+
+
+class ApiError(Exception):
+    """An HTTP error with a message for a person; raise it from routes and dependencies."""
+
+    def __init__(self, status: int, code: str, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "field": field}}
+
+
+def _field_of_spec_error(message: str) -> str | None:
+    if message.startswith("field '"):
+        return message[len("field '") :].split("'", 1)[0]
+    return None
+
+
+def from_domain(exc: ElastrainError) -> ApiError:
+    """The HTTP form of a domain error (pure; unit-tested)."""
+    message = str(exc)
+    if isinstance(exc, PathError):
+        return ApiError(422, "invalid_path", message, field=exc.field)
+    if isinstance(exc, SpecError):
+        return ApiError(422, "invalid_spec", message, field=_field_of_spec_error(message))
+    if isinstance(exc, NotFoundError):
+        return ApiError(404, "not_found", message)
+    if isinstance(exc, IllegalTransitionError):
+        status = 422 if exc.code == "out_of_range" else 409
+        return ApiError(status, exc.code, message, field="nodes" if exc.code == "out_of_range" else None)
+    if isinstance(exc, ConflictError):
+        return ApiError(409, "conflict", message)
+    if isinstance(exc, (StoreUnavailableError, NotLeaderError)):
+        return ApiError(503, "unavailable", f"{message}; retry in a few seconds")
+    return ApiError(400, "bad_request", message)
+
+
+_HINTS = {
+    "missing": "add it",
+    "extra_forbidden": "remove it",
+    "int_type": "give a whole number without quotes",
+    "int_parsing": "give a whole number",
+    "float_type": "give a number without quotes",
+    "string_type": "give a string",
+    "bool_type": "give true or false",
+    "greater_than_equal": "give a larger value",
+    "greater_than": "give a larger value",
+    "less_than_equal": "give a smaller value",
+    "literal_error": "use one of the listed values",
+}
+
+
+def from_validation(errors: list[Any]) -> ApiError:
+    """FastAPI's request validation errors as one 4xx (malformed JSON is 400)."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return ApiError(400, "malformed_json", "the request body is not valid JSON; fix its syntax")
+    if any(tuple(e.get("loc", ())) == ("body",) and e.get("type") != "missing" for e in errors):
+        return ApiError(
+            422,
+            "invalid_request",
+            "the request body must be a JSON object; send it with 'Content-Type: application/json'",
+            field="body",
+        )
+    parts, first_field = [], None
+    for e in errors:
+        loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        name = ".".join(loc) or "body"
+        first_field = first_field or name
+        hint = _HINTS.get(str(e.get("type")))
+        parts.append(f"field '{name}': {e.get('msg', 'invalid')}" + (f"; {hint}" if hint else ""))
+    return ApiError(422, "invalid_request", "; ".join(parts), field=first_field)
+
+
+def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
+    """Register the handlers; ``on_error(code)`` counts every error response."""
+
+    def respond(err: ApiError) -> JSONResponse:
+        on_error(err.code)
+        return JSONResponse(error_body(err.code, err.message, err.field), status_code=err.status)
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return respond(exc)
+
+    async def domain(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ElastrainError)
+        return respond(from_domain(exc))
+
+    async def validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return respond(from_validation(list(exc.errors())))
+
+    async def http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = "no such route; see /openapi.json" if exc.status_code == 404 else str(exc.detail)
+        return respond(ApiError(exc.status_code, code, message))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return respond(ApiError(500, "internal", "internal error; the service log has the details"))
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(ElastrainError, domain)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http)
+    app.add_exception_handler(Exception, unexpected)

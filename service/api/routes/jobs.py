@@ -1,0 +1,121 @@
+"""User-facing job routes under /v1 (API token)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import ContextDep, require_api
+from service.api.errors import ApiError
+from service.api.schemas import JobList, JobPublic, ScaleRequest, public, summary
+from service.jobs.model import JobState
+
+router = APIRouter(prefix="/v1", tags=["jobs"], dependencies=[Depends(require_api)])
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": text}
+    for code, text in {
+        400: "Malformed request",
+        401: "Missing or wrong token",
+        403: "Token not allowed here",
+        404: "Unknown job",
+        409: "Conflicts with the job's state",
+        413: "Body too large",
+        422: "Invalid field",
+        503: "etcd unavailable",
+    }.items()
+}
+SPEC_BODY = {
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
+    "required": True,
+}
+
+
+@router.post(
+    "/jobs",
+    status_code=201,
+    response_model=JobPublic,
+    responses={200: {"description": "Same Idempotency-Key: the existing job"}, **_ERRORS},
+    openapi_extra={"requestBody": SPEC_BODY},
+)
+async def submit_job(
+    request: Request,
+    ctx: ContextDep,
+    idempotency_key: Annotated[
+        str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)
+    ] = None,
+) -> JSONResponse:
+    """Submit a JobSpec. With ``Idempotency-Key`` the same key returns the same job (200)."""
+    body = await request.body()
+    try:
+        json.loads(body)
+    except ValueError as exc:
+        raise ApiError(
+            400, "malformed_json", f"the request body is not valid JSON ({exc}); send a JobSpec"
+        ) from None
+    record, created = await run_in_threadpool(ctx.jobs.create, body, idempotency_key=idempotency_key)
+    view = public(record, None).model_dump(mode="json")
+    headers = {"Location": f"/v1/jobs/{record.id}"}
+    return JSONResponse(view, status_code=201 if created else 200, headers=headers)
+
+
+@router.get("/jobs", response_model=JobList, responses=_ERRORS)
+def list_jobs(
+    ctx: ContextDep,
+    state: Annotated[JobState | None, Query(description="Only jobs in this state")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[
+        str | None, Query(max_length=100, description="next_cursor of the previous page")
+    ] = None,
+) -> JobList:
+    records, next_cursor = ctx.jobs.list(state=state, limit=limit, cursor=cursor)
+    return JobList(jobs=[summary(r) for r in records], next_cursor=next_cursor)
+
+
+@router.get("/jobs/{job_id}", response_model=JobPublic, responses=_ERRORS)
+def get_job(job_id: str, ctx: ContextDep) -> JobPublic:
+    record = ctx.jobs.get(job_id)
+    return public(record, ctx.jobs.progress(job_id))
+
+
+@router.post("/jobs/{job_id}/scale", status_code=202, response_model=JobPublic, responses=_ERRORS)
+def scale_job(job_id: str, body: ScaleRequest, ctx: ContextDep) -> JobPublic:
+    """Set the desired node count within the job's ``nodes`` range; the reconciler acts on it."""
+    return public(ctx.jobs.scale(job_id, body.nodes), ctx.jobs.progress(job_id))
+
+
+@router.delete("/jobs/{job_id}", status_code=202, response_model=JobPublic, responses=_ERRORS)
+def cancel_job(job_id: str, ctx: ContextDep) -> JobPublic:
+    """Cancel a job. Idempotent: cancelling a finished or cancelling job returns it unchanged."""
+    return public(ctx.jobs.cancel(job_id), ctx.jobs.progress(job_id))
+
+
+@router.get("/jobs/{job_id}/checkpoints", responses=_ERRORS)
+def list_checkpoints(job_id: str, ctx: ContextDep) -> dict[str, Any]:
+    """Published checkpoints, oldest first: step, world size, bytes, time, verified, directory."""
+    record = ctx.jobs.get(job_id)
+    if ctx.coordinator is None:
+        return {"job": job_id, "checkpoints": []}
+    return {"job": job_id, "checkpoints": ctx.coordinator.published(record)}
+
+
+@router.get("/jobs/{job_id}/logs", responses={**_ERRORS, 501: {"description": "Scheduler has no logs"}})
+def job_logs(
+    job_id: str,
+    ctx: ContextDep,
+    node: Annotated[int | None, Query(ge=0)] = None,
+    tail: Annotated[int, Query(ge=1, le=10_000)] = 200,
+) -> dict[str, Any]:
+    """The last ``tail`` log lines of each node (or of ``node``), as the scheduler keeps them."""
+    record = ctx.jobs.get(job_id)
+    reader = getattr(ctx.scheduler, "log_lines", None)
+    if reader is None:
+        raise ApiError(501, "not_supported", "this scheduler keeps no logs the service can read")
+    out = {}
+    for n in record.nodes:
+        if n.handle and (node is None or n.index == node):
+            out[n.launch_id] = list(reader(n.handle, tail=tail))
+    return {"job": job_id, "nodes": out}

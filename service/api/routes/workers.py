@@ -1,0 +1,116 @@
+"""Worker callbacks under /v1/jobs/{job_id}: the API token or that job's worker token."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from service.api.auth import bearer
+from service.api.deps import Context, ContextDep, WorkerAuth
+from service.api.errors import ApiError
+from service.api.schemas import Ack, HeartbeatRequest, ProgressRequest
+from service.jobs.events import WorkerEvent
+from service.jobs.model import JobRecord, JobState, Progress
+from service.jobs.tokens import hash_token
+
+router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["workers"])
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"description": "Missing or wrong token"},
+    403: {"description": "Another job's worker token"},
+    404: {"description": "Unknown job"},
+    422: {"description": "Invalid field"},
+}
+
+
+def _job(ctx: Context, job_id: str, principal: str, request: Request) -> JobRecord:
+    record = ctx.jobs.get(job_id)
+    token = bearer(request.headers.get("authorization")) or ""
+    if principal == "worker" and hash_token(token) != record.worker_token_hash:
+        raise ApiError(403, "forbidden", f"this worker token does not belong to job {job_id!r}")
+    return record
+
+
+def _ack(record: JobRecord) -> Ack:
+    return Ack(state=record.state, cancel_requested=record.cancel_requested)
+
+
+@router.post("/workers/heartbeat", response_model=Ack, responses=_ERRORS)
+def heartbeat(
+    job_id: str, body: HeartbeatRequest, auth: WorkerAuth, ctx: ContextDep, request: Request
+) -> Ack:
+    """A rank is alive. The answer says whether the job is being cancelled."""
+    record = _job(ctx, job_id, auth, request)
+    ctx.jobs.heartbeat(job_id, body.launch_id, body.local_rank, body.step)
+    return _ack(record)
+
+
+@router.post("/workers/progress", response_model=Ack, responses=_ERRORS)
+def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
+    """Newest training progress (rank 0): step, samples seen, samples/s, loss, world size."""
+    record = _job(ctx, job_id, auth, request)
+    report = Progress(**body.model_dump(), time=ctx.jobs.clock())
+    ctx.jobs.report_progress(record, report)
+    ctx.metrics.observe_job(record, report)
+    return _ack(record)
+
+
+@router.post("/workers/events", response_model=Ack, responses=_ERRORS)
+def event(job_id: str, body: WorkerEvent, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
+    """group_formed (rank 0, once per formation), state_loaded, first_step, failed, finished, log."""
+    before = _job(ctx, job_id, auth, request)
+    after = ctx.jobs.worker_event(job_id, body)
+    if before.state == JobState.RECOVERING and after.state == JobState.RUNNING and after.recoveries:
+        seconds = after.recoveries[-1].seconds
+        if seconds is not None:
+            ctx.metrics.recovery.observe(seconds)
+    return _ack(after)
+
+
+@router.post("/workers/checkpoints", responses=_ERRORS)
+async def checkpoint_report(
+    job_id: str, auth: WorkerAuth, ctx: ContextDep, request: Request
+) -> dict[str, Any]:
+    """Phase 1 report of one rank (the JSON of ``worker.checkpoint.commit.report_to_json``).
+    The answer says whether the step is pending, published or aborted."""
+    record = await run_in_threadpool(_job, ctx, job_id, auth, request)
+    body = await request.body()
+    if ctx.coordinator is None:
+        raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
+    result: dict[str, Any] = await run_in_threadpool(ctx.coordinator.report, record, body)
+    return result
+
+
+@router.get("/workers/checkpoints/{step}", responses=_ERRORS)
+def checkpoint_outcome(
+    job_id: str,
+    step: int,
+    auth: WorkerAuth,
+    ctx: ContextDep,
+    request: Request,
+    generation: Annotated[int, Query(ge=0)] = 0,
+) -> dict[str, Any]:
+    """Whether a reported step was published, is pending or was aborted."""
+    record = _job(ctx, job_id, auth, request)
+    if ctx.coordinator is None:
+        raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
+    result: dict[str, Any] = ctx.coordinator.outcome(record, step, generation)
+    return result
+
+
+@router.get("/resume", responses=_ERRORS)
+def resume(
+    job_id: str,
+    auth: WorkerAuth,
+    ctx: ContextDep,
+    request: Request,
+    world_size: Annotated[int | None, Query(ge=1, le=100_000)] = None,
+    rank: Annotated[int | None, Query(ge=0)] = None,
+) -> dict[str, Any]:
+    """The newest published, verified checkpoint and the load plan for ``world_size``."""
+    record = _job(ctx, job_id, auth, request)
+    if ctx.coordinator is None:
+        return {"job": job_id, "checkpoint": None, "load_plan": None}
+    result: dict[str, Any] = ctx.coordinator.resume(record, world_size=world_size, rank=rank)
+    return result

@@ -1,0 +1,131 @@
+"""Request and response bodies of the REST API (the JobSpec itself is worker/spec.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ScaleRequest(_Request):
+    nodes: int = Field(ge=1, le=10_000, description="Desired node count, within the job's min:max.")
+
+
+class HeartbeatRequest(_Request):
+    launch_id: str = Field(min_length=1, max_length=200, pattern=r"^[a-z0-9-]+$")
+    local_rank: int = Field(ge=0, le=1024)
+    step: int | None = Field(default=None, ge=0)
+
+
+class ProgressRequest(_Request):
+    step: int = Field(ge=0)
+    samples_seen: int | None = Field(default=None, ge=0)
+    samples_per_s: float | None = Field(default=None, ge=0)
+    loss: float | None = None
+    world_size: int | None = Field(default=None, ge=1)
+
+
+class NodePublic(BaseModel):
+    index: int
+    attempt: int
+    phase: NodePhase
+    handle: str | None
+    exit_code: int | None
+    launched_at: float | None
+    ended_at: float | None
+
+
+class RecoveryPublic(BaseModel):
+    reason: str
+    failed_at: float
+    step_before: int | None
+    resumed_step: int | None
+    group_formed_at: float | None
+    state_loaded_at: float | None
+    first_step_at: float | None
+    seconds: float | None = Field(description="Failure to the first finished step after resume.")
+    steps_lost: int | None
+
+
+class JobSummary(BaseModel):
+    id: str
+    name: str
+    state: JobState
+    desired_nodes: int
+    world_size: int | None
+    restarts: int
+    last_published_step: int | None
+    created_at: float
+
+
+class JobPublic(JobSummary):
+    reason: str | None
+    nodes_range: str
+    nproc_per_node: int
+    cancel_requested: bool
+    nodes: list[NodePublic]
+    step: int | None
+    samples_seen: int | None
+    samples_per_s: float | None
+    loss: float | None
+    progress_at: float | None
+    checkpoint_dir: str
+    recoveries: list[RecoveryPublic]
+    events: list[JobEvent]
+    updated_at: float
+    finished_at: float | None
+    spec: dict[str, Any]
+
+
+class JobList(BaseModel):
+    jobs: list[JobSummary]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last.")
+
+
+class Ack(BaseModel):
+    state: JobState
+    cancel_requested: bool
+
+
+def summary(record: JobRecord) -> JobSummary:
+    return JobSummary(
+        id=record.id,
+        name=record.name,
+        state=record.state,
+        desired_nodes=record.desired_nodes,
+        world_size=record.world_size,
+        restarts=record.restarts,
+        last_published_step=record.last_published_step,
+        created_at=record.created_at,
+    )
+
+
+def public(record: JobRecord, progress: Progress | None) -> JobPublic:
+    return JobPublic(
+        **summary(record).model_dump(),
+        reason=record.reason,
+        nodes_range=f"{record.min_nodes}:{record.max_nodes}",
+        nproc_per_node=record.nproc_per_node,
+        cancel_requested=record.cancel_requested,
+        nodes=[NodePublic.model_validate(n.model_dump()) for n in record.nodes],
+        step=progress.step if progress else record.last_step,
+        samples_seen=progress.samples_seen if progress else None,
+        samples_per_s=progress.samples_per_s if progress else None,
+        loss=progress.loss if progress else None,
+        progress_at=progress.time if progress else None,
+        checkpoint_dir=record.checkpoint_dir,
+        recoveries=[
+            RecoveryPublic(**r.model_dump(), seconds=r.seconds, steps_lost=r.steps_lost)
+            for r in record.recoveries
+        ],
+        events=list(record.events[-20:]),
+        updated_at=record.updated_at,
+        finished_at=record.finished_at,
+        spec=record.spec,
+    )

@@ -1,0 +1,57 @@
+"""The etcd key layout of the control plane (one place, so nothing else spells a key)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+ROOT = "/elastrain"
+JOBS = f"{ROOT}/jobs/"
+IDEMPOTENCY = f"{ROOT}/idempotency/"
+WORKER_SECRET = f"{ROOT}/config/worker-secret"
+JOB_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def job(job_id: str) -> str:
+    return f"{JOBS}{job_id}"
+
+
+def idempotency(key: str) -> str:
+    return IDEMPOTENCY + hashlib.sha256(key.encode()).hexdigest()
+
+
+def progress(job_id: str) -> str:
+    return f"{ROOT}/progress/{job_id}"
+
+
+def heartbeats(job_id: str) -> str:
+    return f"{ROOT}/heartbeats/{job_id}/"
+
+
+def heartbeat(job_id: str, launch_id: str, local_rank: int) -> str:
+    return f"{heartbeats(job_id)}{launch_id}/{local_rank:05d}"
+
+
+def reports(job_id: str) -> str:
+    return f"{ROOT}/reports/{job_id}/"
+
+
+def report_round(job_id: str, step: int, generation: int) -> str:
+    return f"{reports(job_id)}{step:012d}-{generation:06d}/"
+
+
+def report(job_id: str, step: int, generation: int, rank: int) -> str:
+    return f"{report_round(job_id, step, generation)}{rank:06d}"
+
+
+def checkpoints(job_id: str) -> str:
+    return f"{ROOT}/checkpoints/{job_id}/"
+
+
+def checkpoint(job_id: str, step: int) -> str:
+    return f"{checkpoints(job_id)}{step:012d}"
+
+
+def job_prefixes(job_id: str) -> tuple[str, ...]:
+    """Per-job prefixes (each ends in '/') of transient data, dropped when a job finishes."""
+    return (heartbeats(job_id), reports(job_id))

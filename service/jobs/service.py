@@ -1,0 +1,194 @@
+"""Jobs on the state store: create (idempotent), read, list, change with compare-and-set.
+
+Synchronous on purpose (etcd3gw is sync); the API calls it from a thread pool. Every change is
+``update(job_id, change)``: read the record and its mod_revision, apply a pure ``change``, write
+it back only if the revision is unchanged (and, for the leader, only if its fence holds), retry
+on a lost race. Errors are :class:`ElastrainError` subclasses the API maps to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.jobs import keys
+from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done
+from service.jobs.machine import request_cancel, request_scale
+from service.jobs.model import JobRecord, JobState, Progress
+from service.jobs.paths import checkpoint_dir, resume_source
+from service.jobs.tokens import derive_worker_token, hash_token
+from service.store import Fence, KVStore, Write
+from worker.errors import ElastrainError
+from worker.spec import JobSpec, parse_nodes, parse_spec, spec_json
+
+
+class NotFoundError(ElastrainError):
+    """No such job (or checkpoint)."""
+
+
+class ConflictError(ElastrainError):
+    """The request contradicts stored state (e.g. an idempotency key reused for another spec)."""
+
+
+class NotLeaderError(ElastrainError):
+    """This service instance lost leadership; its fenced write was refused."""
+
+
+def ensure_worker_secret(store: KVStore) -> bytes:
+    """The service-wide secret worker tokens derive from, created once (first writer wins)."""
+    for _ in range(5):
+        found = store.get(keys.WORKER_SECRET)
+        if found is not None:
+            return bytes.fromhex(found.value.decode())
+        store.commit([Write(keys.WORKER_SECRET, secrets.token_hex(32).encode(), 0)])
+    raise ConflictError("could not create or read the worker secret in etcd; check etcd health")
+
+
+def valid_job_id(job_id: str) -> bool:
+    return bool(keys.JOB_ID_RE.match(job_id))
+
+
+@dataclass
+class JobService:
+    store: KVStore
+    storage_root: Path
+    secret: bytes
+    clock: Callable[[], float] = field(default=time.time)
+
+    # ------------------------------------------------------------------ reads
+
+    def get_versioned(self, job_id: str) -> tuple[JobRecord, int]:
+        found = self.store.get(keys.job(job_id)) if valid_job_id(job_id) else None
+        if found is None:
+            raise NotFoundError(f"no job {job_id!r}; list jobs with GET /v1/jobs or `elastrain jobs`")
+        return JobRecord.from_json(found.value), found.mod_revision
+
+    def get(self, job_id: str) -> JobRecord:
+        return self.get_versioned(job_id)[0]
+
+    def list(
+        self, *, state: JobState | None = None, limit: int = 50, cursor: str | None = None
+    ) -> tuple[list[JobRecord], str | None]:
+        """Jobs in id order after ``cursor``; the second value is the next cursor or None."""
+        out: list[JobRecord] = []
+        after = keys.job(cursor) if cursor else None
+        while len(out) < limit:
+            batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=max(limit, 100))
+            for entry in batch:
+                after = entry.key
+                record = JobRecord.from_json(entry.value)
+                if state is None or record.state == state:
+                    out.append(record)
+                    if len(out) == limit:
+                        more = self.store.list_prefix(keys.JOBS, start_after=after, limit=1)
+                        return out, (record.id if more else None)
+            if len(batch) < max(limit, 100):
+                break
+        return out, None
+
+    def progress(self, job_id: str) -> Progress | None:
+        found = self.store.get(keys.progress(job_id))
+        return Progress.model_validate_json(found.value) if found else None
+
+    def worker_token(self, job_id: str) -> str:
+        return derive_worker_token(self.secret, job_id)
+
+    # ------------------------------------------------------------------ writes
+
+    def create(self, body: bytes, *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        """Validate and store a new job; with ``idempotency_key`` the same key returns the same
+        job (second value False). Raises SpecError (invalid spec) or ConflictError."""
+        spec = parse_spec(body)
+        spec_hash = hashlib.sha256(spec_json(spec).encode()).hexdigest()
+        for _ in range(10):
+            if idempotency_key is not None:
+                existing = self._by_idempotency(idempotency_key, spec_hash)
+                if existing is not None:
+                    return existing, False
+            record = self._new_record(spec, spec_hash)
+            writes = [Write(keys.job(record.id), record.to_json(), 0)]
+            if idempotency_key is not None:
+                writes.append(Write(keys.idempotency(idempotency_key), record.id.encode(), 0))
+            if self.store.commit(writes):
+                return record, True
+        raise ConflictError("could not store the job after repeated races; retry the request")
+
+    def _by_idempotency(self, key: str, spec_hash: str) -> JobRecord | None:
+        found = self.store.get(keys.idempotency(key))
+        if found is None:
+            return None
+        record = self.get(found.value.decode())
+        if record.spec_hash != spec_hash:
+            raise ConflictError(
+                f"Idempotency-Key was already used for job {record.id} with a different spec; "
+                "send a new key to create another job"
+            )
+        return record
+
+    def _new_record(self, spec: JobSpec, spec_hash: str) -> JobRecord:
+        job_id = f"{spec.name[:50]}-{secrets.token_hex(3)}"
+        ckpt = spec.checkpoint
+        directory = checkpoint_dir(ckpt.dir, root=self.storage_root, job_id=job_id)
+        resume = resume_source(ckpt.resume, root=self.storage_root, job_dir=directory)
+        effective = ckpt.model_copy(update={"dir": str(directory), "resume": resume})
+        spec = spec.model_copy(update={"checkpoint": effective})
+        lo, hi = parse_nodes(spec.nodes)
+        now = self.clock()
+        record = JobRecord(
+            id=job_id,
+            name=spec.name,
+            spec=spec.model_dump(mode="json", by_alias=True),
+            spec_hash=spec_hash,
+            state_since=now,
+            desired_nodes=hi,
+            min_nodes=lo,
+            max_nodes=hi,
+            nproc_per_node=spec.nproc_per_node,
+            max_restarts=spec.max_restarts,
+            checkpoint_dir=str(directory),
+            worker_token_hash=hash_token(derive_worker_token(self.secret, job_id)),
+            created_at=now,
+            updated_at=now,
+        )
+        return record.with_event(now, "submitted", f"submitted with nodes {spec.nodes}")
+
+    def update(
+        self, job_id: str, change: Callable[[JobRecord], JobRecord], *, fence: Fence | None = None
+    ) -> JobRecord:
+        """Apply ``change`` with compare-and-set, retrying lost races. A change that returns the
+        record unchanged writes nothing. Raises NotFoundError, NotLeaderError, ConflictError."""
+        for _ in range(50):
+            record, revision = self.get_versioned(job_id)
+            changed = change(record)
+            if changed == record:
+                return record
+            if self.store.commit([Write(keys.job(job_id), changed.to_json(), revision)], fence=fence):
+                return changed
+            if fence is not None and not self.store.commit([], fence=fence):
+                raise NotLeaderError("this service is no longer the leader; its write was refused")
+        raise ConflictError(f"job {job_id} changed too often to update; retry the request")
+
+    def scale(self, job_id: str, nodes: int) -> JobRecord:
+        return self.update(job_id, lambda r: request_scale(r, nodes, self.clock()))
+
+    def cancel(self, job_id: str) -> JobRecord:
+        """Idempotent: cancelling a finished or cancelling job returns it unchanged."""
+        return self.update(job_id, lambda r: request_cancel(r, self.clock()))
+
+    # ------------------------------------------------------------------ worker reports
+
+    def report_progress(self, job: JobRecord, progress: Progress) -> None:
+        self.store.put(keys.progress(job.id), progress.model_dump_json().encode())
+        if job.state in (JobState.RECOVERING, JobState.RESCALING) and job.groups_formed:
+            self.update(job.id, lambda r: first_step_done(r, progress.step, self.clock()))
+
+    def heartbeat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
+        value = f'{{"time": {self.clock()!r}, "step": {step if step is not None else "null"}}}'
+        self.store.put(keys.heartbeat(job_id, launch_id, local_rank), value.encode())
+
+    def worker_event(self, job_id: str, event: WorkerEvent) -> JobRecord:
+        return self.update(job_id, lambda r: apply_worker_event(r, event, self.clock()))

@@ -1,0 +1,116 @@
+"""Service settings: environment variables ``ELASTRAIN_*`` (the Helm chart sets these names),
+overridden by ``elastrain serve`` flags. Nonsense is refused with a message saying what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.errors import ElastrainError
+
+
+class SettingsError(ElastrainError):
+    """A setting that cannot work; the message names the variable and the fix."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ELASTRAIN_", extra="ignore", frozen=True)
+
+    host: str = "127.0.0.1"
+    """Address uvicorn binds."""
+    port: int = Field(default=8080, ge=0, le=65535)
+    data_dir: Path = Path(".elastrain")
+    """Embedded etcd data, the generated API token."""
+    etcd: str = ""
+    """Comma-separated etcd endpoints (http://HOST:PORT); empty starts an embedded etcd."""
+    storage_root: Path | None = None
+    """Where checkpoints live; default <data_dir>/checkpoints. Every job's dir resolves inside it."""
+    api_token: SecretStr | None = None
+    token_file: Path | None = None
+    scheduler: Literal["local_cwd", "kubernetes"] = "local_cwd"
+    k8s_namespace: str = "default"
+    k8s_queue: str = ""
+    worker_image: str = ""
+    k8s_service_account: str = ""
+    checkpoint_claim: str = ""
+    checkpoint_mount: str = "/checkpoints"
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
+    advertise_url: str = ""
+    """URL workers use to reach this service; default http://HOST:PORT (loopback for 0.0.0.0)."""
+    reconcile_interval_s: float = Field(default=1.0, gt=0, le=60)
+    leader_ttl_s: int = Field(default=10, ge=2, le=300)
+    heartbeat_timeout_s: float = Field(default=60.0, gt=0)
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+
+    @field_validator("etcd")
+    @classmethod
+    def _etcd_urls(cls, value: str) -> str:
+        for url in (u.strip() for u in value.split(",") if u.strip()):
+            parsed = urlparse(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError(f"etcd endpoint {url!r} must look like http://HOST:PORT")
+        return value
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _advertise(cls, value: str) -> str:
+        if value and urlparse(value).scheme not in ("http", "https"):
+            raise ValueError(f"{value!r} must be an http:// or https:// URL")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.api_token is not None and len(self.api_token.get_secret_value()) < 16:
+            raise ValueError(
+                "api_token must be at least 16 characters (generate one with `openssl rand -hex 32`)"
+            )
+        if self.api_token is not None and self.token_file is not None:
+            raise ValueError("give ELASTRAIN_API_TOKEN or a token file, not both")
+        if self.scheduler == "kubernetes":
+            if not self.worker_image:
+                raise ValueError("scheduler 'kubernetes' needs ELASTRAIN_WORKER_IMAGE (the worker image)")
+            if not self.etcd:
+                raise ValueError(
+                    "scheduler 'kubernetes' needs ELASTRAIN_ETCD: pods cannot reach the embedded etcd"
+                )
+        if not self.checkpoint_mount.startswith("/"):
+            raise ValueError(f"checkpoint_mount {self.checkpoint_mount!r} must be an absolute path")
+        return self
+
+    @property
+    def embedded_etcd(self) -> bool:
+        return not self.etcd.strip()
+
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        return [u.strip() for u in self.etcd.split(",") if u.strip()]
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return (self.storage_root or self.data_dir / "checkpoints").absolute()
+
+    @property
+    def service_url(self) -> str:
+        if self.advertise_url:
+            return self.advertise_url
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment plus explicit overrides (None values are ignored).
+    Raises :class:`SettingsError` naming every problem."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = []
+        for item in exc.errors():
+            name = "_".join(str(p) for p in item["loc"]).upper()
+            where = f"ELASTRAIN_{name}: " if name else ""
+            problems.append(where + item["msg"].removeprefix("Value error, "))
+        raise SettingsError("; ".join(problems)) from None

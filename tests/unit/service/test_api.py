@@ -1,0 +1,201 @@
+"""The REST API in process (no sockets): every bad input is a 4xx with a message, never a 500."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+from service.api.app import create_app
+from service.settings import load_settings
+from service.store import MemoryStore
+
+TOKEN = "t" * 32
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SPEC: dict[str, Any] = {
+    "name": "demo",
+    "model": {"name": "mlp"},
+    "data": {"name": "synthetic"},
+    "micro_batch_size": 8,
+    "max_steps": 20,
+    "nodes": "1:3",
+    "optimizer": {"betas": [0.9, 0.99]},
+}
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    settings = load_settings(data_dir=tmp_path, max_body_bytes=64 * 1024)
+    app = create_app(settings, MemoryStore(), api_token=TOKEN)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def submit(client: TestClient, spec: dict[str, Any] | None = None, **headers: str) -> Any:
+    resp = client.post("/v1/jobs", json=spec or SPEC, headers=AUTH | headers)
+    assert resp.status_code in (200, 201), resp.text
+    return resp.json()
+
+
+def error(resp: Any, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body: dict[str, Any] = resp.json()["error"]
+    assert body["message"] and body["code"]
+    return body
+
+
+def test_submit_get_list_scale_cancel(client: TestClient) -> None:
+    job = submit(client)
+    assert job["state"] == "PENDING" and job["desired_nodes"] == 3 and job["nodes_range"] == "1:3"
+    assert job["checkpoint_dir"].endswith(f"/checkpoints/{job['id']}")
+    assert job["spec"]["checkpoint"]["dir"] == job["checkpoint_dir"]
+    got = client.get(f"/v1/jobs/{job['id']}", headers=AUTH).json()
+    assert got["id"] == job["id"] and got["events"][0]["kind"] == "submitted"
+    listed = client.get("/v1/jobs", headers=AUTH).json()
+    assert [j["id"] for j in listed["jobs"]] == [job["id"]]
+    scaled = client.post(f"/v1/jobs/{job['id']}/scale", json={"nodes": 2}, headers=AUTH)
+    assert scaled.status_code == 202 and scaled.json()["desired_nodes"] == 2
+    first = client.delete(f"/v1/jobs/{job['id']}", headers=AUTH)
+    again = client.delete(f"/v1/jobs/{job['id']}", headers=AUTH)
+    assert first.status_code == again.status_code == 202
+    assert first.json()["cancel_requested"] and again.json() == first.json()
+
+
+def test_idempotency_key_returns_the_same_job(client: TestClient) -> None:
+    first = client.post("/v1/jobs", json=SPEC, headers=AUTH | {"Idempotency-Key": "k"})
+    second = client.post("/v1/jobs", json=SPEC, headers=AUTH | {"Idempotency-Key": "k"})
+    assert (first.status_code, second.status_code) == (201, 200)
+    assert first.json()["id"] == second.json()["id"]
+    other = client.post("/v1/jobs", json=SPEC | {"max_steps": 5}, headers=AUTH | {"Idempotency-Key": "k"})
+    assert "different spec" in error(other, 409)["message"]
+    assert len(client.get("/v1/jobs", headers=AUTH).json()["jobs"]) == 1
+
+
+def test_list_is_paginated_and_filtered(client: TestClient) -> None:
+    ids = sorted(submit(client)["id"] for _ in range(5))
+    page = client.get("/v1/jobs?limit=2", headers=AUTH).json()
+    seen = [j["id"] for j in page["jobs"]]
+    while page["next_cursor"]:
+        page = client.get(f"/v1/jobs?limit=2&cursor={page['next_cursor']}", headers=AUTH).json()
+        seen += [j["id"] for j in page["jobs"]]
+    assert seen == ids
+    assert client.get("/v1/jobs?state=RUNNING", headers=AUTH).json()["jobs"] == []
+    assert error(client.get("/v1/jobs?state=BOGUS", headers=AUTH), 422)["field"] == "state"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 422, None),
+        (b'{"name": "x"}', 422, "model"),
+        (None, 422, "max_steps"),
+    ],
+)
+def test_bad_spec_bodies(client: TestClient, body: bytes | None, status: int, field: str | None) -> None:
+    content = (
+        body
+        if body is not None
+        else b'{"name":"x","model":{"name":"mlp"},"data":{"name":"synthetic"},'
+        b'"micro_batch_size":1,"max_steps":"10"}'
+    )
+    err = error(client.post("/v1/jobs", content=content, headers=AUTH), status)
+    if field:
+        assert field in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"unknown": 1}, "unknown"),
+        ({"micro_batch_size": "8"}, "micro_batch_size"),
+        ({"nodes": "3:1"}, "nodes"),
+        ({"checkpoint": {"dir": "../../etc"}}, "checkpoint.dir"),
+        ({"checkpoint": {"dir": "/etc/cron.d"}}, "checkpoint.dir"),
+        ({"checkpoint": {"dir": "a\u0000b"}}, "checkpoint.dir"),
+        ({"checkpoint": {"resume": "/etc/passwd"}}, "checkpoint.resume"),
+        ({"model": {"factory": "os:system; rm"}}, "model.factory"),
+    ],
+)
+def test_invalid_fields_are_422_naming_the_field(
+    client: TestClient, change: dict[str, Any], field: str
+) -> None:
+    err = error(client.post("/v1/jobs", json=SPEC | change, headers=AUTH), 422)
+    assert field in err["message"]
+
+
+def test_oversize_body_is_413_before_parsing(client: TestClient) -> None:
+    err = error(client.post("/v1/jobs", content=b"{" + b" " * 70_000, headers=AUTH), 413)
+    assert "ELASTRAIN_MAX_BODY_BYTES" in err["message"]
+
+
+def test_tokens(client: TestClient) -> None:
+    job = submit(client)
+    assert error(client.get("/v1/jobs"), 401)["code"] == "unauthenticated"
+    assert error(client.get("/v1/jobs", headers={"Authorization": "Bearer wrong"}), 401)
+    assert client.get("/healthz").status_code == 200  # no token needed
+    ctx = client.app.state.ctx  # type: ignore[attr-defined]
+    mine, other_job = ctx.jobs.worker_token(job["id"]), submit(client)
+    worker = {"Authorization": f"Bearer {mine}"}
+    beat = {"launch_id": f"{job['id']}-n0-a0", "local_rank": 0, "step": 3}
+    assert (
+        client.post(f"/v1/jobs/{job['id']}/workers/heartbeat", json=beat, headers=worker).status_code == 200
+    )
+    assert error(client.post(f"/v1/jobs/{other_job['id']}/workers/heartbeat", json=beat, headers=worker), 403)
+    assert error(client.get("/v1/jobs", headers=worker), 403)
+    assert error(client.get(f"/v1/jobs/{job['id']}", headers=worker), 403)
+
+
+def test_unknown_job_is_404_everywhere(client: TestClient) -> None:
+    for method, path, body in [
+        ("GET", "/v1/jobs/nope", None),
+        ("GET", "/v1/jobs/..%2F..%2Fetc", None),
+        ("POST", "/v1/jobs/nope/scale", {"nodes": 1}),
+        ("DELETE", "/v1/jobs/nope", None),
+        ("GET", "/v1/jobs/nope/checkpoints", None),
+        ("GET", "/v1/jobs/nope/resume", None),
+        ("POST", "/v1/jobs/nope/workers/progress", {"step": 1}),
+    ]:
+        resp = client.request(method, path, json=body, headers=AUTH)
+        assert resp.status_code == 404, (method, path, resp.text)
+
+
+def test_scale_errors(client: TestClient) -> None:
+    job = submit(client)
+    url = f"/v1/jobs/{job['id']}/scale"
+    assert error(client.post(url, json={"nodes": 4}, headers=AUTH), 422)["field"] == "nodes"
+    assert error(client.post(url, json={"nodes": "2"}, headers=AUTH), 422)["field"] == "nodes"
+    assert error(client.post(url, json={"nodes": 2, "x": 1}, headers=AUTH), 422)["field"] == "x"
+    json_type = {"Content-Type": "application/json"}
+    assert error(client.post(url, content=b"{", headers=AUTH | json_type), 400)["code"] == "malformed_json"
+    assert "Content-Type" in error(client.post(url, content=b"nodes=2", headers=AUTH), 422)["message"]
+    client.delete(f"/v1/jobs/{job['id']}", headers=AUTH)
+    assert error(client.post(url, json={"nodes": 2}, headers=AUTH), 409)["code"] == "job_finished"
+
+
+def test_worker_progress_and_events_show_in_status(client: TestClient) -> None:
+    job = submit(client)
+    base = f"/v1/jobs/{job['id']}/workers"
+    progress = {"step": 7, "samples_per_s": 123.5, "loss": 0.25, "world_size": 2}
+    assert client.post(f"{base}/progress", json=progress, headers=AUTH).status_code == 200
+    event = {"kind": "group_formed", "group_id": "g", "world_size": 2, "rank": 0}
+    assert client.post(f"{base}/events", json=event, headers=AUTH).json()["state"] == "PENDING"
+    got = client.get(f"/v1/jobs/{job['id']}", headers=AUTH).json()
+    assert (got["step"], got["samples_per_s"], got["loss"], got["world_size"]) == (7, 123.5, 0.25, 2)
+    assert error(client.post(f"{base}/events", json={"kind": "boom"}, headers=AUTH), 422)["field"] == "kind"
+    metrics = client.get("/metrics").text
+    assert f'elastrain_job_step{{job="{job["id"]}"}} 7.0' in metrics
+
+
+def test_openapi_documents_the_spec_body(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/JobSpec"}
+    assert "ModelSpec" in schema["components"]["schemas"]
