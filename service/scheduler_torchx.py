@@ -1,0 +1,291 @@
+"""Launch, watch and cancel node apps through TorchX (``local_cwd`` processes or ``kubernetes`` jobs).
+
+:class:`TorchXScheduler` is the scheduler the reconciler drives (the ``launch``/``status``/
+``cancel`` protocol). Handles are strings that outlive this process:
+
+* ``local_cwd:<node dir>``: the node runs under :mod:`service.scheduler_exec`, which records its
+  process group and exit code in the node directory (also holding ``spec.json`` and TorchX's
+  per-node logs), so a restarted service still reads a node's state and can cancel it.
+* ``kubernetes://torchx/<namespace>:<volcano job>``: TorchX asks the API server.
+
+With ``launch_id`` (the reconciler's name for one launch of one node slot) a launch is
+idempotent: launching the same id again returns the first handle and starts nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from torchx import specs
+from torchx.runner import Runner, get_runner
+
+import service
+from service.scheduler import (
+    SchedulerSettings,
+    k8s_name,
+    kubernetes_cfg,
+    node_app,
+)
+from service.scheduler_exec import EXIT_FILE, NODE_FILE
+from worker.errors import ElastrainError
+from worker.spec import JobSpec, spec_json
+
+LOCAL_PREFIX = "local_cwd:"
+CANCELLED_FILE = "cancelled"
+SPEC_FILE = "spec.json"
+State = Literal["running", "succeeded", "failed", "unknown"]
+_RUNNING = {
+    specs.AppState.UNSUBMITTED,
+    specs.AppState.SUBMITTED,
+    specs.AppState.PENDING,
+    specs.AppState.RUNNING,
+}
+
+
+class SchedulerError(ElastrainError):
+    """A node app could not be launched or cancelled."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """What the scheduler knows about one node app. ``exit_code`` is known for ended local nodes
+    (``128 + signal`` when killed) and is ``0`` for any succeeded node."""
+
+    state: State
+    exit_code: int | None = None
+    message: str = ""
+
+
+def status_from_app_state(state: specs.AppState | None) -> NodeStatus:
+    """TorchX's app state -> ours (a cancelled app counts as failed). Pure."""
+    if state is None:
+        return NodeStatus("unknown", message="the scheduler does not know this app")
+    if state in _RUNNING:
+        return NodeStatus("running")
+    if state == specs.AppState.SUCCEEDED:
+        return NodeStatus("succeeded", 0)
+    if state in (specs.AppState.FAILED, specs.AppState.CANCELLED):
+        return NodeStatus("failed", message=f"torchx state {state.name}")
+    return NodeStatus("unknown", message=f"torchx state {state.name}")
+
+
+def status_from_records(
+    node: Mapping[str, Any] | None, ended: Mapping[str, Any] | None, *, alive: bool, cancelled: bool
+) -> NodeStatus:
+    """A local node's state from its records (see :mod:`service.scheduler_exec`). Pure."""
+    note = "cancelled" if cancelled else ""
+    if ended is not None:
+        code = int(ended["exit_code"])
+        return NodeStatus("succeeded" if code == 0 else "failed", code, note)
+    if node is None:
+        return NodeStatus("unknown", message="the node never started (no node.json)")
+    if alive:
+        return NodeStatus("running", message=note)
+    return NodeStatus("failed", None, note or "the node's wrapper died without recording an exit code")
+
+
+class TorchXScheduler:
+    """The reconciler's scheduler: one TorchX app per node. ``cancel`` is idempotent."""
+
+    def __init__(self, settings: SchedulerSettings, *, runner: Runner | None = None) -> None:
+        self._settings = settings
+        self._runner = runner or get_runner()
+        self._torchx: dict[str, str] = {}
+        if settings.scheduler == "local_cwd":
+            _create_keeping_signal_handlers(self._runner, "local_cwd")
+
+    def close(self) -> None:
+        """Close the TorchX runner. TorchX's local scheduler terminates the local nodes it
+        started in this process; a process that dies without closing leaves them running."""
+        self._runner.close()
+
+    # -- launch --------------------------------------------------------------------------
+    def launch(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        node_index: int,
+        env: Mapping[str, str],
+        *,
+        launch_id: str | None = None,
+    ) -> str:
+        """Start node ``node_index`` of ``job_id``; returns its handle."""
+        if self._settings.scheduler == "kubernetes":
+            return self._launch_kubernetes(job_id, spec, node_index, env, launch_id)
+        return self._launch_local(job_id, spec, node_index, env, launch_id)
+
+    def _launch_local(
+        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], launch_id: str | None
+    ) -> str:
+        name = launch_id or f"{job_id}-n{node_index}-{uuid.uuid4().hex[:8]}"
+        node_dir = (Path(self._settings.log_root) / job_id / name).absolute()
+        handle = LOCAL_PREFIX + str(node_dir)
+        if node_dir.exists():
+            return handle  # launched before (idempotent by launch_id)
+        node_dir.mkdir(parents=True)
+        spec_path = node_dir / SPEC_FILE
+        spec_path.write_text(spec_json(spec), encoding="utf-8")
+        app = node_app(
+            job_id,
+            spec,
+            node_index,
+            rdzv_endpoint=self._settings.rdzv_endpoint,
+            image=os.getcwd(),
+            env={**env, "PYTHONPATH": _pythonpath(env)},
+            spec_path=str(spec_path),
+            python=sys.executable,
+            rdzv=self._settings.rdzv,
+            app_name=k8s_name(name),
+            module=self._settings.worker_module,
+        )
+        role = app.roles[0]
+        wrapper = ["-m", "service.scheduler_exec", "--state-dir", str(node_dir), "--"]
+        role.args = [*wrapper, role.entrypoint, *role.args]
+        role.entrypoint = sys.executable
+        try:
+            torchx_handle = self._runner.run(app, "local_cwd", cfg={"log_dir": str(node_dir / "logs")})
+        except Exception as exc:
+            raise SchedulerError(
+                f"local_cwd could not start node {node_index} of job {job_id}: {exc}"
+            ) from exc
+        (node_dir / "torchx_handle").write_text(torchx_handle, encoding="utf-8")
+        self._torchx[handle] = torchx_handle
+        return handle
+
+    def _launch_kubernetes(
+        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], launch_id: str | None
+    ) -> str:
+        s = self._settings
+        app = node_app(
+            job_id,
+            spec,
+            node_index,
+            rdzv_endpoint=s.rdzv_endpoint,
+            image=s.worker_image,
+            env=env,
+            checkpoint_mount=s.checkpoint_mount,
+            checkpoint_claim=s.checkpoint_claim,
+            rdzv=s.rdzv,
+            module=s.worker_module,
+        )
+        info = self._runner.dryrun(app, "kubernetes", cfg=kubernetes_cfg(s))
+        if launch_id:
+            info.request.resource["metadata"]["name"] = k8s_name(launch_id, limit=63)
+        name = info.request.resource["metadata"]["name"]
+        try:
+            return self._runner.schedule(info)
+        except ValueError as exc:
+            if "already exists" in str(exc):  # launched before under this launch id
+                return f"kubernetes://{self._runner.name()}/{s.k8s_namespace}:{name}"
+            raise SchedulerError(f"kubernetes refused node {node_index} of job {job_id}: {exc}") from exc
+
+    # -- status --------------------------------------------------------------------------
+    def status(self, handle: str) -> NodeStatus:
+        """The node's state now; ``unknown`` if no record of it can be found."""
+        if not handle.startswith(LOCAL_PREFIX):
+            return status_from_app_state(self._torchx_state(handle))
+        node_dir = Path(handle.removeprefix(LOCAL_PREFIX))
+        torchx_handle = self._torchx.get(handle)
+        if torchx_handle is not None:
+            self._torchx_state(torchx_handle)  # also reaps the finished wrapper process
+        node = _read_json(node_dir / NODE_FILE)
+        return status_from_records(
+            node,
+            _read_json(node_dir / EXIT_FILE),
+            alive=node is not None and _alive(int(node["pid"]), node_dir),
+            cancelled=(node_dir / CANCELLED_FILE).exists(),
+        )
+
+    def _torchx_state(self, torchx_handle: str) -> specs.AppState | None:
+        try:
+            status = self._runner.status(torchx_handle)
+        except Exception:  # an unknown session or scheduler: say unknown, never crash the loop
+            return None
+        return None if status is None else status.state
+
+    # -- cancel --------------------------------------------------------------------------
+    def cancel(self, handle: str, *, grace_s: float = 10.0) -> None:
+        """Stop the node (SIGTERM to its process group, SIGKILL after ``grace_s``). Idempotent:
+        cancelling an ended, cancelled or unknown node does nothing."""
+        if not handle.startswith(LOCAL_PREFIX):
+            try:
+                self._runner.cancel(handle)
+            except Exception as exc:
+                raise SchedulerError(f"could not cancel {handle}: {exc}") from exc
+            return
+        node_dir = Path(handle.removeprefix(LOCAL_PREFIX))
+        if not node_dir.is_dir():
+            return
+        node = _read_json(node_dir / NODE_FILE)
+        if node is None or (node_dir / EXIT_FILE).exists() or not _alive(int(node["pid"]), node_dir):
+            return
+        (node_dir / CANCELLED_FILE).touch()
+        pid, pgid = int(node["pid"]), int(node["pgid"])
+        torchx_handle = self._torchx.get(handle)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _alive(pid, node_dir):
+            if torchx_handle is not None:
+                self._torchx_state(torchx_handle)  # reaps our child once it exits
+            time.sleep(0.05)
+        if _alive(pid, node_dir):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        if torchx_handle is not None:
+            self._torchx_state(torchx_handle)
+
+    def log_dir(self, handle: str) -> Path | None:
+        """Where a local node's stdout/stderr files are (``None`` for kubernetes)."""
+        if not handle.startswith(LOCAL_PREFIX):
+            return None
+        return Path(handle.removeprefix(LOCAL_PREFIX)) / "logs"
+
+
+def _create_keeping_signal_handlers(runner: Runner, scheduler: str) -> None:
+    """Create TorchX's scheduler now, then restore SIGTERM/SIGINT: its local scheduler installs
+    handlers that raise in the main thread, which would replace the service's (uvicorn's)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    runner._scheduler(scheduler)  # TorchX creates schedulers lazily; force it while we watch
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _pythonpath(env: Mapping[str, str]) -> str:
+    """The caller's PYTHONPATH, then the directory holding ``service`` (so ``-m service...`` and
+    ``-m worker`` import without the project being installed)."""
+    root = str(Path(service.__file__).resolve().parent.parent)
+    parts = [env.get("PYTHONPATH", ""), root]
+    return os.pathsep.join(p for p in parts if p)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _alive(pid: int, node_dir: Path) -> bool:
+    """Is ``pid`` still the (non-zombie) wrapper of this node? Guards against pid reuse."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]:
+        return False
+    return str(node_dir).encode() in cmdline

@@ -1,0 +1,159 @@
+"""TorchXScheduler on ``local_cwd``: real node processes (torchrun agents on the etcd-v3 rendezvous).
+
+The nodes run the rendezvous tests' tiny worker as their worker module, so these tests need
+neither the real trainer nor the service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.etcd_server import EtcdServer
+from service.scheduler import SchedulerSettings
+from service.scheduler_torchx import LOCAL_PREFIX, NodeStatus, TorchXScheduler
+from worker.spec import JobSpec, parse_spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+WORKER_MODULE = "tests.integration.rendezvous.rdzv_worker"
+
+
+def tiny_spec(nodes: str) -> JobSpec:
+    return parse_spec(
+        {
+            "name": "sched-test",
+            "model": {"name": "mlp"},
+            "data": {"name": "synthetic"},
+            "micro_batch_size": 1,
+            "max_steps": 1,
+            "nodes": nodes,
+            "nproc_per_node": 1,
+            "max_restarts": 1,
+        }
+    )
+
+
+class Job:
+    def __init__(self, scheduler: TorchXScheduler, workdir: Path, agent_env: dict[str, str]) -> None:
+        self.scheduler = scheduler
+        self.id = f"job-{uuid.uuid4().hex[:8]}"
+        self.events_path = workdir / "events.jsonl"
+        self.stop_path = workdir / "STOP"
+        self.env = {
+            "PYTHONPATH": agent_env["PYTHONPATH"],
+            "OMP_NUM_THREADS": "1",
+            "RDZV_TEST_OUT": str(self.events_path),
+            "RDZV_TEST_STOP": str(self.stop_path),
+        }
+
+    def events(self) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
+        return [json.loads(x) for x in self.events_path.read_text().splitlines() if x.strip()]
+
+    def wait(self, what: str, predicate: Any, handles: list[str], timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; logs:\n{self.logs(handles)}")
+
+    def worlds(self) -> set[int]:
+        return {e["world"] for e in self.events() if e["event"] == "step"}
+
+    def logs(self, handles: list[str]) -> str:
+        out = []
+        for handle in handles:
+            log_dir = self.scheduler.log_dir(handle)
+            for path in sorted(log_dir.rglob("*.log")) if log_dir else []:
+                out.append(f"--- {path}\n{path.read_text(errors='replace')[-3000:]}")
+        return "\n".join(out)
+
+
+@pytest.fixture
+def settings(etcd: EtcdServer, tmp_path: Path) -> SchedulerSettings:
+    return SchedulerSettings(
+        rdzv_endpoint=etcd.endpoint, log_root=str(tmp_path / "nodes"), worker_module=WORKER_MODULE
+    )
+
+
+@pytest.fixture
+def scheduler(settings: SchedulerSettings) -> Iterator[TorchXScheduler]:
+    sched = TorchXScheduler(settings)
+    yield sched
+    sched.close()
+
+
+def test_two_local_nodes_go_from_running_to_succeeded(
+    scheduler: TorchXScheduler, settings: SchedulerSettings, agent_env: dict[str, str], tmp_path: Path
+) -> None:
+    job = Job(scheduler, tmp_path, agent_env)
+    spec = tiny_spec("2")
+    first = scheduler.launch(job.id, spec, 0, job.env, launch_id=f"{job.id}-n0-a0")
+    second = scheduler.launch(job.id, spec, 1, job.env, launch_id=f"{job.id}-n1-a0")
+    handles = [first, second]
+    # The same launch id again starts nothing and returns the same handle.
+    assert scheduler.launch(job.id, spec, 0, job.env, launch_id=f"{job.id}-n0-a0") == first
+
+    job.wait("a world of 2", lambda: job.worlds() == {2}, handles)
+    assert [scheduler.status(h).state for h in handles] == ["running", "running"]
+
+    job.stop_path.touch()
+    job.wait(
+        "both nodes to succeed",
+        lambda: all(scheduler.status(h).state == "succeeded" for h in handles),
+        handles,
+    )
+    assert [scheduler.status(h) for h in handles] == [NodeStatus("succeeded", 0)] * 2
+    assert len({e["pid"] for e in job.events()}) == 2, "each node ran exactly one worker"
+    # A restarted service (a fresh scheduler) reads the same outcome from the node records.
+    assert TorchXScheduler(settings).status(first) == NodeStatus("succeeded", 0)
+    log_dir = scheduler.log_dir(first)
+    assert log_dir is not None and any(log_dir.rglob("*.log"))
+
+
+def test_a_killed_node_reports_failed_and_cancel_is_idempotent(
+    scheduler: TorchXScheduler, agent_env: dict[str, str], tmp_path: Path
+) -> None:
+    job = Job(scheduler, tmp_path, agent_env)
+    spec = tiny_spec("1:2")
+    survivor = scheduler.launch(job.id, spec, 0, job.env)
+    victim = scheduler.launch(job.id, spec, 1, job.env)
+    handles = [survivor, victim]
+    job.wait("a world of 2", lambda: job.worlds() == {2}, handles)
+
+    # Lose node 1 the hard way: SIGKILL its torchrun agent and that agent's workers.
+    record = json.loads((Path(victim.removeprefix(LOCAL_PREFIX)) / "node.json").read_text())
+    agent_pid = int(record["child_pid"])
+    workers = [e["pid"] for e in job.events() if _parent(e["pid"]) == agent_pid]
+    for pid in [agent_pid, *workers]:
+        os.kill(pid, signal.SIGKILL)
+    job.wait("the killed node to fail", lambda: scheduler.status(victim).state == "failed", handles)
+    assert scheduler.status(victim).exit_code == 128 + signal.SIGKILL
+    job.wait("the survivor to re-form alone", lambda: 1 in job.worlds(), handles)
+    assert scheduler.status(survivor).state == "running"
+
+    scheduler.cancel(survivor)
+    status = scheduler.status(survivor)
+    assert status.state == "failed" and status.message == "cancelled"
+    scheduler.cancel(survivor)  # again: nothing to do, no error
+    scheduler.cancel(victim)  # an ended node
+    scheduler.cancel(LOCAL_PREFIX + str(tmp_path / "never-launched"))
+    assert scheduler.status(LOCAL_PREFIX + str(tmp_path / "never-launched")).state == "unknown"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
