@@ -1,0 +1,50 @@
+"""Sharded, two-phase, verified checkpoints (issue 3).
+
+Torch-free pure modules (the control plane may import them): :mod:`.manifest`,
+:mod:`.saveplan`, :mod:`.loadplan`, :mod:`.commit`, :mod:`.retention`, :mod:`.interval`,
+:mod:`.blocks`; torch-free I/O: :mod:`.layout`, :mod:`.shardio`, :mod:`.publish`,
+:mod:`.verify`, :mod:`.coordinator`, :mod:`.offline`. The torch side (:class:`Checkpointer`)
+is loaded lazily so that importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.checkpoint.api import Checkpointer, CheckpointStats, Restored
+    from worker.checkpoint.coordinator import Coordinator, InJobCoordinator, MemoryStore, Outcome
+    from worker.checkpoint.verify import logical_digest, verify_checkpoint
+
+__all__ = [
+    "CheckpointStats",
+    "Checkpointer",
+    "Coordinator",
+    "InJobCoordinator",
+    "MemoryStore",
+    "Outcome",
+    "Restored",
+    "logical_digest",
+    "verify_checkpoint",
+]
+
+_LAZY = {
+    "CheckpointStats": "worker.checkpoint.api",
+    "Checkpointer": "worker.checkpoint.api",
+    "Restored": "worker.checkpoint.api",
+    "Coordinator": "worker.checkpoint.coordinator",
+    "InJobCoordinator": "worker.checkpoint.coordinator",
+    "MemoryStore": "worker.checkpoint.coordinator",
+    "Outcome": "worker.checkpoint.coordinator",
+    "logical_digest": "worker.checkpoint.verify",
+    "verify_checkpoint": "worker.checkpoint.verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'worker.checkpoint' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

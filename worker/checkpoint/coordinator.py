@@ -1,0 +1,192 @@
+"""Coordinators: who collects the ranks' reports and publishes or aborts (torch-free).
+
+:class:`Coordinator` is the small interface the engine calls; :class:`InJobCoordinator` is the
+implementation for a worker under bare torchrun: ranks put their reports into the
+torch.distributed Store under ``elastrain/ckpt/<job>/g<generation>/n<seq>/s<step>/``, rank 0
+waits for all ``world_size`` reports (failing fast on a failure report), runs the pure
+:func:`worker.checkpoint.commit.decide`, publishes or aborts, and writes the outcome back so the
+other ranks learn it. The store is used only through ``set``, ``get`` and ``check``, which work
+from a background thread (unlike collectives on the training process group).
+
+The generation is the rendezvous generation; under torchrun that is
+``TORCHELASTIC_RESTART_COUNT`` (every restart of the worker group forms a new rendezvous).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+from worker.checkpoint.commit import (
+    Expected,
+    Report,
+    build_manifest,
+    decide,
+    report_from_json,
+    report_to_json,
+)
+from worker.checkpoint.layout import staging_dir_name
+from worker.checkpoint.publish import abort_staged, publish_staged
+from worker.errors import ElastrainError
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of a save: published (and where) or aborted (and why)."""
+
+    published: bool
+    step: int
+    generation: int
+    reason: str
+    path: str | None = None
+
+
+class Coordinator(Protocol):
+    def report(self, report: Report, *, seq: int) -> None:
+        """Hand this rank's phase-1 report over (never blocks for long)."""
+
+    def outcome(self, step: int, generation: int, *, seq: int, timeout: float) -> Outcome:
+        """Block until the save is published or aborted (at most ``timeout`` seconds plus the
+        time publishing takes); every rank calls it."""
+
+
+class KeyValueStore(Protocol):
+    """The part of ``torch.distributed.Store`` used here."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+
+class MemoryStore:
+    """An in-process :class:`KeyValueStore` (a world of one, and tests)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._lock:
+            self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+
+def wait_for(store: KeyValueStore, key: str, *, timeout: float, poll: float = 0.01) -> bytes | None:
+    """The value of ``key`` once it exists, or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = poll
+    while True:
+        if store.check([key]):
+            return store.get(key)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.2)
+
+
+def store_allgather(
+    store: KeyValueStore, prefix: str, *, rank: int, world_size: int, value: str, timeout: float
+) -> list[str]:
+    """Every rank's ``value`` for a one-off agreement (restore). Raises ElastrainError on timeout."""
+    store.set(f"{prefix}/{rank}", value)
+    out = []
+    for r in range(world_size):
+        got = wait_for(store, f"{prefix}/{r}", timeout=timeout)
+        if got is None:
+            raise ElastrainError(f"rank {r} did not answer within {timeout:.0f} s ({prefix})")
+        out.append(got.decode())
+    return out
+
+
+class InJobCoordinator:
+    """Rank 0 of the job coordinates through the rendezvous Store (see the module docstring)."""
+
+    def __init__(
+        self, store: KeyValueStore, *, rank: int, world_size: int, job: str, job_dir: Path, poll: float = 0.01
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.job = job
+        self.job_dir = job_dir
+        self.poll = poll
+
+    def _prefix(self, step: int, generation: int, seq: int) -> str:
+        return f"elastrain/ckpt/{self.job}/g{generation}/n{seq}/s{step}"
+
+    def report(self, report: Report, *, seq: int) -> None:
+        key = f"{self._prefix(report.step, report.generation, seq)}/report/{report.rank}"
+        self.store.set(key, report_to_json(report))
+
+    def outcome(self, step: int, generation: int, *, seq: int, timeout: float) -> Outcome:
+        prefix = self._prefix(step, generation, seq)
+        if self.rank != 0:
+            raw = wait_for(self.store, f"{prefix}/outcome", timeout=timeout + 60.0)
+            if raw is None:
+                return Outcome(
+                    False, step, generation, f"no outcome from rank 0 within {timeout + 60.0:.0f} s"
+                )
+            return Outcome(**json.loads(raw))
+        result = self._coordinate(step, generation, prefix, timeout)
+        self.store.set(f"{prefix}/outcome", json.dumps(asdict(result)))
+        return result
+
+    def _coordinate(self, step: int, generation: int, prefix: str, timeout: float) -> Outcome:
+        expected = Expected(step, generation, self.world_size)
+        staging = self.job_dir / staging_dir_name(step, generation)
+        deadline = time.monotonic() + timeout
+        reports: dict[int, Report] = {}
+        delay = self.poll
+        while True:
+            for r in range(self.world_size):
+                key = f"{prefix}/report/{r}"
+                if r not in reports and self.store.check([key]):
+                    try:
+                        reports[r] = report_from_json(self.store.get(key))
+                    except ValueError as exc:
+                        return self._abort(staging, step, generation, f"rank {r}: {exc}")
+            decision = decide(
+                expected,
+                list(reports.values()),
+                deadline_passed=time.monotonic() >= deadline,
+                observed_sizes=_sizes(staging) if len(reports) == self.world_size else None,
+            )
+            if decision.action == "abort":
+                return self._abort(staging, step, generation, decision.reason)
+            if decision.action == "publish":
+                break
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+        try:
+            manifest = build_manifest(expected, list(reports.values()))
+            path = publish_staged(self.job_dir, staging, manifest)
+        except (OSError, ElastrainError) as exc:
+            return self._abort(staging, step, generation, f"publishing failed: {exc}")
+        return Outcome(True, step, generation, decision.reason, str(path))
+
+    def _abort(self, staging: Path, step: int, generation: int, reason: str) -> Outcome:
+        try:
+            abort_staged(staging, reason)
+        except OSError as exc:
+            reason = f"{reason}; removing the staging directory failed too: {exc}"
+        return Outcome(False, step, generation, reason)
+
+
+def _sizes(staging: Path) -> dict[str, int]:
+    try:
+        return {p.name: p.stat().st_size for p in staging.iterdir() if p.is_file()}
+    except FileNotFoundError:
+        return {}

@@ -1,0 +1,165 @@
+"""Torch-free readers of a published step: full verification and the logical digest.
+
+The logical digest (``elastrain checkpoint digest``) is xxh3-128 over, in this order:
+
+1. for every tensor except ``per_rank`` ones, in name order: the JSON header
+   ``[name, dtype, shape]`` and then its logical bytes (rows 0..N-1 in C order, however they
+   were split into pieces and files);
+2. the canonical JSON (sorted keys, no spaces) of :func:`digest_meta` of the manifest's ``meta``:
+   the trainer's progress without the keys that legitimately depend on the world size or the
+   wall clock (:data:`EXCLUDED_PROGRESS_KEYS`, plus any listed in ``progress["digest_exclude"]``),
+   and the non-tensor optimizer/model entries without ``lr``/``initial_lr`` (derived from the
+   schedule and the LR scaling rule, which depend on the world size).
+
+Not covered: world size, generation, parallelism, file layout, per-rank RNG (``rank_meta``),
+metrics, run record, spec hash, data version, parent step. So the digest is equal for the same
+logical state however it was sharded, and across an offline reshard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from worker.checkpoint.blocks import file_digest
+from worker.checkpoint.layout import resolve_checkpoint
+from worker.checkpoint.loadplan import Need, plan_reads
+from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json
+from worker.checkpoint.shardio import ShardReader
+from worker.errors import CheckpointError, CorruptCheckpointError
+
+EXCLUDED_PROGRESS_KEYS = frozenset(
+    {"batch_plan", "world_size", "topology", "wall_time", "elapsed_seconds", "spec_hash", "digest_exclude"}
+)
+_DERIVED_EXTRA = ("lr", "initial_lr")
+CHUNK_BYTES = 64 << 20
+
+
+def canonical_json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """Digest of the whole global meta (what the ranks must agree on before publishing)."""
+    return xxhash.xxh3_128_hexdigest(canonical_json(meta))
+
+
+def digest_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """The part of ``meta`` the logical digest covers (see the module docstring)."""
+    progress = dict(meta.get("progress", {}))
+    drop = set(EXCLUDED_PROGRESS_KEYS) | set(progress.get("digest_exclude", []))
+    extra = dict(meta.get("extra", {}))
+    return {
+        "progress": {k: v for k, v in progress.items() if k not in drop},
+        "extra": {k: v for k, v in extra.items() if k.rsplit(".", 1)[-1] not in _DERIVED_EXTRA},
+    }
+
+
+def load_manifest(step_dir: Path) -> Manifest:
+    try:
+        data = (step_dir / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{step_dir}: manifest.json is missing") from None
+    return manifest_from_json(data)
+
+
+def _row_chunks(entry: TensorEntry) -> Iterator[tuple[int, int]]:
+    per = max(1, CHUNK_BYTES // max(1, entry.row_bytes))
+    for lo in range(0, entry.rows, per):
+        yield lo, min(entry.rows, lo + per)
+
+
+def iter_tensor_bytes(reader: ShardReader, name: str) -> Iterator[memoryview]:
+    """The logical bytes of one tensor, verified, in chunks of at most ~64 MiB."""
+    m = reader.manifest
+    entry = m.tensors[name]
+    buf = bytearray()
+    for lo, hi in _row_chunks(entry):
+        n = (hi - lo) * entry.row_bytes
+        if len(buf) < n:
+            buf = bytearray(n)
+        view = memoryview(buf)[:n]
+        reader.run(plan_reads(m, [Need(name, lo, hi)]), {(name, lo): view})
+        yield view
+
+
+def logical_digest(path: str | Path) -> str:
+    """The logical digest of a checkpoint (a step or job directory); verifies what it reads.
+
+    Raises :class:`CorruptCheckpointError` naming the file and offset of a bad block."""
+    step_dir = resolve_checkpoint(path)
+    m = load_manifest(step_dir)
+    h = xxhash.xxh3_128()
+    h.update(b"elastrain-logical-v1\0")
+    with ShardReader(step_dir, m) as reader:
+        for name in sorted(m.tensors):
+            entry = m.tensors[name]
+            if entry.kind == "per_rank":
+                continue
+            h.update(canonical_json([name, entry.dtype, list(entry.shape)]) + b"\0")
+            for chunk in iter_tensor_bytes(reader, name):
+                h.update(chunk)
+    h.update(b"meta\0" + canonical_json(digest_meta(m.meta)))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    file: str
+    offset: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.offset is None else f"{self.file} offset {self.offset}"
+        return f"{where}: {self.message}"
+
+
+def verify_checkpoint(path: str | Path, *, limit: int = 100) -> tuple[Path, list[Problem]]:
+    """Check every block of every file, the file sizes and file digests. Returns the step
+    directory and up to ``limit`` problems (empty: the checkpoint verifies)."""
+    step_dir = resolve_checkpoint(path)
+    try:
+        m = load_manifest(step_dir)
+    except CheckpointError as exc:
+        return step_dir, [Problem(MANIFEST_NAME, None, str(exc))]
+    problems: list[Problem] = []
+    for fname in sorted(m.files):
+        problems.extend(_verify_file(step_dir, m, fname))
+        if len(problems) >= limit:
+            break
+    return step_dir, problems[:limit]
+
+
+def _verify_file(step_dir: Path, m: Manifest, fname: str) -> list[Problem]:
+    entry = m.files[fname]
+    path = step_dir / fname
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return [Problem(fname, None, "shard file is missing")]
+    if size != entry.size:
+        return [
+            Problem(fname, min(size, entry.size), f"file is {size} bytes, the manifest says {entry.size}")
+        ]
+    spans = sorted(
+        (p.offset, p.nbytes, p.digests) for t in m.tensors.values() for p in t.pieces if p.file == fname
+    )
+    out: list[Problem] = []
+    blocks: list[str] = []
+    with open(path, "rb") as f:
+        for offset, nbytes, digests in spans:
+            blocks.extend(digests)
+            for i, want in enumerate(digests):
+                start = offset + i * m.block_size
+                f.seek(start)
+                data = f.read(min(m.block_size, nbytes - i * m.block_size))
+                if xxhash.xxh3_128_hexdigest(data) != want:
+                    out.append(Problem(fname, start, f"block digest mismatch ({len(data)} bytes)"))
+    if file_digest(entry.size, blocks) != entry.digest:
+        out.append(Problem(fname, None, "file digest does not match its block digests"))
+    return out
