@@ -1,0 +1,249 @@
+"""node_app, kubernetes_dryrun and resources: what a node would run, as plain values."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from torchx import specs
+
+from service.rendezvous_config import RendezvousConfig
+from service.scheduler import (
+    K8S_SPEC_PATH,
+    SPEC_ENV,
+    SchedulerSettings,
+    k8s_name,
+    kubernetes_dryrun,
+    node_app,
+    resource_from_spec,
+    worker_pod,
+)
+from service.settings import Settings
+from worker.errors import SpecError
+from worker.spec import JobSpec, parse_spec
+
+
+def make_spec(**overrides: Any) -> JobSpec:
+    raw: dict[str, Any] = {
+        "name": "demo",
+        "model": {"name": "mlp"},
+        "data": {"name": "synthetic"},
+        "micro_batch_size": 8,
+        "max_steps": 10,
+        "nodes": "1:3",
+        "nproc_per_node": 2,
+        "max_restarts": 5,
+    }
+    raw.update(overrides)
+    return parse_spec(raw)
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value of ``--name=value`` or ``--name value`` in an argument list."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+        if arg == name:
+            return args[i + 1]
+    raise AssertionError(f"{name} not in {args}")
+
+
+def test_node_app_runs_one_torchrun_agent_on_the_etcd_v3_rendezvous() -> None:
+    app = node_app(
+        "job-7",
+        make_spec(),
+        2,
+        rdzv_endpoint="http://etcd-0:2379,http://etcd-1:2379",
+        image="/work",
+        env={"ELASTRAIN_SERVICE_URL": "http://svc:8080", "ELASTRAIN_WORKER_TOKEN": "t0k"},
+        spec_path="/data/job-7/spec.json",
+        python="/venv/bin/python",
+    )
+    assert len(app.roles) == 1
+    role = app.roles[0]
+    assert role.num_replicas == 1 and role.max_retries == 0
+    assert role.entrypoint == "/venv/bin/python"
+    args = role.args
+    assert args[:2] == ["-m", "torch.distributed.run"]
+    assert flag(args, "--nnodes") == "1:3"
+    assert flag(args, "--nproc-per-node") == "2"
+    assert flag(args, "--rdzv-backend") == "etcd-v3"
+    assert flag(args, "--rdzv-endpoint") == "http://etcd-0:2379,http://etcd-1:2379"
+    assert flag(args, "--rdzv-id") == "job-7"
+    assert flag(args, "--max-restarts") == "5"
+    assert args[-4:] == ["--module", "worker", "--config", "/data/job-7/spec.json"]
+    conf = dict(kv.split("=") for kv in flag(args, "--rdzv-conf").split(","))
+    assert conf["last_call_timeout"] == "3" and conf["keep_alive_interval"] == "2"
+    assert role.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert role.env["ELASTRAIN_JOB_ID"] == "job-7"
+    assert role.env["ELASTRAIN_NODE_INDEX"] == "2"
+    assert role.env["ELASTRAIN_SERVICE_URL"] == "http://svc:8080"
+    assert role.env["ELASTRAIN_WORKER_TOKEN"] == "t0k"
+    assert SPEC_ENV not in role.env
+
+
+def test_node_app_keeps_the_rendezvous_variables_over_callers_env() -> None:
+    app = node_app(
+        "j",
+        make_spec(nodes="2"),
+        0,
+        rdzv_endpoint="e:2379",
+        image="i",
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "ELASTRAIN_NODE_INDEX": "9"},
+        spec_path="/s.json",
+    )
+    env = app.roles[0].env
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["ELASTRAIN_NODE_INDEX"] == "0"
+    assert flag(app.roles[0].args, "--nnodes") == "2:2"
+
+
+def test_node_app_without_a_spec_path_ships_the_spec_in_the_environment() -> None:
+    spec = make_spec()
+    app = node_app("j", spec, 0, rdzv_endpoint="e", image="img", env={})
+    role = app.roles[0]
+    assert role.entrypoint == "sh" and role.args[0] == "-c"
+    assert K8S_SPEC_PATH in role.args[1] and f"${SPEC_ENV}" in role.args[1]
+    assert role.args[3:5] == ["python", "-m"]
+    assert flag(role.args, "--config") == K8S_SPEC_PATH
+    assert parse_spec(role.env[SPEC_ENV]) == spec
+
+
+def test_node_app_passes_chosen_rendezvous_timeouts() -> None:
+    rdzv = RendezvousConfig(last_call_timeout=1.5, keep_alive_interval=1.0, state_ttl=60)
+    app = node_app("j", make_spec(), 0, rdzv_endpoint="e", image="i", env={}, spec_path="/s", rdzv=rdzv)
+    conf = dict(kv.split("=") for kv in flag(app.roles[0].args, "--rdzv-conf").split(","))
+    assert (conf["last_call_timeout"], conf["keep_alive_interval"], conf["state_ttl"]) == ("1.5", "1", "60")
+
+
+def test_node_app_refuses_a_negative_node_index() -> None:
+    with pytest.raises(SpecError, match="node index"):
+        node_app("j", make_spec(), -1, rdzv_endpoint="e", image="i", env={})
+
+
+@pytest.mark.parametrize(
+    ("resources", "expected"),
+    [
+        ({}, (-1, -1, -1)),
+        ({"cpu": "4", "memory": "16Gi", "gpu": "1"}, (4, 1, 16384)),
+        ({"memMB": "1000"}, (-1, -1, 1000)),
+        ({"memory": "512Mi"}, (-1, -1, 512)),
+        ({"memory": "2G"}, (-1, -1, 1907)),
+    ],
+)
+def test_resources_map_to_torchx(resources: dict[str, str], expected: tuple[int, int, int]) -> None:
+    res = resource_from_spec(resources)
+    assert (res.cpu, res.gpu, res.memMB) == expected
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ({"cores": "4"}, "unknown key"),
+        ({"cpu": "four"}, "whole number"),
+        ({"memory": "lots"}, "size like"),
+        ({"memory": "1Gi", "memMB": "10"}, "not both"),
+    ],
+)
+def test_bad_resources_are_refused_with_a_fix(resources: dict[str, str], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        resource_from_spec(resources)
+
+
+def test_instance_type_becomes_a_node_selector_capability() -> None:
+    res = resource_from_spec({"instance_type": "m5.xlarge"})
+    assert res.capabilities == {"node.kubernetes.io/instance-type": "m5.xlarge"}
+
+
+K8S = SchedulerSettings(
+    scheduler="kubernetes",
+    rdzv_endpoint="http://elastrain-etcd:2379",
+    worker_image="registry.example/elastrain-worker:1.2",
+    k8s_namespace="ml",
+    k8s_queue="training",
+    k8s_service_account="elastrain-worker",
+    checkpoint_claim="elastrain-checkpoints",
+    checkpoint_mount="/ckpt",
+)
+
+
+def test_kubernetes_dryrun_is_the_volcano_job_for_one_node() -> None:
+    spec = make_spec(resources={"cpu": "4", "memory": "8Gi"})
+    job = kubernetes_dryrun("job-7", spec, 1, settings=K8S, env={"ELASTRAIN_SERVICE_URL": "http://svc"})
+    json.dumps(job)  # a plain, serialisable value
+    assert job["apiVersion"] == "batch.volcano.sh/v1alpha1" and job["kind"] == "Job"
+    assert job["metadata"]["namespace"] == "ml"
+    assert job["metadata"]["name"].startswith("job-7-n1")
+    assert job["spec"]["queue"] == "training"
+    assert len(job["spec"]["tasks"]) == 1
+    pod = worker_pod(job)
+    assert pod["spec"]["serviceAccountName"] == "elastrain-worker"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "registry.example/elastrain-worker:1.2"
+    command = container["command"]
+    assert command[:2] == ["sh", "-c"] and "torch.distributed.run" in command
+    assert flag(command, "--rdzv-endpoint") == "http://elastrain-etcd:2379"
+    assert flag(command, "--rdzv-backend") == "etcd-v3"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["ELASTRAIN_NODE_INDEX"] == "1" and env["ELASTRAIN_SERVICE_URL"] == "http://svc"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert parse_spec(env[SPEC_ENV]) == spec
+    assert container["resources"]["limits"] == {"cpu": "4000m", "memory": "8192M"}
+
+
+def test_kubernetes_dryrun_mounts_the_checkpoint_claim() -> None:
+    pod = worker_pod(kubernetes_dryrun("job-7", make_spec(), 0, settings=K8S))
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert list(claims.values()) == ["elastrain-checkpoints"]
+    (container,) = pod["spec"]["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (volume,) = claims
+    assert mounts[volume] == "/ckpt"
+
+
+def test_kubernetes_dryrun_without_a_claim_mounts_no_volume() -> None:
+    settings = SchedulerSettings(scheduler="kubernetes", rdzv_endpoint="e:2379", worker_image="img")
+    pod = worker_pod(kubernetes_dryrun("j", make_spec(), 0, settings=settings))
+    assert not [v for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert "serviceAccountName" not in pod["spec"] or pod["spec"]["serviceAccountName"] is None
+
+
+def test_settings_refuse_what_cannot_work() -> None:
+    with pytest.raises(SpecError, match="worker image"):
+        SchedulerSettings(scheduler="kubernetes", rdzv_endpoint="e")
+    with pytest.raises(SpecError, match="etcd endpoint"):
+        SchedulerSettings(rdzv_endpoint=" ")
+    with pytest.raises(SpecError, match="absolute"):
+        SchedulerSettings(rdzv_endpoint="e", checkpoint_mount="ckpt")
+
+
+def test_settings_from_the_service_settings() -> None:
+    service_settings = Settings(
+        scheduler="kubernetes",
+        etcd="http://a:2379,http://b:2379",
+        worker_image="img",
+        k8s_namespace="ns",
+        checkpoint_claim="claim",
+        checkpoint_mount="/c",
+    )
+    settings = SchedulerSettings.from_settings(service_settings)
+    assert settings.rdzv_endpoint == "http://a:2379,http://b:2379"
+    assert (settings.scheduler, settings.worker_image, settings.k8s_namespace) == ("kubernetes", "img", "ns")
+    assert (settings.k8s_queue, settings.k8s_service_account) == ("default", None)
+    assert (settings.checkpoint_claim, settings.checkpoint_mount) == ("claim", "/c")
+
+
+def test_k8s_names_are_dns_labels() -> None:
+    assert k8s_name("Job_7/n0") == "job-7-n0"
+    assert len(k8s_name("x" * 100)) == 50
+    assert k8s_name("___") == "node"
+
+
+def test_app_is_a_torchx_appdef() -> None:
+    app = node_app("j", make_spec(), 0, rdzv_endpoint="e", image="i", env={}, spec_path="/s")
+    assert isinstance(app, specs.AppDef) and app.name == "j-n0"
