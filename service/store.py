@@ -129,6 +129,10 @@ class LeaderElection:
         self._key = key
         self.fence: Fence | None = None
 
+    @property
+    def ttl_s(self) -> int:
+        return self._ttl_s
+
     def campaign(self) -> Fence | None:
         if self.fence is not None and self.keep_alive():
             return self.fence

@@ -220,13 +220,17 @@ def _silent(
 def _describe_failure(node: NodeRecord) -> str:
     if node.phase == NodePhase.LOST:
         return f"node {node.index} ({node.launch_id}) was lost: no heartbeat and no running app"
+    if node.exit_code is None:
+        return f"node {node.index} ({node.launch_id}) failed"
     return f"node {node.index} ({node.launch_id}) failed with exit code {node.exit_code}"
 
 
-def _on_failure(job: JobRecord, failed: Sequence[NodeRecord], now: float) -> tuple[JobRecord, list[Action]]:
-    reason = "; ".join(_describe_failure(n) for n in failed)
+def _on_failure(
+    job: JobRecord, failed: Sequence[NodeRecord], now: float, *, why: str | None = None
+) -> tuple[JobRecord, list[Action]]:
+    reason = why or "; ".join(_describe_failure(n) for n in failed)
     for node in failed:
-        job = job.with_event(now, "node_failed", _describe_failure(node))
+        job = job.with_event(now, "node_failed", why or _describe_failure(node))
     if job.restarts >= job.max_restarts:
         job, stops = _stop_all(job, now)
         why = f"{reason}; all {job.max_restarts} restarts are used (raise 'max_restarts' to allow more)"
@@ -290,3 +294,17 @@ def _prune(job: JobRecord) -> JobRecord:
         return job
     drop = {id(n) for n in ended[: len(ended) - MAX_ENDED_NODES]}
     return job.model_copy(update={"nodes": tuple(n for n in job.nodes if id(n) not in drop)})
+
+
+def launch_failed(job: JobRecord, node_launch_id: str, message: str, now: float) -> JobRecord:
+    """The scheduler refused to launch a node: it counts as a failed node (restart or FAILED)."""
+    nodes = list(job.nodes)
+    for i, node in enumerate(nodes):
+        if node.launch_id == node_launch_id and node.phase == NodePhase.LAUNCHING:
+            if job.state.terminal:
+                return job
+            nodes[i] = _end(node, NodePhase.FAILED, now)
+            job = job.model_copy(update={"nodes": tuple(nodes)})
+            why = f"node {node.index} ({node.launch_id}) could not be launched: {message}"
+            return _on_failure(job, [nodes[i]], now, why=why)[0]
+    return job

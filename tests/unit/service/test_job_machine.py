@@ -16,6 +16,7 @@ from service.jobs.machine import (
     Observation,
     Policy,
     confirm_launch,
+    launch_failed,
     move,
     reconcile,
     request_cancel,
@@ -254,3 +255,15 @@ def test_rescale_ends_on_first_step_without_counting_a_restart() -> None:
 def test_worker_events_on_finished_job_change_nothing() -> None:
     record = job(S.CANCELLED)
     assert apply_worker_event(record, WorkerEvent(kind="first_step", step=1), 1.0) is record
+
+
+def test_launch_refused_by_the_scheduler_counts_as_a_failure() -> None:
+    record = reconcile(job(restarts=1), Observation(now=1.0)).job
+    record = launch_failed(record, "j-1-n0-a0", "image not found", now=2.0)
+    assert record.restarts == 1 and record.state == S.RECOVERING
+    assert "could not be launched: image not found" in (record.reason or "")
+    again = reconcile(record, Observation(now=3.0))
+    assert [a.node.launch_id for a in again.actions if isinstance(a, Launch)] == ["j-1-n1-a0", "j-1-n0-a1"]
+    record = launch_failed(again.job, "j-1-n0-a1", "image not found", now=4.0)
+    assert record.state == S.FAILED
+    assert "image not found" in (record.reason or "") and "max_restarts" in (record.reason or "")

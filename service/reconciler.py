@@ -1,0 +1,288 @@
+"""The leader's loop: observe every live job, decide with the pure state machine, act.
+
+One pass per ``interval``: campaign for leadership (a non-leader does nothing), then per job
+read the record and its mod_revision, ask the scheduler about nodes that have a handle, read
+the heartbeats, run :func:`service.jobs.machine.reconcile`, write the new record with a
+compare-and-set fenced by the leader's lease, and only then launch or cancel. A launch's handle
+is written back right after the launch; a crash in between leaves a node in ``launching`` that
+the next leader launches again under the same launch id (schedulers that can look a launch id
+up through ``find(launch_id)`` adopt it instead). Restarting the service therefore loses no
+job and launches no recorded node twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from service.api.metrics import Metrics
+from service.jobs import keys
+from service.jobs.machine import (
+    Cancel,
+    Launch,
+    NodeStatus,
+    Observation,
+    Policy,
+    confirm_launch,
+    launch_failed,
+    reconcile,
+)
+from service.jobs.model import JobRecord, NodePhase, NodeRecord
+from service.jobs.service import JobService, NotFoundError, NotLeaderError
+from service.store import Fence, LeaderElection, StoreUnavailableError, Write
+from worker.errors import ElastrainError
+from worker.spec import JobSpec
+
+log = logging.getLogger("elastrain.reconciler")
+
+
+class Scheduler(Protocol):
+    """Launches node apps (one torchrun agent each). H3's TorchX scheduler implements it."""
+
+    def launch(self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str]) -> str: ...
+
+    def status(self, handle: str) -> NodeStatus: ...
+
+    def cancel(self, handle: str) -> None:
+        """Idempotent: cancelling an ended or unknown app is not an error."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatus:
+    state: Literal["running", "succeeded", "failed", "unknown"]
+    exit_code: int | None = None
+
+
+UNKNOWN = SchedulerStatus("unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchContext:
+    """What every launched node is told (in its environment)."""
+
+    service_url: str
+    etcd_endpoints: tuple[str, ...] = ()
+
+
+def launch_env(job: JobRecord, node: NodeRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
+    return {
+        "ELASTRAIN_JOB_ID": job.id,
+        "ELASTRAIN_NODE_INDEX": str(node.index),
+        "ELASTRAIN_LAUNCH_ID": node.launch_id,
+        "ELASTRAIN_SERVICE_URL": ctx.service_url,
+        "ELASTRAIN_WORKER_TOKEN": worker_token,
+        "ELASTRAIN_CHECKPOINT_DIR": job.checkpoint_dir,
+        "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
+    }
+
+
+class Reconciler:
+    def __init__(
+        self,
+        jobs: JobService,
+        scheduler: Scheduler,
+        election: LeaderElection,
+        *,
+        launch: LaunchContext,
+        metrics: Metrics | None = None,
+        policy: Policy | None = None,
+        interval_s: float = 1.0,
+        coordinator: object = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.jobs = jobs
+        self.scheduler = scheduler
+        self.election = election
+        self.launch_ctx = launch
+        self.metrics = metrics or Metrics()
+        self.policy = policy or Policy()
+        self.interval_s = interval_s
+        self.coordinator = coordinator
+        self.clock = clock
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._adopted_term: int | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election.fence is not None
+
+    # ------------------------------------------------------------------ loop
+
+    def run_once(self) -> bool:
+        """One pass; False when this instance is not the leader."""
+        started = time.perf_counter()
+        fence = self.election.campaign()
+        self.metrics.is_leader.set(1 if fence else 0)
+        if fence is None:
+            return False
+        records, _ = self.jobs.list(limit=100_000)
+        if self._adopted_term != fence.lease_id:
+            self._adopt_storage(records)
+            self._adopted_term = fence.lease_id
+        for record in records:
+            if record.state.terminal and not any(n.phase == NodePhase.STOPPING for n in record.nodes):
+                continue
+            try:
+                self.reconcile_job(record.id, fence)
+            except NotLeaderError:
+                log.warning("lost leadership during a pass; stopping it")
+                self.metrics.is_leader.set(0)
+                return False
+            except (ElastrainError, OSError) as exc:
+                self.metrics.pass_errors.labels(type(exc).__name__).inc()
+                log.warning("job %s: %s", record.id, exc)
+        self.metrics.observe_jobs(records)
+        self.metrics.passes.inc()
+        self.metrics.pass_seconds.observe(time.perf_counter() - started)
+        return True
+
+    def start(self) -> None:
+        """Run passes (and the leader lease keep-alive) in background threads until stop()."""
+        self._stop.clear()
+        for target, name in ((self._loop, "reconciler"), (self._keepalive, "leader-keepalive")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, *, resign: bool = True) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self._threads.clear()
+        if resign:
+            try:
+                self.election.resign()
+            except StoreUnavailableError as exc:
+                log.warning("could not resign leadership: %s", exc)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except StoreUnavailableError as exc:
+                self.metrics.pass_errors.labels("store_unavailable").inc()
+                log.warning("etcd unavailable: %s", exc)
+            except Exception:
+                self.metrics.pass_errors.labels("unexpected").inc()
+                log.exception("reconciler pass failed")
+            self._stop.wait(self.interval_s)
+
+    def _keepalive(self) -> None:
+        period = max(0.5, self.election.ttl_s / 3)
+        while not self._stop.wait(period):
+            try:
+                if self.election.fence is not None and not self.election.keep_alive():
+                    log.warning("leader lease lost")
+            except StoreUnavailableError as exc:
+                log.warning("leader keep-alive failed: %s", exc)
+
+    def _adopt_storage(self, records: list[JobRecord]) -> None:
+        """Once per leadership term: let the coordinator reconcile its registry with storage."""
+        adopt = getattr(self.coordinator, "adopt", None)
+        if not callable(adopt):
+            return
+        for record in records:
+            try:
+                adopt(record)
+            except (ElastrainError, OSError) as exc:
+                self.metrics.pass_errors.labels("adopt").inc()
+                log.warning("job %s: reconciling checkpoints with storage failed: %s", record.id, exc)
+
+    # ------------------------------------------------------------------ one job
+
+    def reconcile_job(self, job_id: str, fence: Fence) -> JobRecord:
+        stored, revision = self.jobs.get_versioned(job_id)
+        record, progress = stored, self.jobs.progress(job_id)
+        if progress is not None and progress.step != record.last_step:
+            update = {"last_step": progress.step, "world_size": progress.world_size or record.world_size}
+            record = record.model_copy(update=update)
+        decision = reconcile(record, self._observe(record), self.policy)
+        if decision.job != stored:
+            ok = self.jobs.store.commit(
+                [Write(keys.job(job_id), decision.job.to_json(), revision)], fence=fence
+            )
+            if not ok:
+                if not self.jobs.store.commit([], fence=fence):
+                    raise NotLeaderError("this service is no longer the leader")
+                return stored  # lost a race with an API write: the next pass decides again
+        for action in decision.actions:
+            if isinstance(action, Launch):
+                self._launch(decision.job, action.node, fence)
+            elif isinstance(action, Cancel):
+                self._cancel(action.node)
+        self.metrics.observe_job(decision.job, progress)
+        if decision.job.state.terminal and not record.state.terminal:
+            for prefix in keys.job_prefixes(job_id):
+                self.jobs.store.delete_prefix(prefix)
+        return decision.job
+
+    def _observe(self, record: JobRecord) -> Observation:
+        statuses: dict[str, NodeStatus] = {}
+        for node in record.nodes:
+            if node.handle and node.phase in (NodePhase.RUNNING, NodePhase.STOPPING):
+                try:
+                    statuses[node.launch_id] = self.scheduler.status(node.handle)
+                except Exception as exc:
+                    log.warning("status of %s failed: %s", node.handle, exc)
+                    statuses[node.launch_id] = UNKNOWN
+        return Observation(now=self.clock(), statuses=statuses, last_seen=self._last_seen(record.id))
+
+    def _last_seen(self, job_id: str) -> dict[str, float]:
+        """Per launch id, the oldest of its ranks' newest heartbeat times."""
+        prefix = keys.heartbeats(job_id)
+        out: dict[str, float] = {}
+        for entry in self.jobs.store.list_prefix(prefix):
+            launch_id = entry.key[len(prefix) :].split("/", 1)[0]
+            try:
+                seen = float(json.loads(entry.value)["time"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            out[launch_id] = min(out.get(launch_id, seen), seen)
+        return out
+
+    def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
+        finder = getattr(self.scheduler, "find", None)
+        handle = finder(node.launch_id) if callable(finder) else None
+        if handle is None:
+            env = launch_env(record, node, self.launch_ctx, self.jobs.worker_token(record.id))
+            spec = JobSpec.model_validate_json(json.dumps(record.spec))
+            try:
+                handle = self.scheduler.launch(record.id, spec, node.index, env)
+            except Exception as exc:
+                log.warning("launch of %s failed: %s", node.launch_id, exc)
+                message = str(exc) or type(exc).__name__
+
+                def fail(r: JobRecord) -> JobRecord:
+                    return launch_failed(r, node.launch_id, message, self.clock())
+
+                self.jobs.update(record.id, fail, fence=fence)
+                return
+            self.metrics.launches.inc()
+        wanted = [True]
+
+        def confirm(r: JobRecord) -> JobRecord:
+            updated, wanted[0] = confirm_launch(r, node.launch_id, str(handle), self.clock())
+            return updated
+
+        try:
+            self.jobs.update(record.id, confirm, fence=fence)
+        except NotFoundError:
+            wanted[0] = False
+        if not wanted[0]:
+            self._cancel(node.model_copy(update={"handle": handle}))
+
+    def _cancel(self, node: NodeRecord) -> None:
+        if not node.handle:
+            return
+        try:
+            self.scheduler.cancel(node.handle)
+            self.metrics.cancels.inc()
+        except Exception as exc:
+            log.warning("cancel of %s failed (retried next pass if still running): %s", node.handle, exc)

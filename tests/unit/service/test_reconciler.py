@@ -1,0 +1,186 @@
+"""The leader's loop against the in-memory store and a fake scheduler: launches once, adopts
+after a restart, recovers failed nodes, fences a stale leader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from svc_fakes import Clock, FakeScheduler
+
+from service.jobs import keys
+from service.jobs.machine import Observation, reconcile
+from service.jobs.model import JobState, NodePhase
+from service.jobs.service import JobService, NotLeaderError
+from service.reconciler import LaunchContext, Reconciler
+from service.store import LeaderElection, MemoryStore, put_if
+
+SPEC = {
+    "name": "demo",
+    "model": {"name": "mlp"},
+    "data": {"name": "synthetic"},
+    "micro_batch_size": 4,
+    "max_steps": 10,
+    "nodes": "1:3",
+    "max_restarts": 2,
+}
+
+
+class World:
+    def __init__(self, tmp_path: Path) -> None:
+        self.clock = Clock()
+        self.store = MemoryStore(clock=self.clock)
+        self.jobs = JobService(self.store, tmp_path, b"k" * 32, clock=self.clock)
+        self.scheduler = FakeScheduler()
+
+    def reconciler(self, holder: str = "a") -> Reconciler:
+        election = LeaderElection(self.store, holder, ttl_s=10)
+        ctx = LaunchContext(service_url="http://svc:8080", etcd_endpoints=("http://e:2379",))
+        return Reconciler(self.jobs, self.scheduler, election, launch=ctx, clock=self.clock)
+
+    def submit(self, **change: object) -> str:
+        record, _ = self.jobs.create(json.dumps(SPEC | change).encode())
+        return record.id
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def test_submitted_job_is_launched_once_and_runs(world: World) -> None:
+    job_id = world.submit(nodes="2")
+    r = world.reconciler()
+    assert r.run_once()
+    assert world.scheduler.launch_ids == [f"{job_id}-n0-a0", f"{job_id}-n1-a0"]
+    env = world.scheduler.launches[0][2]
+    assert env["ELASTRAIN_SERVICE_URL"] == "http://svc:8080"
+    assert env["ELASTRAIN_WORKER_TOKEN"] == world.jobs.worker_token(job_id)
+    r.run_once()
+    record = world.jobs.get(job_id)
+    assert record.state == JobState.RUNNING and all(n.handle for n in record.nodes)
+    for _ in range(3):
+        r.run_once()
+    assert len(world.scheduler.launches) == 2
+
+
+def test_a_restarted_service_adopts_its_nodes_and_launches_nothing(world: World) -> None:
+    job_id = world.submit(nodes="2")
+    world.reconciler().run_once()
+    world.clock.advance(30)  # the old leader's lease expires (it was killed)
+    fresh = world.reconciler(holder="b")
+    assert fresh.run_once() and fresh.run_once()
+    assert len(world.scheduler.launches) == 2
+    assert world.jobs.get(job_id).state == JobState.RUNNING
+
+
+def test_intent_recorded_before_a_crash_is_launched_under_the_same_id(world: World) -> None:
+    job_id = world.submit(nodes="1")
+    stored, revision = world.jobs.get_versioned(job_id)
+    decision = reconcile(stored, Observation(now=world.clock()))
+    assert put_if(world.store, keys.job(job_id), decision.job.to_json(), revision)  # crash after this write
+    world.reconciler().run_once()
+    assert world.scheduler.launch_ids == [f"{job_id}-n0-a0"]
+    assert world.jobs.get(job_id).nodes[0].handle == f"fake://{job_id}-n0-a0"
+
+
+def test_scheduler_that_finds_the_launch_id_is_not_asked_to_launch(world: World) -> None:
+    job_id = world.submit(nodes="1")
+    stored, revision = world.jobs.get_versioned(job_id)
+    decision = reconcile(stored, Observation(now=world.clock()))
+    put_if(world.store, keys.job(job_id), decision.job.to_json(), revision)
+    world.scheduler.find = lambda launch_id: f"found://{launch_id}"
+    world.reconciler().run_once()
+    assert world.scheduler.launches == []
+    assert world.jobs.get(job_id).nodes[0].handle == f"found://{job_id}-n0-a0"
+
+
+def test_failed_node_is_relaunched_then_the_job_fails_when_restarts_run_out(world: World) -> None:
+    job_id = world.submit(nodes="1", max_restarts=1)
+    r = world.reconciler()
+    r.run_once()
+    world.scheduler.finish(f"{job_id}-n0-a0", exit_code=1)
+    r.run_once()
+    record = world.jobs.get(job_id)
+    assert record.restarts == 1 and record.state == JobState.RECOVERING
+    assert world.scheduler.launch_ids[-1] == f"{job_id}-n0-a1"
+    world.scheduler.finish(f"{job_id}-n0-a1", exit_code=137)
+    r.run_once()
+    record = world.jobs.get(job_id)
+    assert record.state == JobState.FAILED and "exit code 137" in (record.reason or "")
+
+
+def test_success_and_cancel(world: World) -> None:
+    done, cancelled = world.submit(nodes="1"), world.submit(nodes="2")
+    r = world.reconciler()
+    r.run_once()
+    world.scheduler.finish(f"{done}-n0-a0")
+    world.jobs.cancel(cancelled)
+    r.run_once()
+    assert world.jobs.get(done).state == JobState.SUCCEEDED
+    assert world.jobs.get(cancelled).state == JobState.CANCELLED
+    assert sorted(world.scheduler.cancelled) == [f"fake://{cancelled}-n0-a0", f"fake://{cancelled}-n1-a0"]
+    r.run_once()
+    assert [n.phase for n in world.jobs.get(cancelled).nodes] == [NodePhase.STOPPED] * 2
+
+
+def test_scale_through_the_service_launches_and_stops_nodes(world: World) -> None:
+    job_id = world.submit(nodes="1:3")
+    r = world.reconciler()
+    r.run_once()
+    r.run_once()
+    assert world.jobs.get(job_id).state == JobState.RUNNING
+    world.jobs.scale(job_id, 1)
+    r.run_once()
+    assert world.jobs.get(job_id).state == JobState.RESCALING
+    assert sorted(world.scheduler.cancelled) == [f"fake://{job_id}-n1-a0", f"fake://{job_id}-n2-a0"]
+
+
+def test_launch_refused_by_the_scheduler_fails_the_job_with_its_message(world: World) -> None:
+    job_id = world.submit(nodes="1", max_restarts=0)
+    world.scheduler.refuse = "image 'nope' not found"
+    world.reconciler().run_once()
+    record = world.jobs.get(job_id)
+    assert record.state == JobState.FAILED and "image 'nope' not found" in (record.reason or "")
+
+
+def test_hung_node_without_heartbeats_is_replaced(world: World) -> None:
+    job_id = world.submit(nodes="1")
+    r = world.reconciler()
+    r.run_once()
+    r.run_once()
+    world.jobs.heartbeat(job_id, f"{job_id}-n0-a0", 0, step=5)
+    world.clock.advance(5)
+    r.run_once()
+    assert world.jobs.get(job_id).state == JobState.RUNNING
+    world.clock.advance(120)  # heartbeats stopped (SIGSTOP) while the app still runs
+    r.run_once()
+    record = world.jobs.get(job_id)
+    assert record.state == JobState.RECOVERING
+    assert f"fake://{job_id}-n0-a0" in world.scheduler.cancelled
+    assert world.scheduler.launch_ids[-1] == f"{job_id}-n0-a1"
+
+
+def test_stale_leader_cannot_write(world: World) -> None:
+    job_id = world.submit(nodes="1")
+    old = world.reconciler("old")
+    old.run_once()
+    fence = old.election.fence
+    assert fence is not None
+    world.clock.advance(30)  # old leader paused past its lease
+    new = world.reconciler("new")
+    assert new.run_once()
+    world.jobs.cancel(job_id)
+    with pytest.raises(NotLeaderError):
+        old.reconcile_job(job_id, fence)
+    assert world.jobs.get(job_id).state == JobState.RUNNING  # nothing written by the stale leader
+    assert not old.run_once()  # and it stays a follower while the new leader lives
+
+
+def test_followers_do_nothing(world: World) -> None:
+    world.submit(nodes="1")
+    leader, follower = world.reconciler("a"), world.reconciler("b")
+    assert leader.run_once()
+    assert not follower.run_once()
+    assert len(world.scheduler.launches) == 1
