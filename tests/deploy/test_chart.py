@@ -89,6 +89,7 @@ def test_default_render_has_the_expected_objects(render: Renderer) -> None:
             "Role/elastrain-scheduler",
             "RoleBinding/elastrain-scheduler",
             "Secret/elastrain-api-token",
+            "ConfigMap/elastrain-kubeconfig",
             "PersistentVolumeClaim/elastrain-checkpoints",
             "Service/elastrain-etcd",
             "StatefulSet/elastrain-etcd",

@@ -105,7 +105,7 @@ def test_dashboards_become_one_config_map(tools: DeployTools, tmp_path: Path) ->
     off = parse_objects(
         render_chart(tools, chart_dir=chart, set_values=("monitoring.grafanaDashboards.enabled=false",))
     )
-    assert not find(off, "ConfigMap")
+    assert not find(off, "ConfigMap", "elastrain-dashboards")
 
 
 def test_chart_copies_match_deploy_sources() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torchx.schedulers.kubernetes_scheduler as k8s_scheduler
+import yaml
 
 from scripts.deploy_tools import REPO_ROOT
 from tests.deploy.helpers import SCENARIOS, Obj, Renderer, one
@@ -111,3 +112,31 @@ def test_an_unknown_client_call_is_refused() -> None:
     """A control: a call the map does not know fails instead of passing silently."""
     with pytest.raises(pytest.fail.Exception, match="patch_namespaced_pod"):
         api_permissions("api.patch_namespaced_pod(name='x', namespace='y', body={})", "example.py")
+
+
+def test_kubeconfig_gives_torchx_an_in_cluster_client(render: Renderer, tmp_path: Path) -> None:
+    """TorchX calls load_kube_config(); the chart's kubeconfig, read by the real client library,
+    yields a client for the in-cluster API server that sends the pod's ServiceAccount token."""
+    from kubernetes import client
+    from kubernetes.config.kube_config import KubeConfigLoader
+
+    objects = render()
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    mount = next(
+        m for m in pod["containers"][0]["volumeMounts"] if env["KUBECONFIG"].startswith(m["mountPath"])
+    )
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    config_map = one(objects, "ConfigMap", volume["configMap"]["name"])
+    kubeconfig = yaml.safe_load(config_map["data"][env["KUBECONFIG"].removeprefix(mount["mountPath"] + "/")])
+    # Stand-ins for the files the kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount.
+    sa_dir = "/var/run/secrets/kubernetes.io/serviceaccount"
+    (tmp_path / "token").write_text("sa-token-123")
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    text = yaml.safe_dump(kubeconfig).replace(sa_dir, str(tmp_path))
+    configuration = client.Configuration()
+    KubeConfigLoader(config_dict=yaml.safe_load(text)).load_and_set(configuration)
+    assert configuration.host == "https://kubernetes.default.svc"
+    assert configuration.api_key["authorization"] == "Bearer sa-token-123"
+    assert configuration.ssl_ca_cert == str(tmp_path / "ca.crt")
+    assert kubeconfig["contexts"][0]["context"]["namespace"] == "elastrain"

@@ -44,7 +44,7 @@ def test_every_container_is_locked_down(render: Renderer, scenario: str) -> None
 def test_service_writes_only_to_its_volumes(render: Renderer) -> None:
     spec = one(render(), "Deployment")["spec"]["template"]["spec"]
     mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
-    assert mounts == {"/tmp", "/var/lib/elastrain", "/checkpoints"}
+    assert mounts == {"/tmp", "/var/lib/elastrain", "/checkpoints", "/etc/elastrain/kube"}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["data"]["emptyDir"]["sizeLimit"] == "1Gi"
 
