@@ -11,13 +11,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from service import scheduler
+from service import settings as settings_module
 from tests.deploy.helpers import NAMESPACE, SCENARIOS, Obj, Renderer, chart_values, find, one
 from tests.deploy.netpol import selector_matches
 from tests.deploy.pss import restricted_violations
 from worker.spec import JobSpec, parse_spec
-
-scheduler = pytest.importorskip("service.scheduler", reason="service/scheduler.py (H3) is not there yet")
-settings_module = pytest.importorskip("service.settings")
 
 SPEC: JobSpec = parse_spec(
     {
