@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -41,6 +42,7 @@ from service.scheduler_exec import EXIT_FILE, NODE_FILE
 from worker.errors import ElastrainError
 from worker.spec import JobSpec, spec_json
 
+log = logging.getLogger("elastrain.scheduler")
 LOCAL_PREFIX = "local_cwd:"
 CANCELLED_FILE = "cancelled"
 SPEC_FILE = "spec.json"
@@ -98,8 +100,11 @@ def status_from_records(
 class TorchXScheduler:
     """The reconciler's scheduler: one TorchX app per node. ``cancel`` is idempotent."""
 
-    def __init__(self, settings: SchedulerSettings, *, runner: Runner | None = None) -> None:
+    def __init__(
+        self, settings: SchedulerSettings, *, runner: Runner | None = None, cancel_grace_s: float = 10.0
+    ) -> None:
         self._settings = settings
+        self._cancel_grace_s = cancel_grace_s
         self._runner = runner or get_runner()
         self._torchx: dict[str, str] = {}
         if settings.scheduler == "local_cwd":
@@ -215,36 +220,44 @@ class TorchXScheduler:
         return None if status is None else status.state
 
     # -- cancel --------------------------------------------------------------------------
-    def cancel(self, handle: str, *, grace_s: float = 10.0) -> None:
-        """Stop the node (SIGTERM to its process group, SIGKILL after ``grace_s``). Idempotent:
-        cancelling an ended, cancelled or unknown node does nothing."""
+    def cancel(self, handle: str) -> None:
+        """Stop the node without waiting: SIGTERM to its process group (torchrun then stops its
+        workers); if it still runs ``cancel_grace_s`` later, SIGKILL (from a timer, and from any
+        repeated cancel). Idempotent: cancelling an ended, cancelled or unknown node is a no-op."""
         if not handle.startswith(LOCAL_PREFIX):
-            try:
-                self._runner.cancel(handle)
-            except Exception as exc:
-                raise SchedulerError(f"could not cancel {handle}: {exc}") from exc
+            self._cancel_kubernetes(handle)
             return
         node_dir = Path(handle.removeprefix(LOCAL_PREFIX))
-        if not node_dir.is_dir():
-            return
         node = _read_json(node_dir / NODE_FILE)
         if node is None or (node_dir / EXIT_FILE).exists() or not _alive(int(node["pid"]), node_dir):
             return
-        (node_dir / CANCELLED_FILE).touch()
         pid, pgid = int(node["pid"]), int(node["pgid"])
+        marker = node_dir / CANCELLED_FILE
+        if not marker.exists():
+            marker.write_text(str(time.time()), encoding="utf-8")
+            _signal_group(pgid, signal.SIGTERM)
+            timer = threading.Timer(self._cancel_grace_s, self._escalate, args=(handle, pid, pgid))
+            timer.daemon = True
+            timer.start()
+        elif time.time() - _float(marker.read_text(encoding="utf-8")) >= self._cancel_grace_s:
+            self._escalate(handle, pid, pgid)
+
+    def _escalate(self, handle: str, pid: int, pgid: int) -> None:
+        node_dir = Path(handle.removeprefix(LOCAL_PREFIX))
         torchx_handle = self._torchx.get(handle)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _alive(pid, node_dir):
-            if torchx_handle is not None:
-                self._torchx_state(torchx_handle)  # reaps our child once it exits
-            time.sleep(0.05)
-        if _alive(pid, node_dir):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
         if torchx_handle is not None:
-            self._torchx_state(torchx_handle)
+            self._torchx_state(torchx_handle)  # reaps our child if it has exited
+        if _alive(pid, node_dir):
+            log.warning("node %s ignored SIGTERM for %.0fs; sending SIGKILL", node_dir, self._cancel_grace_s)
+            _signal_group(pgid, signal.SIGKILL)
+
+    def _cancel_kubernetes(self, handle: str) -> None:
+        try:
+            self._runner.cancel(handle)
+        except Exception as exc:
+            if getattr(exc, "status", None) == 404:  # already deleted
+                return
+            raise SchedulerError(f"could not cancel {handle}: {exc}") from exc
 
     def log_dir(self, handle: str) -> Path | None:
         """Where a local node's stdout/stderr files are (``None`` for kubernetes)."""
@@ -261,6 +274,18 @@ def _create_keeping_signal_handlers(runner: Runner, scheduler: str) -> None:
     if threading.current_thread() is threading.main_thread():
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
 
 
 def _pythonpath(env: Mapping[str, str]) -> str:

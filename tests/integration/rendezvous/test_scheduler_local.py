@@ -143,9 +143,12 @@ def test_a_killed_node_reports_failed_and_cancel_is_idempotent(
     assert scheduler.status(survivor).state == "running"
 
     scheduler.cancel(survivor)
+    scheduler.cancel(survivor)  # again while it stops: no error, no second signal
+    job.wait("the cancelled node to stop", lambda: scheduler.status(survivor).state != "running", handles)
     status = scheduler.status(survivor)
     assert status.state == "failed" and status.message == "cancelled"
-    scheduler.cancel(survivor)  # again: nothing to do, no error
+    assert not [e for e in job.events() if e["event"] == "done"], "a cancelled node does not finish its work"
+    scheduler.cancel(survivor)  # an ended node: nothing to do
     scheduler.cancel(victim)  # an ended node
     scheduler.cancel(LOCAL_PREFIX + str(tmp_path / "never-launched"))
     assert scheduler.status(LOCAL_PREFIX + str(tmp_path / "never-launched")).state == "unknown"
