@@ -4,10 +4,13 @@ block digests and commit path (no torch, no disk)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from worker.checkpoint.blocks import block_digests, file_digest
 from worker.checkpoint.commit import Expected, PieceRecord, Report, TensorHeader, build_manifest
+from worker.checkpoint.layout import staging_dir_name
 from worker.checkpoint.manifest import FileEntry, Manifest, row_bytes
+from worker.checkpoint.publish import publish_staged
 from worker.checkpoint.saveplan import TensorInfo, fsdp_rows, plan_rank
 
 
@@ -105,3 +108,12 @@ TENSORS: dict[str, tuple[str, tuple[int, ...], str]] = {
     "optim.state.a.bias.exp_avg": ("float64", (3,), "sharded"),
     "rank1/extra": ("int64", (2,), "per_rank"),
 }
+
+
+def write_published(job_dir: Path, s: Synth) -> Path:
+    """Put a synthetic checkpoint on disk through the real publish path."""
+    staging = job_dir / staging_dir_name(s.manifest.step, s.manifest.generation)
+    staging.mkdir(parents=True)
+    for name, data in s.files.items():
+        (staging / name).write_bytes(data)
+    return publish_staged(job_dir, staging, s.manifest)

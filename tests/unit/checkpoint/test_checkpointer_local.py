@@ -1,0 +1,205 @@
+"""The Checkpointer in one process (world of one): round trips, refusal of corrupt steps,
+aborted saves, async saves. Real files, no sockets, no child processes."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.unit.checkpoint.helpers import checkpointer, model_and_optim, save, state_equal, train
+from worker import failpoints
+from worker.checkpoint.layout import list_published, read_latest
+from worker.checkpoint.verify import logical_digest, verify_checkpoint
+from worker.errors import CheckpointError
+
+
+@pytest.fixture(autouse=True)
+def _no_failpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(failpoints.ENV, raising=False)
+    failpoints.reset_hits()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_round_trip_restores_everything(tmp_path: Path, async_save: bool) -> None:
+    model, optim = model_and_optim()
+    train(model, optim, 3)
+    ck = checkpointer(tmp_path, async_save=async_save)
+    save(ck, model, optim, 3, sampler={"cursor": 15})
+    ck.close()
+    random.random(), np.random.rand(), torch.rand(1)  # the RNG moved on after the save
+    expect = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    assert ck.stats.saves_total == 1 and read_latest(tmp_path) == "step-00000003"
+
+    model2, optim2 = model_and_optim(seed=1)
+    restored = checkpointer(tmp_path).restore(model=model2, optimizer=optim2)
+    assert restored is not None and restored.step == 3 and restored.rng_restored
+    assert restored.progress == {"step": 3, "samples_seen": 15, "sampler": {"cursor": 15}}
+    assert state_equal(model, model2, optim, optim2)
+    random.random(), np.random.rand(), torch.rand(1)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expect
+    train(model, optim, 1)
+    train(model2, optim2, 0)
+
+
+def test_resumed_training_is_bitwise_identical(tmp_path: Path) -> None:
+    model, optim = model_and_optim()
+    train(model, optim, 2)
+    ck = checkpointer(tmp_path)
+    save(ck, model, optim, 2)
+    train(model, optim, 3)
+    model2, optim2 = model_and_optim(seed=5)
+    checkpointer(tmp_path).restore(model=model2, optimizer=optim2)
+    train(model2, optim2, 3)
+    assert state_equal(model, model2, optim, optim2)
+
+
+def test_no_checkpoint_and_never(tmp_path: Path) -> None:
+    model, optim = model_and_optim()
+    assert checkpointer(tmp_path).restore(model=model, optimizer=optim) is None
+    save(checkpointer(tmp_path), model, optim, 1)
+    assert checkpointer(tmp_path, resume="never").restore(model=model, optimizer=optim) is None
+
+
+def _two_steps(tmp_path: Path) -> tuple[Path, Path]:
+    model, optim = model_and_optim()
+    ck = checkpointer(tmp_path)
+    train(model, optim, 1)
+    save(ck, model, optim, 1)
+    train(model, optim, 1)
+    save(ck, model, optim, 2)
+    (_, older), (_, newer) = list_published(tmp_path)
+    return older, newer
+
+
+def _truncate(p: Path) -> None:
+    os.truncate(p, p.stat().st_size - 1)
+
+
+def _flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    p.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [(_truncate, "truncated"), (_flip, "digest mismatch"), (os.unlink, "missing")],
+)
+def test_corrupt_newest_is_refused_and_previous_used(tmp_path: Path, damage, reason: str) -> None:  # type: ignore[no-untyped-def]
+    older, newer = _two_steps(tmp_path)
+    damage(newer / "rank-00000.bin")
+    model, optim = model_and_optim()
+    ck = checkpointer(tmp_path)
+    events: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+    ck._on_event = lambda name, fields: events.append((name, fields))
+    restored = ck.restore(model=model, optimizer=optim)
+    assert restored is not None and restored.step == 1 and restored.path == older
+    assert ck.stats.verification_failures_total == 1
+    refused = [f for n, f in events if n == "checkpoint_refused"]
+    assert len(refused) == 1 and reason in refused[0]["reason"] and "rank-00000.bin" in refused[0]["reason"]
+    # the refused step is set aside and latest names the step that was loaded
+    assert [s for s, _ in list_published(tmp_path)] == [1]
+    assert read_latest(tmp_path) == "step-00000001"
+    assert any(p.name.startswith(".corrupt-step-00000002") for p in tmp_path.iterdir())
+
+
+def test_garbage_manifest_is_refused(tmp_path: Path) -> None:
+    _, newer = _two_steps(tmp_path)
+    (newer / "manifest.json").write_text('{"format_version": 1')
+    model, optim = model_and_optim()
+    restored = checkpointer(tmp_path).restore(model=model, optimizer=optim)
+    assert restored is not None and restored.step == 1
+
+
+def test_all_corrupt_is_an_error_not_a_fresh_start(tmp_path: Path) -> None:
+    older, newer = _two_steps(tmp_path)
+    _flip(older / "rank-00000.bin")
+    _flip(newer / "rank-00000.bin")
+    model, optim = model_and_optim()
+    with pytest.raises(CheckpointError, match="no published checkpoint"):
+        checkpointer(tmp_path).restore(model=model, optimizer=optim)
+
+
+def test_explicit_path_and_other_model(tmp_path: Path) -> None:
+    older, _ = _two_steps(tmp_path)
+    model, optim = model_and_optim()
+    restored = checkpointer(tmp_path, resume=str(older)).restore(model=model, optimizer=optim)
+    assert restored is not None and restored.step == 1
+    assert any(p.name.startswith(".superseded-step-00000002") for p in tmp_path.iterdir())
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match="does not match the model"):
+        checkpointer(tmp_path).restore(model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize(
+    "spec", ["during_shard_write=enospc", "after_shard_write=raise", "before_manifest_write=raise",
+             "before_publish_rename=enospc"],
+)  # fmt: skip
+@pytest.mark.parametrize("async_save", [False, True])
+def test_failed_save_is_aborted_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str, async_save: bool
+) -> None:
+    model, optim = model_and_optim()
+    ck = checkpointer(tmp_path, async_save=async_save)
+    save(ck, model, optim, 1)
+    ck.close()
+    digest = logical_digest(tmp_path)
+    monkeypatch.setenv(failpoints.ENV, spec)
+    train(model, optim, 1)
+    save(ck, model, optim, 2)
+    ck.close()
+    assert ck.stats.aborts_total == 1 and ck.stats.saves_total == 1
+    assert read_latest(tmp_path) == "step-00000001" and logical_digest(tmp_path) == digest
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".staging")]
+    monkeypatch.delenv(failpoints.ENV)
+    train(model, optim, 1)
+    save(ck, model, optim, 3)
+    ck.close()
+    assert read_latest(tmp_path) == "step-00000003" and verify_checkpoint(tmp_path)[1] == []
+
+
+def test_retention_applied_after_publish(tmp_path: Path) -> None:
+    model, optim = model_and_optim()
+    ck = checkpointer(tmp_path, retention={"keep_latest": 2, "milestone_every_steps": 4})
+    for step in range(1, 7):
+        train(model, optim, 1)
+        save(ck, model, optim, step)
+    assert [s for s, _ in list_published(tmp_path)] == [4, 5, 6]
+    assert ck.stats.deleted_total == 3
+
+
+def test_orphans_of_other_generations_are_collected(tmp_path: Path) -> None:
+    (tmp_path / ".staging-00000004-3").mkdir(parents=True)
+    (tmp_path / ".trash-step-00000001-9").mkdir()
+    ck = checkpointer(tmp_path)  # generation 0
+    assert ck.stats.orphans_collected_total == 2
+    assert not list(tmp_path.glob(".staging-*"))
+
+
+def test_saving_the_same_step_twice_is_a_no_op(tmp_path: Path) -> None:
+    model, optim = model_and_optim()
+    ck = checkpointer(tmp_path)
+    save(ck, model, optim, 1)
+    save(ck, model, optim, 1)
+    assert ck.stats.saves_total == 1
+    restored_ck = checkpointer(tmp_path)
+    restored_ck.restore(model=model, optimizer=optim)
+    save(restored_ck, model, optim, 1)  # the final step again after a restart: already published
+    assert restored_ck.stats.saves_total == 0 and [s for s, _ in list_published(tmp_path)] == [1]
+
+
+def test_disabled_without_dir(tmp_path: Path) -> None:
+    from worker.checkpoint.api import Checkpointer
+    from worker.spec import CheckpointSpec
+
+    ck = Checkpointer(CheckpointSpec(), job="j", spec_hash="", data_version="", rank=0, world_size=1,
+                      generation=0, parallelism="ddp", seed=0, run_record={})  # fmt: skip
+    model, optim = model_and_optim()
+    assert not ck.should_save(10, now=1e12)
+    ck.save(step=1, model=model, optimizer=optim, progress={}, metrics={})
+    assert ck.restore(model=model, optimizer=optim) is None

@@ -1,0 +1,88 @@
+"""The in-job coordinator protocol with ranks as threads over an in-memory store."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+from tests.unit.checkpoint.synth import TENSORS, reports_for
+from worker.checkpoint.commit import Report
+from worker.checkpoint.coordinator import InJobCoordinator, MemoryStore, Outcome, store_allgather
+from worker.checkpoint.layout import list_published, read_latest, staging_dir_name
+
+
+def _run(tmp_path: Path, reports: list[Report | None], *, timeout: float = 5.0) -> list[Outcome]:
+    store = MemoryStore()
+    world = len(reports)
+    staging = tmp_path / staging_dir_name(10, 0)
+    staging.mkdir()
+    _, files, _ = reports_for(TENSORS, world, block_size=16)
+    for name, data in files.items():
+        (staging / name).write_bytes(data)
+    outcomes: list[Outcome | None] = [None] * world
+
+    def rank(r: int) -> None:
+        co = InJobCoordinator(store, rank=r, world_size=world, job="j", job_dir=tmp_path)
+        report = reports[r]
+        if report is not None:
+            co.report(report, seq=1)
+        outcomes[r] = co.outcome(10, 0, seq=1, timeout=timeout)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(o is not None for o in outcomes)
+    return outcomes  # type: ignore[return-value]
+
+
+def test_all_report_then_everyone_learns_published(tmp_path: Path) -> None:
+    reports = reports_for(TENSORS, 3, block_size=16)[0]
+    outcomes = _run(tmp_path, list(reports))
+    assert all(o.published and o.step == 10 for o in outcomes)
+    assert len({o.path for o in outcomes}) == 1
+    assert [s for s, _ in list_published(tmp_path)] == [10] and read_latest(tmp_path) == "step-00000010"
+
+
+def test_missing_rank_aborts_after_timeout_and_staging_is_removed(tmp_path: Path) -> None:
+    reports: list[Report | None] = list(reports_for(TENSORS, 3, block_size=16)[0])
+    reports[2] = None
+    outcomes = _run(tmp_path, reports, timeout=0.3)
+    assert not any(o.published for o in outcomes[:2])
+    assert "ranks [2]" in outcomes[0].reason and outcomes[1].reason == outcomes[0].reason
+    assert list_published(tmp_path) == [] and not (tmp_path / staging_dir_name(10, 0)).exists()
+
+
+def test_failure_report_aborts_without_waiting(tmp_path: Path) -> None:
+    reports: list[Report | None] = list(reports_for(TENSORS, 3, block_size=16)[0])
+    reports[1] = Report(10, 0, 1, 3, ok=False, error="OSError: [Errno 28] No space left on device")
+    t0 = time.monotonic()
+    outcomes = _run(tmp_path, reports, timeout=60.0)
+    assert time.monotonic() - t0 < 10
+    assert all(not o.published and "rank 1" in o.reason for o in outcomes)
+
+
+def test_file_on_disk_shorter_than_reported_aborts(tmp_path: Path) -> None:
+    reports = list(reports_for(TENSORS, 2, block_size=16)[0])
+    big = dataclasses.replace(reports[1].files["rank-00001.bin"], size=10**6)
+    reports[1] = dataclasses.replace(reports[1], files={"rank-00001.bin": big})
+    outcomes = _run(tmp_path, list(reports))
+    assert not outcomes[0].published
+
+
+def test_store_allgather() -> None:
+    store = MemoryStore()
+    results: dict[int, list[str]] = {}
+
+    def rank(r: int) -> None:
+        results[r] = store_allgather(store, "p", rank=r, world_size=3, value=f"v{r}", timeout=5)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {r: ["v0", "v1", "v2"] for r in range(3)}
