@@ -37,6 +37,7 @@ LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"
 _MEM_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
 _MEM_RE = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|K|M|G)?$")
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"
+WORKER_UID = 10001  # deploy/docker/worker.Dockerfile's user and group
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +62,9 @@ class SchedulerSettings:
     """The interpreter that runs torchrun (local_cwd passes ``sys.executable``)."""
     worker_module: str = "worker"
     """The module torchrun starts in each process (``python -m worker --config SPEC``)."""
+    metrics_port: int | None = 9400
+    """kubernetes: the worker container's Prometheus port (declared, annotated for scraping and
+    passed as ``ELASTRAIN_METRICS_PORT``); ``None`` declares none."""
     rdzv: RendezvousConfig = field(default_factory=RendezvousConfig)
 
     def __post_init__(self) -> None:
@@ -235,7 +239,7 @@ def kubernetes_dryrun(
     ``spec.queue`` the Volcano queue and ``spec.tasks[0].template`` the worker pod (image,
     command, env, service account, resources, the checkpoint claim mounted at
     ``settings.checkpoint_mount``). No cluster needed. Stable shape; see :func:`worker_pod`."""
-    from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler, sanitize_for_serialization
+    from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler
 
     app = node_app(
         job_id,
@@ -251,10 +255,52 @@ def kubernetes_dryrun(
         module=settings.worker_module,
     )
     info = KubernetesScheduler("elastrain").submit_dryrun(app, kubernetes_cfg(settings))
-    resource = sanitize_for_serialization(info.request.resource)
-    assert isinstance(resource, dict)
-    resource["metadata"]["namespace"] = settings.k8s_namespace
-    return resource
+    return finish_volcano_job(info.request.resource, settings)
+
+
+def finish_volcano_job(resource: Mapping[str, Any], settings: SchedulerSettings) -> dict[str, Any]:
+    """TorchX's Volcano Job as a plain dict, with what TorchX 0.7.0 leaves out: the namespace,
+    the restricted security profile and the metrics port (:func:`harden_pod`)."""
+    from torchx.schedulers.kubernetes_scheduler import sanitize_for_serialization
+
+    job = sanitize_for_serialization(resource)
+    assert isinstance(job, dict)
+    job["metadata"]["namespace"] = settings.k8s_namespace
+    for task in job["spec"]["tasks"]:
+        harden_pod(task["template"], metrics_port=settings.metrics_port)
+    return job
+
+
+def harden_pod(pod: dict[str, Any], *, metrics_port: int | None) -> None:
+    """Make a worker pod pass the ``restricted`` Pod Security Standard (non-root as the worker
+    image's user 10001, no privilege escalation, all capabilities dropped, RuntimeDefault
+    seccomp, no API token), give it a writable ``/tmp`` and declare its metrics port. In place."""
+    spec = pod["spec"]
+    spec["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": WORKER_UID,
+        "runAsGroup": WORKER_UID,
+        "fsGroup": WORKER_UID,  # the checkpoint volume is writable by the worker
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    spec["automountServiceAccountToken"] = False
+    spec.setdefault("volumes", []).append({"name": "tmp", "emptyDir": {}})
+    for container in spec["containers"]:
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
+        if metrics_port is not None:
+            container["ports"] = [{"name": "metrics", "containerPort": metrics_port}]
+            container.setdefault("env", []).append(
+                {"name": "ELASTRAIN_METRICS_PORT", "value": str(metrics_port)}
+            )
+    if metrics_port is not None:
+        annotations = pod.setdefault("metadata", {}).setdefault("annotations", {})
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port)})
 
 
 def kubernetes_cfg(settings: SchedulerSettings) -> dict[str, specs.CfgVal]:

@@ -34,6 +34,7 @@ from torchx.runner import Runner, get_runner
 import service
 from service.scheduler import (
     SchedulerSettings,
+    finish_volcano_job,
     k8s_name,
     kubernetes_cfg,
     node_app,
@@ -185,6 +186,7 @@ class TorchXScheduler:
             module=s.worker_module,
         )
         info = self._runner.dryrun(app, "kubernetes", cfg=kubernetes_cfg(s))
+        info.request.resource = finish_volcano_job(info.request.resource, s)
         if launch_id:
             info.request.resource["metadata"]["name"] = k8s_name(launch_id, limit=63)
         name = info.request.resource["metadata"]["name"]

@@ -247,3 +247,29 @@ def test_k8s_names_are_dns_labels() -> None:
 def test_app_is_a_torchx_appdef() -> None:
     app = node_app("j", make_spec(), 0, rdzv_endpoint="e", image="i", env={}, spec_path="/s")
     assert isinstance(app, specs.AppDef) and app.name == "j-n0"
+
+
+def test_worker_pod_meets_the_restricted_profile_and_declares_metrics() -> None:
+    pod = worker_pod(kubernetes_dryrun("job-7", make_spec(), 0, settings=K8S))
+    spec = pod["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 10001
+    assert spec["securityContext"]["fsGroup"] == 10001
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert spec["automountServiceAccountToken"] is False
+    (container,) = spec["containers"]
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "metrics", "containerPort": 9400} in container["ports"]
+    assert {"name": "ELASTRAIN_METRICS_PORT", "value": "9400"} in container["env"]
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+
+
+def test_no_metrics_port_declares_none() -> None:
+    settings = SchedulerSettings(
+        scheduler="kubernetes", rdzv_endpoint="e", worker_image="img", metrics_port=None
+    )
+    pod = worker_pod(kubernetes_dryrun("j", make_spec(), 0, settings=settings))
+    assert not pod["spec"]["containers"][0]["ports"]
+    assert "prometheus.io/scrape" not in pod["metadata"]["annotations"]
