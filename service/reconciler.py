@@ -5,9 +5,9 @@ read the record and its mod_revision, ask the scheduler about nodes that have a 
 the heartbeats, run :func:`service.jobs.machine.reconcile`, write the new record with a
 compare-and-set fenced by the leader's lease, and only then launch or cancel. A launch's handle
 is written back right after the launch; a crash in between leaves a node in ``launching`` that
-the next leader launches again under the same launch id (schedulers that can look a launch id
-up through ``find(launch_id)`` adopt it instead). Restarting the service therefore loses no
-job and launches no recorded node twice.
+the next leader launches again under the same launch id, which the scheduler answers with the
+first launch's handle (launch is idempotent per launch id). Restarting the service therefore
+loses no job and launches no node twice.
 """
 
 from __future__ import annotations
@@ -44,7 +44,11 @@ log = logging.getLogger("elastrain.reconciler")
 class Scheduler(Protocol):
     """Launches node apps (one torchrun agent each). H3's TorchX scheduler implements it."""
 
-    def launch(self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str]) -> str: ...
+    def launch(
+        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
+    ) -> str:
+        """Start one node; idempotent per ``launch_id`` (the same id returns the first handle)."""
+        ...
 
     def status(self, handle: str) -> NodeStatus: ...
 
@@ -124,8 +128,10 @@ class Reconciler:
             return False
         records, _ = self.jobs.list(limit=100_000)
         if self._adopted_term != fence.lease_id:
-            self._adopt_storage(records)
+            self._adopt_storage(records)  # finished jobs too, once per leadership term
             self._adopted_term = fence.lease_id
+        else:
+            self._adopt_storage([r for r in records if not r.state.terminal])
         for record in records:
             if record.state.terminal and not any(n.phase == NodePhase.STOPPING for n in record.nodes):
                 continue
@@ -184,7 +190,8 @@ class Reconciler:
                 log.warning("leader keep-alive failed: %s", exc)
 
     def _adopt_storage(self, records: list[JobRecord]) -> None:
-        """Once per leadership term: let the coordinator reconcile its registry with storage."""
+        """Let the coordinator reconcile its registry with storage (steps published in-job,
+        renamed but unrecorded, staging that can never publish)."""
         adopt = getattr(self.coordinator, "adopt", None)
         if not callable(adopt):
             return
@@ -219,6 +226,7 @@ class Reconciler:
                 self._cancel(action.node)
         self.metrics.observe_job(decision.job, progress)
         if decision.job.state.terminal and not record.state.terminal:
+            self._adopt_storage([decision.job])
             for prefix in keys.job_prefixes(job_id):
                 self.jobs.store.delete_prefix(prefix)
         return decision.job
@@ -248,23 +256,20 @@ class Reconciler:
         return out
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
-        finder = getattr(self.scheduler, "find", None)
-        handle = finder(node.launch_id) if callable(finder) else None
-        if handle is None:
-            env = launch_env(record, node, self.launch_ctx, self.jobs.worker_token(record.id))
-            spec = JobSpec.model_validate_json(json.dumps(record.spec))
-            try:
-                handle = self.scheduler.launch(record.id, spec, node.index, env)
-            except Exception as exc:
-                log.warning("launch of %s failed: %s", node.launch_id, exc)
-                message = str(exc) or type(exc).__name__
+        env = launch_env(record, node, self.launch_ctx, self.jobs.worker_token(record.id))
+        spec = JobSpec.model_validate_json(json.dumps(record.spec))
+        try:
+            handle = self.scheduler.launch(record.id, spec, node.index, env, launch_id=node.launch_id)
+        except Exception as exc:
+            log.warning("launch of %s failed: %s", node.launch_id, exc)
+            message = str(exc) or type(exc).__name__
 
-                def fail(r: JobRecord) -> JobRecord:
-                    return launch_failed(r, node.launch_id, message, self.clock())
+            def fail(r: JobRecord) -> JobRecord:
+                return launch_failed(r, node.launch_id, message, self.clock())
 
-                self.jobs.update(record.id, fail, fence=fence)
-                return
-            self.metrics.launches.inc()
+            self.jobs.update(record.id, fail, fence=fence)
+            return
+        self.metrics.launches.inc()
         wanted = [True]
 
         def confirm(r: JobRecord) -> JobRecord:

@@ -14,7 +14,8 @@ from service.api import errors
 from service.api.deps import Context
 from service.api.limits import BodyLimit
 from service.api.metrics import Metrics, RequestMetrics
-from service.api.routes import health, jobs, workers
+from service.api.routes import health, workers
+from service.api.routes import jobs as job_routes
 from service.jobs.service import JobService, ensure_worker_secret
 from service.jobs.tokens import hash_token
 from service.settings import Settings
@@ -29,6 +30,7 @@ def create_app(
     store: KVStore,
     *,
     api_token: str,
+    jobs: JobService | None = None,
     scheduler: Any = None,
     coordinator: Any = None,
     metrics: Metrics | None = None,
@@ -37,9 +39,12 @@ def create_app(
     leader: Callable[[], bool] | None = None,
     lifespan: Lifespan | None = None,
 ) -> FastAPI:
-    """Build the app. ``store`` must be reachable (the worker-token secret is read from it)."""
+    """Build the app. ``store`` must be reachable (the worker-token secret is read from it)
+    unless ``jobs`` (a JobService on the same store) is given."""
     metrics = metrics or Metrics()
-    service = JobService(store, settings.checkpoint_root, secret or ensure_worker_secret(store), clock)
+    service = jobs or JobService(
+        store, settings.checkpoint_root, secret or ensure_worker_secret(store), clock
+    )
     app = FastAPI(
         title="elastrain",
         version="0.1.0",
@@ -56,7 +61,7 @@ def create_app(
         extra={"leader": leader},
     )
     errors.install(app, on_error=lambda code: metrics.errors.labels(code).inc())
-    app.include_router(jobs.router)
+    app.include_router(job_routes.router)
     app.include_router(workers.router)
     app.include_router(health.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError
-from service.jobs.service import ConflictError, NotFoundError, NotLeaderError
+from service.jobs.service import ConflictError, InvalidRequestError, NotFoundError, NotLeaderError
 from service.store import StoreUnavailableError
 from worker.errors import ElastrainError, SpecError
 
@@ -59,6 +59,8 @@ def from_domain(exc: ElastrainError) -> ApiError:
     if isinstance(exc, IllegalTransitionError):
         status = 422 if exc.code == "out_of_range" else 409
         return ApiError(status, exc.code, message, field="nodes" if exc.code == "out_of_range" else None)
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(422, "invalid_request", message)
     if isinstance(exc, ConflictError):
         return ApiError(409, "conflict", message)
     if isinstance(exc, (StoreUnavailableError, NotLeaderError)):

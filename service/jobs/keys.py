@@ -36,12 +36,20 @@ def reports(job_id: str) -> str:
     return f"{ROOT}/reports/{job_id}/"
 
 
-def report_round(job_id: str, step: int, generation: int) -> str:
-    return f"{reports(job_id)}{step:012d}-{generation:06d}/"
+def report_round(job_id: str, step: int, generation: int, seq: int = 0) -> str:
+    return f"{reports(job_id)}{step:012d}-{generation:06d}-{seq:06d}/"
 
 
-def report(job_id: str, step: int, generation: int, rank: int) -> str:
-    return f"{report_round(job_id, step, generation)}{rank:06d}"
+def report(job_id: str, step: int, generation: int, rank: int, seq: int = 0) -> str:
+    return f"{report_round(job_id, step, generation, seq)}{rank:06d}"
+
+
+def outcomes(job_id: str) -> str:
+    return f"{ROOT}/outcomes/{job_id}/"
+
+
+def outcome(job_id: str, step: int, generation: int, seq: int = 0) -> str:
+    return f"{outcomes(job_id)}{step:012d}-{generation:06d}-{seq:06d}"
 
 
 def checkpoints(job_id: str) -> str:
@@ -54,4 +62,4 @@ def checkpoint(job_id: str, step: int) -> str:
 
 def job_prefixes(job_id: str) -> tuple[str, ...]:
     """Per-job prefixes (each ends in '/') of transient data, dropped when a job finishes."""
-    return (heartbeats(job_id), reports(job_id))
+    return (heartbeats(job_id), reports(job_id), outcomes(job_id))

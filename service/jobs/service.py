@@ -34,6 +34,10 @@ class ConflictError(ElastrainError):
     """The request contradicts stored state (e.g. an idempotency key reused for another spec)."""
 
 
+class InvalidRequestError(ElastrainError):
+    """A well-formed request whose content the service cannot accept (422)."""
+
+
 class NotLeaderError(ElastrainError):
     """This service instance lost leadership; its fenced write was refused."""
 

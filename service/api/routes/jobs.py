@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -109,13 +110,26 @@ def job_logs(
     node: Annotated[int | None, Query(ge=0)] = None,
     tail: Annotated[int, Query(ge=1, le=10_000)] = 200,
 ) -> dict[str, Any]:
-    """The last ``tail`` log lines of each node (or of ``node``), as the scheduler keeps them."""
+    """The last ``tail`` lines of each node's logs (or of ``node``), as the scheduler keeps them."""
     record = ctx.jobs.get(job_id)
-    reader = getattr(ctx.scheduler, "log_lines", None)
-    if reader is None:
+    log_dir = getattr(ctx.scheduler, "log_dir", None)
+    if not callable(log_dir):
         raise ApiError(501, "not_supported", "this scheduler keeps no logs the service can read")
-    out = {}
+    out: dict[str, list[str]] = {}
     for n in record.nodes:
         if n.handle and (node is None or n.index == node):
-            out[n.launch_id] = list(reader(n.handle, tail=tail))
+            out[n.launch_id] = tail_lines(log_dir(n.handle), tail)
     return {"job": job_id, "nodes": out}
+
+
+def tail_lines(directory: Path | None, count: int) -> list[str]:
+    """The last ``count`` lines of every file under ``directory``, each prefixed by its name."""
+    if directory is None or not directory.is_dir():
+        return []
+    lines: list[str] = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 256 * count))
+            text = f.read().decode("utf-8", errors="replace").splitlines()[-count:]
+        lines.extend(f"{path.relative_to(directory)}: {line}" for line in text)
+    return lines[-count:]

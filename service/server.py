@@ -1,0 +1,189 @@
+"""``elastrain serve``: etcd (embedded or given), the API under uvicorn, the reconciler.
+
+The embedded etcd is a child process under ``<data-dir>/etcd`` that stops with the service.
+The API token comes from ``ELASTRAIN_API_TOKEN``, else ``--token-file``, else
+``<data-dir>/api-token`` (generated at first start, mode 0600; its path is logged, never the
+token). A graceful stop (SIGINT/SIGTERM) stops the reconciler, resigns leadership, closes the
+scheduler (TorchX's local scheduler then stops the local nodes it started) and stops etcd; a
+``kill -9`` leaves local nodes running, and the next start adopts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from service.api.app import create_app
+from service.api.metrics import Metrics
+from service.coordinator import CheckpointCoordinator
+from service.etcd_server import EtcdServer
+from service.jobs.machine import Policy
+from service.jobs.service import JobService, ensure_worker_secret
+from service.reconciler import LaunchContext, Reconciler, Scheduler
+from service.settings import Settings, SettingsError
+from service.store import EtcdStore, LeaderElection, StoreUnavailableError
+
+log = logging.getLogger("elastrain.server")
+TOKEN_FILE_NAME = "api-token"
+
+
+def resolve_api_token(settings: Settings) -> tuple[str, str]:
+    """(token, where it came from). Generates ``<data-dir>/api-token`` (0600) when none is set."""
+    if settings.api_token is not None:
+        return settings.api_token.get_secret_value(), "ELASTRAIN_API_TOKEN"
+    path = settings.token_file or settings.data_dir / TOKEN_FILE_NAME
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        if settings.token_file is not None:
+            raise SettingsError(
+                f"token file {str(path)!r} does not exist; create it or leave --token-file out"
+            ) from None
+        token = ""
+    except OSError as exc:
+        raise SettingsError(f"cannot read token file {str(path)!r}: {exc.strerror}") from None
+    if token:
+        if len(token) < 16:
+            raise SettingsError(f"the token in {str(path)!r} is shorter than 16 characters; use a longer one")
+        return token, str(path)
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(token + "\n")
+    os.chmod(path, 0o600)
+    return token, f"{path} (generated)"
+
+
+def holder_id(settings: Settings) -> str:
+    """A stable leader id per host and data dir: a restarted service takes over at once."""
+    where = f"{settings.data_dir.absolute()}:{settings.port}"
+    return f"{socket.gethostname()}-{hashlib.sha1(where.encode()).hexdigest()[:8]}"
+
+
+def build_scheduler(settings: Settings, endpoints: list[str]) -> Scheduler:
+    from service.scheduler import SchedulerSettings
+    from service.scheduler_torchx import TorchXScheduler
+
+    config = SchedulerSettings.from_settings(
+        settings,
+        rdzv_endpoint=",".join(endpoints),
+        log_root=str((settings.data_dir / "nodes").absolute()),
+    )
+    return TorchXScheduler(config)
+
+
+def wait_for_store(store: EtcdStore, endpoints: list[str], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.healthy():
+        if time.monotonic() > deadline:
+            raise StoreUnavailableError(
+                f"etcd at {','.join(endpoints)} did not answer within {timeout_s:.0f}s; "
+                "check --etcd / ELASTRAIN_ETCD"
+            )
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def etcd_for(settings: Settings) -> Iterator[list[str]]:
+    """The etcd endpoints to use; starts (and finally stops) the embedded one if none is given."""
+    if not settings.embedded_etcd:
+        yield settings.etcd_endpoints
+        return
+    server = EtcdServer(settings.data_dir / "etcd")
+    server.start()
+    log.info("embedded etcd at %s (data in %s)", server.endpoint, server.data_dir)
+    try:
+        yield [server.endpoint]
+    finally:
+        server.stop()
+        log.info("embedded etcd stopped")
+
+
+def build_app(
+    settings: Settings, endpoints: list[str], *, scheduler: Any = None
+) -> tuple[FastAPI, Reconciler]:
+    """The app and its reconciler (started by the app's lifespan)."""
+    store = EtcdStore(endpoints)
+    wait_for_store(store, endpoints)
+    token, where = resolve_api_token(settings)
+    log.info("API token: %s", where)
+    scheduler = scheduler if scheduler is not None else build_scheduler(settings, endpoints)
+    metrics = Metrics()
+    jobs = JobService(store, settings.checkpoint_root, ensure_worker_secret(store))
+    coordinator = CheckpointCoordinator(jobs, metrics=metrics)
+    election = LeaderElection(store, holder_id(settings), ttl_s=settings.leader_ttl_s)
+    reconciler = Reconciler(
+        jobs,
+        scheduler,
+        election,
+        launch=LaunchContext(service_url=settings.service_url, etcd_endpoints=tuple(endpoints)),
+        metrics=metrics,
+        policy=Policy(
+            heartbeat_timeout_s=settings.heartbeat_timeout_s, startup_timeout_s=settings.startup_timeout_s
+        ),
+        interval_s=settings.reconcile_interval_s,
+        coordinator=coordinator,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        reconciler.start()
+        try:
+            yield
+        finally:
+            reconciler.stop()
+
+    app = create_app(
+        settings,
+        store,
+        api_token=token,
+        jobs=jobs,
+        scheduler=scheduler,
+        coordinator=coordinator,
+        metrics=metrics,
+        leader=lambda: reconciler.is_leader,
+        lifespan=lifespan,
+    )
+    return app, reconciler
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def serve(settings: Settings, *, scheduler: Any = None) -> int:
+    """Run until SIGINT/SIGTERM. Returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal after its graceful shutdown; with this handler that ends
+        # in SystemExit, so the scheduler and the embedded etcd below are closed too.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
+    with etcd_for(settings) as endpoints:
+        app, reconciler = build_app(settings, endpoints, scheduler=scheduler)
+        log.info("serving on %s (checkpoints under %s)", settings.service_url, settings.checkpoint_root)
+        config = uvicorn.Config(
+            app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+        )
+        try:
+            uvicorn.Server(config).run()
+        finally:
+            close = getattr(reconciler.scheduler, "close", None)
+            if callable(close):
+                close()
+    return 0
