@@ -1,10 +1,17 @@
-"""An in-memory scheduler and a settable clock for the control plane's unit tests."""
+"""An in-memory scheduler, a settable clock and a torch-free phase-1 stager for the control
+plane's tests."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
+from pathlib import Path
 
 from service.reconciler import UNKNOWN, SchedulerStatus
+from worker.checkpoint.commit import Report, TensorHeader
+from worker.checkpoint.layout import shard_file_name, staging_dir_name
+from worker.checkpoint.saveplan import TensorInfo, split_replicated
+from worker.checkpoint.shardio import write_shard
 from worker.spec import JobSpec
 
 
@@ -24,15 +31,21 @@ class FakeScheduler:
 
     def __init__(self) -> None:
         self.launches: list[tuple[str, int, dict[str, str]]] = []
+        self.calls: list[str] = []
         self.states: dict[str, SchedulerStatus] = {}
         self.cancelled: list[str] = []
         self.refuse: str | None = None
 
-    def launch(self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str]) -> str:
-        assert spec.name and env["ELASTRAIN_JOB_ID"] == job_id
+    def launch(
+        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
+    ) -> str:
+        assert spec.name and env["ELASTRAIN_JOB_ID"] == job_id and env["ELASTRAIN_LAUNCH_ID"] == launch_id
         if self.refuse:
             raise RuntimeError(self.refuse)
-        handle = f"fake://{env['ELASTRAIN_LAUNCH_ID']}"
+        handle = f"fake://{launch_id}"
+        self.calls.append(launch_id)
+        if handle in self.states:
+            return handle  # idempotent per launch id, like the TorchX scheduler
         self.launches.append((job_id, node_index, dict(env)))
         self.states[handle] = SchedulerStatus("running")
         return handle
@@ -52,3 +65,36 @@ class FakeScheduler:
     @property
     def launch_ids(self) -> list[str]:
         return [env["ELASTRAIN_LAUNCH_ID"] for _, _, env in self.launches]
+
+
+BLOCK = 1 << 20
+
+
+def stage_rank(job_dir: Path, *, job: str, step: int, generation: int, rank: int, world_size: int) -> Report:
+    """Phase 1 of one rank, torch-free: its share of a replicated float32 tensor ``w`` of
+    ``2 * world_size`` rows, written with the worker's shard writer; returns its report."""
+    staging = job_dir / staging_dir_name(step, generation)
+    staging.mkdir(parents=True, exist_ok=True)
+    info = TensorInfo("w", "float32", (2 * world_size,))
+    assignments = split_replicated([info], world_size)[rank]
+    values = array("f", [float(step * 100 + i) for i in range(2 * world_size)]).tobytes()
+    items = [(a, memoryview(values)[a.start * 4 : a.stop * 4]) for a in assignments]
+    name = shard_file_name(rank)
+    pieces, entry = write_shard(staging / name, items, block_size=BLOCK)
+    return Report(
+        step=step,
+        generation=generation,
+        rank=rank,
+        world_size=world_size,
+        ok=True,
+        files={name: entry},
+        pieces=tuple(pieces),
+        tensors={"w": TensorHeader("float32", (2 * world_size,), "replicated")},
+        meta_digest="meta",
+        context={
+            "job": job,
+            "block_size": BLOCK,
+            "parallelism": "ddp",
+            "metrics": {"loss": 1.0 / (step + 1)},
+        },
+    )

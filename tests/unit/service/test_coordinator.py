@@ -1,0 +1,146 @@
+"""The service's checkpoint coordinator on the in-memory store and a real directory: publishes a
+complete round once, aborts a bad one, answers /resume, adopts what storage holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from svc_fakes import Clock, stage_rank
+
+from service.coordinator import CheckpointCoordinator
+from service.jobs.model import JobRecord
+from service.jobs.service import InvalidRequestError, JobService
+from service.store import MemoryStore
+from worker.checkpoint.commit import report_to_json
+from worker.checkpoint.layout import read_latest
+from worker.checkpoint.verify import verify_checkpoint
+
+SPEC = {
+    "name": "ck",
+    "model": {"name": "mlp"},
+    "data": {"name": "synthetic"},
+    "micro_batch_size": 4,
+    "max_steps": 10,
+    "nodes": "2",
+    "checkpoint": {"retention": {"keep_latest": 2}},
+}
+
+
+class World:
+    def __init__(self, root: Path) -> None:
+        self.clock = Clock()
+        self.jobs = JobService(MemoryStore(clock=self.clock), root, b"k" * 32, clock=self.clock)
+        self.coord = CheckpointCoordinator(self.jobs, clock=self.clock)
+        record, _ = self.jobs.create(json.dumps(SPEC).encode())
+        self.job_id = record.id
+        self.job_dir = Path(record.checkpoint_dir)
+
+    @property
+    def record(self) -> JobRecord:
+        return self.jobs.get(self.job_id)
+
+    def save(self, step: int, *, world_size: int = 2, generation: int = 0) -> list[dict[str, object]]:
+        reports = [
+            stage_rank(
+                self.job_dir, job=self.job_id, step=step, generation=generation, rank=r, world_size=world_size
+            )
+            for r in range(world_size)
+        ]
+        return [self.coord.report(self.record, report_to_json(r).encode()) for r in reports]
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def test_complete_round_is_published_once(world: World) -> None:
+    first, second = world.save(10)
+    assert first["status"] == "pending"
+    assert second["status"] == "published" and second["path"] == str(world.job_dir / "step-00000010")
+    assert read_latest(world.job_dir) == "step-00000010"
+    _, problems = verify_checkpoint(world.job_dir / "step-00000010")
+    assert problems == []
+    assert world.record.last_published_step == 10
+    again = stage_rank(world.job_dir, job=world.job_id, step=10, generation=0, rank=0, world_size=2)
+    assert world.coord.report(world.record, report_to_json(again).encode())["status"] == "published"
+    assert [c["step"] for c in world.coord.published(world.record)] == [10]
+    assert world.coord.outcome(world.record, 10, 0)["published"] is True
+
+
+def test_mismatching_shard_aborts_and_collects_staging(world: World) -> None:
+    r0 = stage_rank(world.job_dir, job=world.job_id, step=5, generation=0, rank=0, world_size=2)
+    r1 = stage_rank(world.job_dir, job=world.job_id, step=5, generation=0, rank=1, world_size=2)
+    with (world.job_dir / ".staging-00000005-0" / "rank-00001.bin").open("ab") as f:
+        f.write(b"x")  # a shard that does not match its report
+    world.coord.report(world.record, report_to_json(r0).encode())
+    outcome = world.coord.report(world.record, report_to_json(r1).encode())
+    assert outcome["status"] == "aborted" and "on disk" in str(outcome["reason"])
+    assert not (world.job_dir / ".staging-00000005-0").exists()
+    assert not (world.job_dir / "step-00000005").exists()
+    assert world.record.last_published_step is None
+
+
+def test_failed_rank_aborts_at_once(world: World) -> None:
+    r0 = stage_rank(world.job_dir, job=world.job_id, step=5, generation=0, rank=0, world_size=2)
+    failed = json.loads(report_to_json(r0))
+    failed.update(ok=False, error="ENOSPC", files={}, pieces=[])
+    outcome = world.coord.report(world.record, json.dumps(failed).encode())
+    assert outcome["status"] == "aborted" and "ENOSPC" in str(outcome["reason"])
+
+
+def test_stale_step_is_refused(world: World) -> None:
+    world.save(20)
+    outcome = world.save(10)[0]
+    assert outcome["status"] == "aborted" and "older than the published step 20" in str(outcome["reason"])
+
+
+@pytest.mark.parametrize("body", [b"{}", b"not json", b'{"step": 1}'])
+def test_malformed_reports_are_invalid_requests(world: World, body: bytes) -> None:
+    with pytest.raises(InvalidRequestError, match="report"):
+        world.coord.report(world.record, body)
+
+
+def test_retention_keeps_the_latest_two(world: World) -> None:
+    for step in (10, 20, 30):
+        world.save(step)
+    assert [c["step"] for c in world.coord.published(world.record)] == [20, 30]
+    assert not (world.job_dir / "step-00000010").exists()
+
+
+def test_resume_answers_newest_and_a_load_plan_for_a_new_world_size(world: World) -> None:
+    assert world.coord.resume(world.record, world_size=None, rank=None)["checkpoint"] is None
+    world.save(10)
+    world.save(20)
+    answer = world.coord.resume(world.record, world_size=1, rank=None)
+    assert answer["checkpoint"]["step"] == 20 and answer["checkpoint"]["reshard"] is True
+    plan = answer["load_plan"]["0"]
+    assert plan["bytes"] == 16 and plan["files"] == ["rank-00000.bin", "rank-00001.bin"]
+    one = world.coord.resume(world.record, world_size=2, rank=1)
+    assert one["load_plan"]["1"]["ops"] and one["checkpoint"]["reshard"] is False
+    with pytest.raises(InvalidRequestError):
+        world.coord.resume(world.record, world_size=2, rank=2)
+
+
+def test_resume_skips_a_checkpoint_whose_shard_was_truncated(world: World) -> None:
+    world.save(10)
+    world.save(20)
+    with (world.job_dir / "step-00000020" / "rank-00000.bin").open("r+b") as f:
+        f.truncate(4)
+    assert world.coord.resume(world.record, world_size=None, rank=None)["checkpoint"]["step"] == 10
+
+
+def test_adopt_records_a_renamed_step_and_collects_dead_staging(world: World, tmp_path: Path) -> None:
+    world.save(10)
+    other = World(tmp_path / "other")  # same storage, a registry that never saw step 10
+    other.job_dir = world.job_dir
+    record = other.record.model_copy(update={"checkpoint_dir": str(world.job_dir)})
+    stage_rank(world.job_dir, job=world.job_id, step=5, generation=0, rank=0, world_size=2)
+    stage_rank(world.job_dir, job=world.job_id, step=15, generation=0, rank=0, world_size=2)
+    other.coord.adopt(record)
+    assert [c["step"] for c in other.coord.published(record)] == [10]
+    assert other.jobs.get(other.job_id).last_published_step == 10
+    assert not (world.job_dir / ".staging-00000005-0").exists()
+    assert (world.job_dir / ".staging-00000015-0").exists()  # may still be published
