@@ -1,0 +1,85 @@
+"""Run the real worker: under torchrun (gloo, CPU) or as one plain process, and read its events."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.stdout.splitlines():
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+    def last(self, name: str) -> dict[str, Any]:
+        found = [e for e in self.events if e["event"] == name]
+        assert found, f"no {name!r} event; stderr tail:\n{self.stderr[-3000:]}"
+        return found[-1]
+
+    def all(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == name]
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.pop("ELASTRAIN_FAILPOINTS", None)
+    env.update(extra or {})
+    return env
+
+
+def write_spec(tmp: Path, spec: dict[str, Any], name: str = "spec.json") -> Path:
+    path = tmp / name
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def torchrun_cmd(nproc: int, spec_path: Path, *, max_restarts: int = 0, module: str = "worker") -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.2",
+        "-m",
+        module,
+        "--config",
+        str(spec_path),
+    ]
+
+
+def run_worker(
+    spec_path: Path,
+    *,
+    nproc: int = 0,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+) -> Run:
+    """nproc=0 runs one plain process (no torchrun)."""
+    if nproc:
+        cmd = torchrun_cmd(nproc, spec_path, max_restarts=max_restarts)
+    else:
+        cmd = [sys.executable, "-m", "worker", "--config", str(spec_path)]
+    proc = subprocess.run(cmd, env=worker_env(env), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return Run(proc.returncode, proc.stdout, proc.stderr)

@@ -1,0 +1,39 @@
+"""What the worker says: JSON lines on stdout for machines, a readable line on stderr for people.
+
+Only rank 0 speaks unless told otherwise. One JSON object per line, always with ``event``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+class Events:
+    def __init__(self, *, enabled: bool, job: str, rank: int) -> None:
+        self.enabled = enabled
+        self.job = job
+        self.rank = rank
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        record = {"event": event, "job": self.job, "time": round(time.time(), 3), **fields}
+        sys.stdout.write(json.dumps(record, sort_keys=False, default=str) + "\n")
+        sys.stdout.flush()
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"[elastrain {self.job}] {text}\n")
+            sys.stderr.flush()
+
+
+def progress_line(
+    *, step: int, max_steps: int, samples: int, loss: float, rate: float, scale: float, skipped: int
+) -> str:
+    return (
+        f"step {step}/{max_steps}  samples {samples}  loss {loss:.5f}  "
+        f"{rate:,.0f} samples/s  loss-scale {scale:g}  skipped {skipped}"
+    )

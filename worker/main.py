@@ -1,0 +1,78 @@
+"""The worker's entry point: validate everything that can be validated, then train.
+
+Bad input (spec, options, batch that cannot be split) is one line on stderr and exit code 2,
+before any process group starts. Under torchrun every rank runs this; outside it, one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+from worker.errors import ElastrainError, SpecError
+
+EXIT_BAD_INPUT = 2
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker", description="Run one elastrain worker.")
+    parser.add_argument("--config", required=True, help="path to the JobSpec JSON")
+    return parser.parse_args(argv)
+
+
+def _resuming(checkpoint_dir: str | None, resume: str) -> bool:
+    if resume == "never":
+        return False
+    if resume != "auto":
+        return True
+    return checkpoint_dir is not None and (Path(checkpoint_dir) / "latest").exists()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    # Imported here so that `--help` and argument errors stay fast.
+    import torch
+
+    from worker import dist
+    from worker.events import Events
+    from worker.spec import load_spec
+    from worker.trainer import Trainer
+
+    try:
+        spec = load_spec(args.config)
+        info = dist.detect(os.environ, backend=spec.ddp.backend, cuda_available=torch.cuda.is_available())
+        events = Events(enabled=info.is_main, job=spec.name, rank=info.rank)
+        trainer = Trainer(
+            spec, info, events=events, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume)
+        )
+    except SpecError as exc:
+        print(f"elastrain worker: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    dist.init_group(info)
+    try:
+        trainer.checkpointer = _checkpointer(spec, info, trainer)
+        trainer.start()
+        trainer.run()
+    except ElastrainError as exc:
+        _die(f"elastrain worker (rank {info.rank}): error: {exc}\n")
+    except BaseException:
+        _die(traceback.format_exc())
+    del trainer  # the DDP reducer holds the group: release it before the group goes
+    dist.shutdown()
+    return 0
+
+
+def _die(message: str) -> NoReturn:
+    """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown)."""
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _checkpointer(spec: object, info: object, trainer: object) -> object:
+    return None

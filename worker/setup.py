@@ -1,0 +1,115 @@
+"""Building a run: seeds and determinism flags, data, model, DDP, optimizer, the run record."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from worker.amp import precision_table
+from worker.dist import DistInfo
+from worker.schedule import BatchPlan
+from worker.spec import JobSpec, OptimizerSpec, spec_json
+
+
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A per-rank stream (dropout and the like) that differs between ranks but not between runs."""
+    digest = hashlib.blake2b(f"{seed}/{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
+def set_determinism(enabled: bool) -> dict[str, Any]:
+    """Deterministic algorithms and the flags that matter; returns what was set for the run record."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = not enabled
+    return {
+        "deterministic": enabled,
+        "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def wrap_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: float) -> DistributedDataParallel:
+    device_ids = [torch.device(info.device).index] if info.device.startswith("cuda") else None
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=True,
+    )
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerSpec) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def spec_hash(spec: JobSpec) -> str:
+    return hashlib.blake2b(spec_json(spec).encode(), digest_size=16).hexdigest()
+
+
+def run_record(
+    spec: JobSpec, info: DistInfo, *, plan: BatchPlan, flags: dict[str, Any], notes: list[str]
+) -> dict[str, Any]:
+    """Everything needed to say how this run computed: versions, world, numerics, the spec."""
+    device = torch.device(info.device)
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "cuda": torch.version.cuda,
+            "platform": platform.platform(),
+        },
+        "device": info.device,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "world_size": info.world_size,
+        "backend": info.backend,
+        "restart_count": info.restart_count,
+        "ddp": {"bucket_cap_mb": spec.ddp.bucket_cap_mb, "gradient_reduction": "mean over ranks (DDP)"},
+        "reduction": "loss = sum of per-sample losses / global sample count of the window",
+        "determinism": flags,
+        "seed": spec.seed,
+        "batch": plan.to_json(),
+        "precision": spec.precision,
+        "precision_table": precision_table(spec.precision, device),
+        "spec": spec.model_dump(mode="json", by_alias=True),
+        "spec_hash": spec_hash(spec),
+        "data_version": spec.data.version,
+        "notes": notes,
+    }
+
+
+def params_digest(model: nn.Module) -> str:
+    """A hash of all parameters' bytes in name order: equal runs give equal digests."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        tensor = tensor.cpu().contiguous()
+        hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        hasher.update(tensor.view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()

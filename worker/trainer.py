@@ -1,0 +1,329 @@
+"""The training loop every rank runs: windows of micro-steps, checkpoints, progress, the finish line."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.amp import DynamicLossScaler, autocast
+from worker.data import Dataset, build_data, loss_sum
+from worker.dist import DistInfo
+from worker.events import Events, progress_line
+from worker.models import build_model
+from worker.monitor import GradMonitor
+from worker.sampler import SamplerState, plan_window, split_evenly
+from worker.schedule import BatchPlan, lr_at, plan_batch
+from worker.setup import (
+    build_optimizer,
+    params_digest,
+    rank_seed,
+    run_record,
+    seed_all,
+    set_determinism,
+    spec_hash,
+    wrap_ddp,
+)
+from worker.spec import JobSpec
+from worker.step import forward_backward, global_sum, optimizer_step
+
+
+@dataclass(slots=True)
+class Progress:
+    """The JSON-able training position that a checkpoint carries besides tensors."""
+
+    step: int = 0
+    samples_seen: int = 0
+    samples_skipped: int = 0
+    sampler: SamplerState = field(default_factory=SamplerState)
+    reference_batch: int | None = None
+    best_metric: float | None = None
+    last_loss: float | None = None
+
+    def to_json(self, scaler: DynamicLossScaler, monitor: GradMonitor, plan: BatchPlan) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "samples_skipped": self.samples_skipped,
+            "epoch": self.sampler.epoch,
+            "sampler": self.sampler.to_json(),
+            "micro_step": 0,  # checkpoints are taken only at optimizer-step boundaries
+            "reference_batch": self.reference_batch,
+            "best_metric": self.best_metric,
+            "last_loss": self.last_loss,
+            "loss_scaler": scaler.state_dict(),
+            "monitor": monitor.state_dict(),
+            "batch_plan": plan.to_json(),
+            "lr_schedule": {"keyed_by": "samples_seen", "samples_seen": self.samples_seen},
+        }
+
+    @staticmethod
+    def from_json(raw: dict[str, Any]) -> Progress:
+        return Progress(
+            step=int(raw["step"]),
+            samples_seen=int(raw["samples_seen"]),
+            samples_skipped=int(raw.get("samples_skipped", 0)),
+            sampler=SamplerState.from_json(raw["sampler"]),
+            reference_batch=raw.get("reference_batch"),
+            best_metric=raw.get("best_metric"),
+            last_loss=raw.get("last_loss"),
+        )
+
+
+class Trainer:
+    """Owns one rank's model, optimizer, scaler and data position for a whole run."""
+
+    def __init__(self, spec: JobSpec, info: DistInfo, *, events: Events, resuming: bool) -> None:
+        self.spec = spec
+        self.info = info
+        self.events = events
+        self.device = torch.device(info.device)
+        self.flags = set_determinism(spec.deterministic)
+        seed_all(spec.seed)  # identical model initialisation on every rank
+        self.data: Dataset = build_data(spec.data, spec.seed, "train")
+        self.eval_data: Dataset | None = (
+            build_data(spec.data, spec.seed, "eval") if spec.data.eval_samples else None
+        )
+        self.model = build_model(spec.model, self.data.meta).to(self.device)
+        self.plan = plan_batch(spec, info.world_size, reference_batch=None, resuming=resuming)
+        self.progress = Progress()
+        self.scaler = DynamicLossScaler(spec.loss_scale, enabled=spec.precision == "fp16")
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        self.monitor = GradMonitor(names, stale_after=spec.monitor.stale_after_steps)
+        self.notes: list[str] = []
+        self.checkpointer: Any = None
+
+    def start(self) -> None:
+        """Create the DDP wrapper and optimizer, resume if a checkpoint says so, reseed per rank."""
+        self.ddp = wrap_ddp(self.model, self.info, bucket_cap_mb=self.spec.ddp.bucket_cap_mb)
+        self.optimizer = build_optimizer(self.model, self.spec.optimizer)
+        seed = rank_seed(self.spec.seed, self.info.rank)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        self._resume()
+        if self.progress.reference_batch is None:
+            self.progress.reference_batch = self.plan.global_batch
+        record = run_record(self.spec, self.info, plan=self.plan, flags=self.flags, notes=self.notes)
+        self.record = record
+        if self.info.is_main:
+            self._write_record(record)
+        self.events.emit("run_record", **record)
+
+    def _resume(self) -> None:
+        if self.checkpointer is None:
+            return
+        restored = self.checkpointer.restore(model=self.model, optimizer=self.optimizer)
+        if restored is None:
+            return
+        raw = restored.progress
+        self.progress = Progress.from_json(raw)
+        self.scaler.load_state_dict(raw["loss_scaler"])
+        self.monitor.load_state_dict(raw["monitor"])
+        self.plan = plan_batch(
+            self.spec, self.info.world_size, reference_batch=self.progress.reference_batch, resuming=True
+        )
+        self.notes.extend(restored.notes)
+        self.notes.append(f"resumed from step {restored.step}: {self.plan.note}")
+        self.events.emit(
+            "resumed",
+            step=restored.step,
+            samples_seen=self.progress.samples_seen,
+            checkpoint=str(restored.path),
+            rng_restored=restored.rng_restored,
+            batch_plan=self.plan.to_json(),
+        )
+
+    def _write_record(self, record: dict[str, Any]) -> None:
+        out = self.spec.checkpoint.dir
+        if out is None:
+            return
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".run-record.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, path / "run-record.json")
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``max_steps``; returns the finished event's fields."""
+        spec, prog = self.spec, self.progress
+        last_log, last_log_samples = time.perf_counter(), prog.samples_seen
+        while prog.step < spec.max_steps:
+            window = plan_window(
+                prog.sampler,
+                dataset_size=len(self.data),
+                world_size=self.info.world_size,
+                micro_batch=self.plan.micro_batch,
+                accum_steps=self.plan.accum_steps,
+            )
+            skipped, local_loss = self._train_window(window)
+            prog.sampler = window.after
+            if skipped:
+                prog.samples_skipped += window.samples
+                self.events.emit("skipped_step", step=prog.step, loss_scale=self.scaler.scale)
+                continue
+            prog.step += 1
+            prog.samples_seen += window.samples
+            final = prog.step == spec.max_steps
+            save = self._want_save(final)
+            if prog.step % spec.log_every_steps == 0 or save or final:
+                prog.last_loss = global_sum([local_loss], self.device)[0] / window.samples
+                now = time.perf_counter()
+                rate = (prog.samples_seen - last_log_samples) / max(now - last_log, 1e-9)
+                last_log, last_log_samples = now, prog.samples_seen
+                self._report(rate)
+            if self._eval_due(final):
+                self._evaluate()
+            if save:
+                self._save()
+        return self._finish()
+
+    def _train_window(self, window: Any) -> tuple[bool, float]:
+        self.ddp.train()
+        scale = self.scaler.scale
+        local_loss, _ = forward_backward(
+            self.ddp,
+            self.data,
+            window,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            seed=self.spec.seed,
+            precision=self.spec.precision,
+            scale=scale,
+            device=self.device,
+        )
+        total = self.spec.max_steps * self.plan.global_batch
+        lr = lr_at(
+            self.progress.samples_seen,
+            base_lr=self.spec.optimizer.lr,
+            factor=self.plan.lr_factor,
+            schedule=self.spec.lr_schedule,
+            total=total,
+        )
+        skipped = optimizer_step(
+            self.model,
+            self.optimizer,
+            self.scaler,
+            lr=lr,
+            clip=self.spec.optimizer.grad_clip_norm,
+            on_grads=self._observe_grads,
+        )
+        return skipped, local_loss
+
+    def _observe_grads(self, grads: list[torch.Tensor | None]) -> None:
+        self.monitor.observe(grads)
+        step = self.progress.step + 1
+        if step % self.spec.monitor.every_steps == 0:
+            stats = self.monitor.measure(grads)
+            self.events.emit(
+                "grad_stats",
+                step=step,
+                zero_fraction=stats.zero_fraction,
+                min_nonzero=stats.min_nonzero,
+                stale_params=list(stats.stale_params),
+            )
+
+    def _want_save(self, final: bool) -> bool:
+        if self.checkpointer is None:
+            return False
+        if final:
+            return True
+        want = float(self.checkpointer.should_save(self.progress.step, now=time.time()))
+        if self.spec.checkpoint.interval_steps is None:
+            # Time-based policies read local clocks: agree, or ranks would diverge on a collective.
+            want = global_sum([want], self.device)[0]
+        return want > 0
+
+    def _report(self, rate: float) -> None:
+        prog = self.progress
+        line = progress_line(
+            step=prog.step,
+            max_steps=self.spec.max_steps,
+            samples=prog.samples_seen,
+            loss=prog.last_loss or 0.0,
+            rate=rate,
+            scale=self.scaler.scale,
+            skipped=self.scaler.state.skipped_total,
+        )
+        self.events.say(line)
+        self.events.emit(
+            "progress",
+            step=prog.step,
+            samples_seen=prog.samples_seen,
+            loss=prog.last_loss,
+            samples_per_second=rate,
+            loss_scale=self.scaler.scale,
+            skipped_steps=self.scaler.state.skipped_total,
+            epoch=prog.sampler.epoch,
+            world_size=self.info.world_size,
+        )
+
+    def _eval_due(self, final: bool) -> bool:
+        every = self.spec.eval.every_steps
+        return self.eval_data is not None and (
+            final or (every is not None and self.progress.step % every == 0)
+        )
+
+    def _evaluate(self) -> None:
+        """Each eval sample counted once: ranks take disjoint slices, no padding duplicates."""
+        assert self.eval_data is not None
+        lo, hi = split_evenly(0, len(self.eval_data), self.info.world_size)[self.info.rank]
+        self.model.eval()
+        total = 0.0
+        with torch.no_grad():
+            if hi > lo:
+                x, y = self.eval_data.batch(np.arange(lo, hi))
+                with autocast(self.spec.precision, self.device):
+                    out = self.model(x.to(self.device))
+                total = float(loss_sum(self.eval_data.task, out, y.to(self.device)))
+        summed, count = global_sum([total, float(hi - lo)], self.device)
+        self.model.train()
+        value = summed / count
+        best = self.progress.best_metric
+        if best is None or value < best:
+            self.progress.best_metric = value
+        self.events.emit("eval", step=self.progress.step, loss=value, samples=int(count))
+
+    def _save(self) -> None:
+        metric = self.progress.best_metric if self.eval_data is not None else self.progress.last_loss
+        if self.eval_data is None and metric is not None:
+            best = self.progress.best_metric
+            self.progress.best_metric = metric if best is None else min(best, metric)
+        progress = self.progress.to_json(self.scaler, self.monitor, self.plan)
+        progress["spec_hash"] = spec_hash(self.spec)
+        progress["data_version"] = self.spec.data.version
+        metrics = {"loss": metric} if metric is not None else {}
+        self.checkpointer.save(
+            step=self.progress.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            progress=progress,
+            metrics=metrics,
+        )
+
+    def _finish(self) -> dict[str, Any]:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        digest = params_digest(self.model)
+        rank_digests: list[Any] = [None] * self.info.world_size
+        torch.distributed.all_gather_object(rank_digests, digest)
+        fields = {
+            "step": self.progress.step,
+            "samples_seen": self.progress.samples_seen,
+            "samples_skipped": self.progress.samples_skipped,
+            "skipped_steps": self.scaler.state.skipped_total,
+            "loss": self.progress.last_loss,
+            "loss_scale": self.scaler.scale,
+            "world_size": self.info.world_size,
+            "params_digest": digest,
+            "rank_params_digests": rank_digests,
+        }
+        self.events.emit("finished", **fields)
+        return fields
