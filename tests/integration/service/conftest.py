@@ -1,10 +1,14 @@
-"""Fixtures for the control plane's integration tests: one real etcd per session."""
+"""Fixtures for the control plane's integration tests: real etcd, the real service in a
+subprocess (uvicorn on a free port) with a file-backed fake scheduler, an httpx client."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from svc_process import ServiceProcess
 
 from service.etcd_server import EtcdServer
 
@@ -25,4 +29,23 @@ def etcd_endpoint(etcd_server: EtcdServer) -> str:
 @pytest.fixture
 def etcd_prefix(request: pytest.FixtureRequest) -> str:
     """A key prefix unique to the test, so tests sharing the session etcd never collide."""
-    return f"/test/{request.node.name}/{id(request)}"
+    return f"/test/{request.node.name}/{time.time_ns()}"
+
+
+@pytest.fixture
+def fresh_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """An etcd of the test's own (the service's keys are global)."""
+    with EtcdServer(tmp_path / "etcd") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """One service (and its own etcd) shared by a module's tests."""
+    workdir = tmp_path_factory.mktemp("service")
+    with EtcdServer(workdir / "etcd") as etcd:
+        proc = ServiceProcess(workdir, etcd=etcd.endpoint).start()
+        try:
+            yield proc
+        finally:
+            proc.stop()

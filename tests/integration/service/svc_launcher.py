@@ -1,0 +1,67 @@
+"""Run ``elastrain serve`` with a file-backed fake scheduler (a separate process, so tests can
+``kill -9`` it). The scheduler keeps everything in ``--nodes-dir``: ``<launch id>.json`` per
+launch (with the env it was given), one line per launch in ``launches.log``, and the status a
+test sets in ``<launch id>.status`` (running until then)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from service.reconciler import SchedulerStatus
+from service.server import serve
+from service.settings import load_settings
+from worker.spec import JobSpec
+
+
+class FileScheduler:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def launch(
+        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
+    ) -> str:
+        record = self.dir / f"{launch_id}.json"
+        if not record.exists():  # idempotent per launch id
+            record.write_text(json.dumps({"job": job_id, "node": node_index, "env": dict(env)}))
+            with (self.dir / "launches.log").open("a") as log:
+                log.write(launch_id + "\n")
+        return f"file://{launch_id}"
+
+    def status(self, handle: str) -> SchedulerStatus:
+        launch_id = handle.removeprefix("file://")
+        if not (self.dir / f"{launch_id}.json").exists():
+            return SchedulerStatus("unknown")
+        try:
+            raw = json.loads((self.dir / f"{launch_id}.status").read_text())
+        except (OSError, ValueError):
+            return SchedulerStatus("running")
+        return SchedulerStatus(raw["state"], raw.get("exit_code"))
+
+    def cancel(self, handle: str) -> None:
+        launch_id = handle.removeprefix("file://")
+        if self.status(handle).state == "running":
+            (self.dir / f"{launch_id}.status").write_text(json.dumps({"state": "failed", "exit_code": -15}))
+        with (self.dir / "cancels.log").open("a") as log:
+            log.write(launch_id + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--etcd", default="")
+    parser.add_argument("--nodes-dir", required=True)
+    args = parser.parse_args()
+    settings = load_settings(
+        port=args.port, data_dir=args.data_dir, etcd=args.etcd, reconcile_interval_s=0.2, leader_ttl_s=3
+    )
+    return serve(settings, scheduler=FileScheduler(Path(args.nodes_dir)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

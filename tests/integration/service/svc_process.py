@@ -1,0 +1,102 @@
+"""Helpers for the control plane's integration tests: the real service (``svc_launcher.py``,
+uvicorn on a free port, file-backed fake scheduler) as a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.etcd_server import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+LAUNCHER = Path(__file__).with_name("svc_launcher.py")
+
+
+class ServiceProcess:
+    """``elastrain serve`` (with the fake scheduler) as a child process."""
+
+    def __init__(self, workdir: Path, *, etcd: str) -> None:
+        self.workdir = workdir
+        self.etcd = etcd
+        self.port = free_port()
+        self.data_dir = workdir / "data"
+        self.nodes_dir = workdir / "nodes"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> ServiceProcess:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("ELASTRAIN_API_TOKEN", None)
+        cmd = [sys.executable, str(LAUNCHER), "--port", str(self.port), "--data-dir", str(self.data_dir)]
+        cmd += ["--etcd", self.etcd, "--nodes-dir", str(self.nodes_dir)]
+        log = open(self.workdir / "service.log", "ab")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"service exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"service not ready in {timeout_s}s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        return (self.workdir / "service.log").read_text(errors="replace")[-2000:]
+
+    @property
+    def token(self) -> str:
+        return (self.data_dir / "api-token").read_text().strip()
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=30)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    # -- the fake scheduler's files --
+    def launches(self) -> list[str]:
+        path = self.nodes_dir / "launches.log"
+        return path.read_text().split() if path.exists() else []
+
+    def launch_env(self, launch_id: str) -> dict[str, str]:
+        env: dict[str, str] = json.loads((self.nodes_dir / f"{launch_id}.json").read_text())["env"]
+        return env
+
+    def set_status(self, launch_id: str, state: str, exit_code: int | None = None) -> None:
+        (self.nodes_dir / f"{launch_id}.status").write_text(
+            json.dumps({"state": state, "exit_code": exit_code})
+        )
+
+
+def wait_for(check: Any, *, timeout_s: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
