@@ -251,7 +251,12 @@ class TorchXScheduler:
             self._torchx_state(torchx_handle)  # reaps our child if it has exited
         if _alive(pid, node_dir):
             log.warning("node %s ignored SIGTERM for %.0fs; sending SIGKILL", node_dir, self._cancel_grace_s)
+            # torchrun's workers run in sessions of their own: kill them by ancestry, not by group.
+            workers = _descendants(pid)
             _signal_group(pgid, signal.SIGKILL)
+            for child in workers:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, signal.SIGKILL)
 
     def _cancel_kubernetes(self, handle: str) -> None:
         try:
@@ -281,6 +286,27 @@ def _create_keeping_signal_handlers(runner: Runner, scheduler: str) -> None:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int(
+                (entry / "stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()[1]
+            )
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _float(text: str) -> float:

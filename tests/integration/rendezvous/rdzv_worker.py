@@ -4,12 +4,14 @@ Each step appends one JSON line to ``$RDZV_TEST_OUT`` (pid, node, rank, world si
 count, time), so a test can see which world formed, kill a worker by pid, and measure how long
 the group took to come back. The group stops together at the first step after
 ``$RDZV_TEST_STOP`` exists (the flag is all-reduced so every rank stops at the same step).
+``RDZV_TEST_IGNORE_SIGTERM=1`` makes it ignore SIGTERM (to test a cancel's SIGKILL escalation).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import torch
@@ -31,6 +33,8 @@ def record(path: str, event: str, **fields: object) -> None:
 
 def main() -> None:
     out, stop = os.environ["RDZV_TEST_OUT"], os.environ["RDZV_TEST_STOP"]
+    if os.environ.get("RDZV_TEST_IGNORE_SIGTERM") == "1":  # a worker stuck past a cancel
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(int(os.environ.get("RDZV_TEST_MAX_STEPS", "3000"))):

@@ -160,3 +160,33 @@ def _parent(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_cancel_kills_a_node_whose_worker_ignores_sigterm(
+    settings: SchedulerSettings, agent_env: dict[str, str], tmp_path: Path
+) -> None:
+    sched = TorchXScheduler(settings, cancel_grace_s=2.0)
+    try:
+        job = Job(sched, tmp_path, agent_env)
+        job.env["RDZV_TEST_IGNORE_SIGTERM"] = "1"
+        handle = sched.launch(job.id, tiny_spec("1"), 0, job.env)
+        job.wait("the node to train", lambda: job.worlds() == {1}, [handle])
+        worker = job.events()[-1]["pid"]
+
+        sched.cancel(handle)
+        job.wait(
+            "the node to be killed", lambda: sched.status(handle).state != "running", [handle], timeout=60
+        )
+        assert sched.status(handle).state == "failed"
+        job.wait("the stuck worker to be killed", lambda: not _running(worker), [handle], 30)
+    finally:
+        sched.close()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may linger until init reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
