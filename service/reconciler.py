@@ -219,6 +219,7 @@ class Reconciler:
                 if not self.jobs.store.commit([], fence=fence):
                     raise NotLeaderError("this service is no longer the leader")
                 return stored  # lost a race with an API write: the next pass decides again
+            self.jobs.on_change(job_id)
         for action in decision.actions:
             if isinstance(action, Launch):
                 self._launch(decision.job, action.node, fence)

@@ -178,7 +178,7 @@ def serve(settings: Settings, *, scheduler: Any = None) -> int:
         app, reconciler = build_app(settings, endpoints, scheduler=scheduler)
         log.info("serving on %s (checkpoints under %s)", settings.service_url, settings.checkpoint_root)
         config = uvicorn.Config(
-            app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+            app, host=settings.host, port=settings.port, log_level="warning", access_log=False, lifespan="on"
         )
         try:
             uvicorn.Server(config).run()

@@ -51,7 +51,7 @@ def create_app(
         description="Fault-tolerant elastic training: jobs, scaling, checkpoints.",
         lifespan=lifespan,
     )
-    app.state.ctx = Context(
+    ctx = app.state.ctx = Context(
         settings=settings,
         jobs=service,
         metrics=metrics,
@@ -60,6 +60,7 @@ def create_app(
         coordinator=coordinator,
         extra={"leader": leader},
     )
+    service.on_change = ctx.views.drop
     errors.install(app, on_error=lambda code: metrics.errors.labels(code).inc())
     app.include_router(job_routes.router)
     app.include_router(workers.router)

@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from service.api.auth import Principal, authorize, bearer
 from service.api.errors import ApiError
 from service.api.metrics import Metrics
+from service.jobs.cache import TTLCache
 from service.jobs.service import JobService
 from service.settings import Settings
 
@@ -24,10 +25,14 @@ class Context:
     api_token_hash: str
     scheduler: Any = None
     coordinator: Any = None
+    views: TTLCache[bytes] = field(default_factory=lambda: TTLCache[bytes](0.5))
+    """Rendered GET /v1/jobs/{id} bodies; dropped on every write this instance makes."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def get_context(request: Request) -> Context:
+# Dependencies are ``async def`` on purpose: they do no I/O, and FastAPI would run plain
+# ``def`` dependencies in the thread pool (a thread hop per request on the hot GET path).
+async def get_context(request: Request) -> Context:
     ctx: Context = request.app.state.ctx
     return ctx
 
@@ -48,11 +53,11 @@ def _check(request: Request, ctx: Context, *, job_id: str | None, worker_route: 
     return decision.principal
 
 
-def require_api(request: Request, ctx: ContextDep) -> Principal:
+async def require_api(request: Request, ctx: ContextDep) -> Principal:
     return _check(request, ctx, job_id=None, worker_route=False)
 
 
-def require_worker(job_id: str, request: Request, ctx: ContextDep) -> Principal:
+async def require_worker(job_id: str, request: Request, ctx: ContextDep) -> Principal:
     """The API token, or the worker token of the job in the path."""
     return _check(request, ctx, job_id=job_id, worker_route=True)
 

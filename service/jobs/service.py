@@ -62,6 +62,8 @@ class JobService:
     storage_root: Path
     secret: bytes
     clock: Callable[[], float] = field(default=time.time)
+    on_change: Callable[[str], None] = field(default=lambda job_id: None)
+    """Called with the job id after every write to a job or its progress (cache invalidation)."""
 
     # ------------------------------------------------------------------ reads
 
@@ -118,6 +120,7 @@ class JobService:
             if idempotency_key is not None:
                 writes.append(Write(keys.idempotency(idempotency_key), record.id.encode(), 0))
             if self.store.commit(writes):
+                self.on_change(record.id)
                 return record, True
         raise ConflictError("could not store the job after repeated races; retry the request")
 
@@ -171,6 +174,7 @@ class JobService:
             if changed == record:
                 return record
             if self.store.commit([Write(keys.job(job_id), changed.to_json(), revision)], fence=fence):
+                self.on_change(job_id)
                 return changed
             if fence is not None and not self.store.commit([], fence=fence):
                 raise NotLeaderError("this service is no longer the leader; its write was refused")
@@ -187,6 +191,7 @@ class JobService:
 
     def report_progress(self, job: JobRecord, progress: Progress) -> None:
         self.store.put(keys.progress(job.id), progress.model_dump_json().encode())
+        self.on_change(job.id)
         if job.state in (JobState.RECOVERING, JobState.RESCALING) and job.groups_formed:
             self.update(job.id, lambda r: first_step_done(r, progress.step, self.clock()))
 

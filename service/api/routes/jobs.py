@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import ContextDep, require_api
+from service.api.deps import Context, ContextDep, require_api
 from service.api.errors import ApiError
 from service.api.schemas import JobList, JobPublic, ScaleRequest, public, summary
 from service.jobs.model import JobState
@@ -77,9 +77,19 @@ def list_jobs(
 
 
 @router.get("/jobs/{job_id}", response_model=JobPublic, responses=_ERRORS)
-def get_job(job_id: str, ctx: ContextDep) -> JobPublic:
-    record = ctx.jobs.get(job_id)
-    return public(record, ctx.jobs.progress(job_id))
+async def get_job(job_id: str, ctx: ContextDep) -> Response:
+    """State, world size, nodes, restarts, last published step, progress, recent events.
+    Served from a short-lived cache that this instance's own writes invalidate."""
+    body = ctx.views.get(job_id)
+    if body is None:
+        body = await run_in_threadpool(_render, ctx, job_id)
+    return Response(body, media_type="application/json")
+
+
+def _render(ctx: Context, job_id: str) -> bytes:
+    body = public(ctx.jobs.get(job_id), ctx.jobs.progress(job_id)).model_dump_json().encode()
+    ctx.views.put(job_id, body)
+    return body
 
 
 @router.post("/jobs/{job_id}/scale", status_code=202, response_model=JobPublic, responses=_ERRORS)

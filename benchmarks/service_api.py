@@ -1,0 +1,182 @@
+"""Control-plane load: ``GET /v1/jobs/{id}`` throughput and latency, and 100 concurrent
+submissions with one Idempotency-Key.
+
+``python -m benchmarks.service_api [--seconds 10] [--concurrency 16] [--rate 1000]`` starts
+``elastrain serve`` (embedded etcd, a scheduler that launches nothing) in a child process on a
+free port, submits one job, then drives GET requests over keep-alive connections: once as fast
+as possible (the ceiling), once paced at ``--rate`` (the target: sustained >= 1000 req/s with
+p99 < 50 ms). Prints requests/s, p50/p99 latency and ratios to the target, then the result of
+100 concurrent submissions with one Idempotency-Key. The client shares the machine's cores with
+the service, so the numbers are a floor. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = {
+    "name": "bench",
+    "model": {"name": "mlp"},
+    "data": {"name": "synthetic"},
+    "micro_batch_size": 8,
+    "max_steps": 100,
+    "nodes": "1:4",
+}
+
+
+class IdleScheduler:
+    """Launches nothing; every node reports running."""
+
+    def launch(
+        self, job_id: str, spec: Any, node_index: int, env: Mapping[str, str], *, launch_id: str
+    ) -> str:
+        return f"idle://{launch_id}"
+
+    def status(self, handle: str) -> Any:
+        from service.reconciler import SchedulerStatus
+
+        return SchedulerStatus("running")
+
+    def cancel(self, handle: str) -> None:
+        return None
+
+
+def serve(port: int, data_dir: str) -> int:
+    from service.server import serve as run
+    from service.settings import load_settings
+
+    return run(load_settings(port=port, data_dir=data_dir), scheduler=IdleScheduler())
+
+
+def start_service(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    from service.etcd_server import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("ELASTRAIN_API_TOKEN", None)
+    cmd = [sys.executable, "-m", "benchmarks.service_api", "--serve", str(port), "--data-dir", str(workdir)]
+    log = open(workdir / "service.log", "wb")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return proc, url, (workdir / "api-token").read_text().strip()
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"service did not start: {(workdir / 'service.log').read_text()[-2000:]}")
+
+
+async def hammer(
+    url: str, headers: dict[str, str], seconds: float, concurrency: int, rate: float = 0.0
+) -> list[float]:
+    """GET ``url`` over ``concurrency`` keep-alive connections for ``seconds``; latencies in s.
+    With ``rate`` the requests are paced to that many per second in total, and each latency
+    counts from the request's scheduled time (so queueing behind a slow one is not hidden).
+
+    A minimal HTTP/1.1 client on asyncio streams: a full client library costs more CPU per
+    request than the service does, and it shares the same cores.
+    """
+    parts = urlsplit(url)
+    head = f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    request = head.encode()
+    latencies: list[float] = []
+    errors = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker(index: int) -> None:
+        nonlocal errors
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        period = concurrency / rate if rate else 0.0
+        next_at = time.perf_counter() + index * period / concurrency
+        try:
+            while time.perf_counter() < stop:
+                if period:
+                    await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+                    t0, next_at = next_at, next_at + period
+                else:
+                    t0 = time.perf_counter()
+                writer.write(request)
+                status_and_headers = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in status_and_headers.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                await reader.readexactly(length)
+                latencies.append(time.perf_counter() - t0)
+                errors += not status_and_headers.startswith(b"HTTP/1.1 200")
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    if errors:
+        print(f"  {errors} non-200 responses")
+    return latencies
+
+
+async def idempotent_submits(url: str, token: str, n: int) -> tuple[int, int]:
+    headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": f"bench-{time.time_ns()}"}
+    async with httpx.AsyncClient(headers=headers, timeout=60) as client:
+        responses = await asyncio.gather(*(client.post(f"{url}/v1/jobs", json=SPEC) for _ in range(n)))
+    ids = {r.json()["id"] for r in responses if r.status_code in (200, 201)}
+    return len(ids), sum(r.status_code == 201 for r in responses)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=1000.0, help="paced run: requests per second")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        return serve(args.serve, args.data_dir)
+    with tempfile.TemporaryDirectory(prefix="elastrain-bench-") as tmp:
+        proc, url, token = start_service(Path(tmp))
+        try:
+            headers = {"Authorization": f"Bearer {token}"}
+            job = httpx.post(f"{url}/v1/jobs", json=SPEC, headers=headers, timeout=30).json()
+            target = f"{url}/v1/jobs/{job['id']}"
+            asyncio.run(hammer(target, headers, 1.0, args.concurrency))  # warm up
+            for rate in (0.0, args.rate):
+                lat = asyncio.run(hammer(target, headers, args.seconds, args.concurrency, rate))
+                achieved = len(lat) / args.seconds
+                p50, p99 = statistics.median(lat) * 1e3, statistics.quantiles(lat, n=100)[98] * 1e3
+                how = f"paced at {rate:,.0f}/s" if rate else "as fast as possible"
+                print(
+                    f"GET /v1/jobs/{{id}} {how}: {achieved:,.0f} req/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms "
+                    f"({args.concurrency} connections; {os.cpu_count()} cores shared with the client)"
+                )
+                print(
+                    f"  vs target (>= 1000 req/s, p99 < 50 ms): "
+                    f"{achieved / 1000:.2f}x rate, {p99 / 50:.2f}x p99"
+                )
+            jobs, created = asyncio.run(idempotent_submits(url, token, 100))
+            print(f"100 concurrent submissions, one Idempotency-Key: {jobs} job(s), {created} answered 201")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

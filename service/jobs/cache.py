@@ -1,0 +1,44 @@
+"""A tiny time-bounded cache for hot reads (``GET /v1/jobs/{id}``).
+
+Entries live ``ttl_s`` seconds; the service drops an entry as soon as it writes the job itself,
+so a client reads its own writes, and changes made by another instance show within ``ttl_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+class TTLCache(Generic[V]):
+    def __init__(
+        self, ttl_s: float, *, max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ):
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._data: dict[str, tuple[float, V]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> V | None:
+        item = self._data.get(key)
+        if item is None or item[0] < self._clock():
+            return None
+        return item[1]
+
+    def put(self, key: str, value: V) -> None:
+        with self._lock:
+            if len(self._data) >= self.max_entries:
+                now = self._clock()
+                self._data = {k: v for k, v in self._data.items() if v[0] >= now}
+                if len(self._data) >= self.max_entries:
+                    self._data.clear()
+            self._data[key] = (self._clock() + self.ttl_s, value)
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
