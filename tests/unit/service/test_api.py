@@ -13,9 +13,14 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
+from svc_fakes import stage_rank
+
 from service.api.app import create_app
+from service.coordinator import CheckpointCoordinator
+from service.jobs.service import JobService
 from service.settings import load_settings
 from service.store import MemoryStore
+from worker.checkpoint.commit import report_to_json
 
 TOKEN = "t" * 32
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -199,3 +204,29 @@ def test_openapi_documents_the_spec_body(client: TestClient) -> None:
     body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/JobSpec"}
     assert "ModelSpec" in schema["components"]["schemas"]
+
+
+def test_checkpoint_reports_publish_and_show_in_checkpoints_and_resume(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path)
+    store = MemoryStore()
+    jobs = JobService(store, settings.checkpoint_root, b"k" * 32)
+    app = create_app(settings, store, api_token=TOKEN, jobs=jobs, coordinator=CheckpointCoordinator(jobs))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        job = submit(client, SPEC | {"nodes": "2"})
+        worker = {"Authorization": f"Bearer {jobs.worker_token(job['id'])}"}
+        base = f"/v1/jobs/{job['id']}"
+        job_dir = Path(job["checkpoint_dir"])
+        outcomes = []
+        for rank in (0, 1):
+            report = stage_rank(job_dir, job=job["id"], step=8, generation=0, rank=rank, world_size=2)
+            resp = client.post(f"{base}/workers/checkpoints", content=report_to_json(report), headers=worker)
+            assert resp.status_code == 200, resp.text
+            outcomes.append(resp.json()["status"])
+        assert outcomes == ["pending", "published"]
+        assert client.get(f"{base}/workers/checkpoints/8?generation=0", headers=worker).json()["published"]
+        listed = client.get(f"{base}/checkpoints", headers=AUTH).json()["checkpoints"]
+        assert [(c["step"], c["world_size"], c["verified"]) for c in listed] == [(8, 2, True)]
+        resume = client.get(f"{base}/resume?world_size=3", headers=worker).json()
+        assert resume["checkpoint"]["step"] == 8 and sorted(resume["load_plan"]) == ["0", "1", "2"]
+        assert client.get(base, headers=AUTH).json()["last_published_step"] == 8
+        assert error(client.get(f"{base}/resume?world_size=0", headers=worker), 422)["field"] == "world_size"

@@ -181,3 +181,24 @@ def test_validation_errors_name_fields_and_malformed_json_is_400() -> None:
     assert (err.status, err.field) == (422, "nodes")
     assert "whole number" in err.message
     assert from_validation([{"type": "json_invalid", "loc": ("body", 1), "msg": "x"}]).status == 400
+
+
+def test_status_line_shows_progress_and_placeholders() -> None:
+    from service.cli.jobs import status_line
+
+    line = status_line(
+        {
+            "state": "RUNNING",
+            "step": 40,
+            "samples_per_s": 123.456,
+            "loss": 0.123456,
+            "world_size": 4,
+            "desired_nodes": 2,
+            "last_published_step": 30,
+            "restarts": 1,
+        }
+    )
+    expected = "RUNNING step 40 123.5 samples/s loss 0.1235 world 4 nodes 2 ckpt 30 restarts 1"
+    assert " ".join(line.split()) == expected
+    empty = status_line({"state": "PENDING", "desired_nodes": 1})
+    assert "step -" in empty and "ckpt -" in empty and "restarts 0" in empty
