@@ -11,9 +11,15 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from worker.errors import ElastrainError, SpecError
+
+if TYPE_CHECKING:
+    from worker.checkpoint import Checkpointer
+    from worker.dist import DistInfo
+    from worker.events import Events
+    from worker.spec import JobSpec
 
 EXIT_BAD_INPUT = 2
 
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     dist.init_group(info)
     try:
-        trainer.checkpointer = _checkpointer(spec, info, trainer)
+        trainer.checkpointer = _checkpointer(spec, info, events)
         trainer.start()
         trainer.run()
     except ElastrainError as exc:
@@ -74,5 +80,23 @@ def _die(message: str) -> NoReturn:
     os._exit(1)
 
 
-def _checkpointer(spec: object, info: object, trainer: object) -> object:
-    return None
+def _checkpointer(spec: JobSpec, info: DistInfo, events: Events) -> Checkpointer | None:
+    """The job's checkpointer, or None when the spec has no checkpoint directory."""
+    if spec.checkpoint.dir is None:
+        return None
+    from worker.checkpoint import Checkpointer
+    from worker.setup import spec_hash
+
+    return Checkpointer(
+        spec.checkpoint,
+        job=os.environ.get("ELASTRAIN_JOB_ID", spec.name),
+        spec_hash=spec_hash(spec),
+        data_version=spec.data.version,
+        rank=info.rank,
+        world_size=info.world_size,
+        generation=info.restart_count,
+        parallelism=spec.parallelism,
+        seed=spec.seed,
+        run_record={},
+        on_event=lambda name, fields: events.emit(name, **fields),
+    )

@@ -19,7 +19,7 @@ from worker.dist import DistInfo
 from worker.events import Events, progress_line
 from worker.models import build_model
 from worker.monitor import GradMonitor
-from worker.sampler import SamplerState, plan_window, split_evenly
+from worker.sampler import SamplerState, Window, indices, plan_window, split_evenly
 from worker.schedule import BatchPlan, lr_at, plan_batch
 from worker.setup import (
     build_optimizer,
@@ -99,6 +99,10 @@ class Trainer:
         self.monitor = GradMonitor(names, stale_after=spec.monitor.stale_after_steps)
         self.notes: list[str] = []
         self.checkpointer: Any = None
+        trace_dir = os.environ.get("ELASTRAIN_TRACE_SAMPLES")
+        self.trace = (
+            Path(trace_dir) / f"rank-{info.rank}-attempt-{info.restart_count}.jsonl" if trace_dir else None
+        )
 
     def start(self) -> None:
         """Create the DDP wrapper and optimizer, resume if a checkpoint says so, reseed per rank."""
@@ -113,6 +117,8 @@ class Trainer:
             self.progress.reference_batch = self.plan.global_batch
         record = run_record(self.spec, self.info, plan=self.plan, flags=self.flags, notes=self.notes)
         self.record = record
+        if self.checkpointer is not None:
+            self.checkpointer.run_record = record
         if self.info.is_main:
             self._write_record(record)
         self.events.emit("run_record", **record)
@@ -164,6 +170,8 @@ class Trainer:
                 accum_steps=self.plan.accum_steps,
             )
             skipped, local_loss = self._train_window(window)
+            if self.trace is not None:
+                self._trace(window)
             prog.sampler = window.after
             if skipped:
                 prog.samples_skipped += window.samples
@@ -185,7 +193,7 @@ class Trainer:
                 self._save()
         return self._finish()
 
-    def _train_window(self, window: Any) -> tuple[bool, float]:
+    def _train_window(self, window: Window) -> tuple[bool, float]:
         self.ddp.train()
         scale = self.scaler.scale
         local_loss, _ = forward_backward(
@@ -216,6 +224,19 @@ class Trainer:
             on_grads=self._observe_grads,
         )
         return skipped, local_loss
+
+    def _trace(self, window: Window) -> None:
+        """Debug aid (ELASTRAIN_TRACE_SAMPLES=DIR): the dataset indices this rank consumed."""
+        assert self.trace is not None
+        consumed: list[int] = []
+        for micro in window.micro_steps:
+            consumed += indices(
+                self.spec.seed, window.epoch, len(self.data), micro.bounds[self.info.rank]
+            ).tolist()
+        with self.trace.open("a") as out:
+            out.write(
+                json.dumps({"step": self.progress.step, "epoch": window.epoch, "indices": consumed}) + "\n"
+            )
 
     def _observe_grads(self, grads: list[torch.Tensor | None]) -> None:
         self.monitor.observe(grads)
