@@ -1,0 +1,396 @@
+"""What a training run achieved and what its failures and checkpoints cost, from its run directory.
+
+Run directory layout (a worker's ``checkpoint.dir``; for a service job ``record.checkpoint_dir``)::
+
+    events.jsonl          rank 0's JSON-line events, appended by every attempt (torchrun
+                          restart, rescale, rerun); lines that are not JSON objects are skipped
+    run-record.json       the newest attempt's run record (versions, precision table, spec)
+    step-<8 digits>/manifest.json   published checkpoints
+
+Events used (all optional but ``progress``): ``progress`` (step, samples_seen, loss,
+samples_per_second, world_size; and, from :meth:`worker.metrics.WorkerMetrics.progress_fields`,
+``step_seconds`` list, ``data_wait_seconds``, ``comm_exposed_seconds``, ``tokens``,
+``peak_memory_bytes``), ``started``, ``group_formed``, ``checkpoint_restored``, ``resumed``,
+``run_record``, ``first_step``, ``skipped_step``, ``checkpoint_published``,
+``checkpoint_aborted``, ``finished``. Everything here is pure except :func:`load_run`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from service.observability import goodput, recovery_phases
+from worker.errors import ElastrainError
+
+EVENTS_FILE = "events.jsonl"
+RUN_RECORD_FILE = "run-record.json"
+# An attempt begins with these; training events end the beginning.
+_START = {
+    *("started", "group_formed", "checkpoint_orphans_collected", "checkpoint_none_to_resume"),
+    *("checkpoint_refused", "checkpoint_set_aside", "checkpoint_restored", "resumed", "run_record"),
+}
+_TRAIN = {
+    *("progress", "first_step", "skipped_step", "grad_stats", "eval", "checkpoint_published"),
+    *("checkpoint_aborted", "checkpoint_retention_deleted", "finished"),
+}
+_STEP_DONE = ("progress", "first_step", "skipped_step")
+
+
+class ReportError(ElastrainError):
+    """The run directory cannot be read as a run (the message says what is missing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One run directory as read from disk."""
+
+    path: str
+    events: list[dict[str, Any]]
+    run_record: dict[str, Any] | None = None
+    manifests: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load_run(path: str | Path) -> Run:
+    """Read a run directory (or a bare events file). Raises :class:`ReportError`."""
+    p = Path(path)
+    events_path = p / EVENTS_FILE if p.is_dir() else p
+    if not events_path.is_file():
+        raise ReportError(
+            f"{events_path} does not exist: a run directory holds the worker's events as {EVENTS_FILE} "
+            "(rank 0's stdout JSON lines)"
+        )
+    events = parse_events(events_path.read_text(encoding="utf-8", errors="replace").splitlines())
+    root = events_path.parent
+    record = None
+    if (root / RUN_RECORD_FILE).is_file():
+        record = json.loads((root / RUN_RECORD_FILE).read_text())
+    manifests = []
+    for manifest in sorted(root.glob("step-*/manifest.json")):
+        try:
+            manifests.append(json.loads(manifest.read_text()))
+        except (OSError, ValueError):
+            continue
+    return Run(str(p), events, record, manifests)
+
+
+def parse_events(lines: Iterable[str]) -> list[dict[str, Any]]:
+    out = []
+    for line in lines:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "event" in event and isinstance(event.get("time"), int | float):
+            out.append(event)
+    return out
+
+
+def split_attempts(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Group events by attempt (one process group lifetime): a start event after training
+    events, or a start event seen twice, begins the next attempt."""
+    attempts: list[list[dict[str, Any]]] = []
+    current: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for event in events:
+        name = event["event"]
+        if name in _START and (names & _TRAIN or name in names):
+            attempts.append(current)
+            current, names = [], set()
+        current.append(event)
+        names.add(name)
+    if current:
+        attempts.append(current)
+    return attempts
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class Attempt:
+    events: list[dict[str, Any]]
+    start: float = 0.0
+    end: float = 0.0
+    world_size: int | None = None
+    resumed_step: int = 0
+    last_step: int = 0
+    finished: bool = False
+    progress: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, events: list[dict[str, Any]]) -> Attempt:
+        a = cls(events, start=events[0]["time"], end=events[-1]["time"])
+        a.progress = [e for e in events if e["event"] == "progress"]
+        for e in events:
+            if e.get("world_size") and e["event"] in ("run_record", "progress", "group_formed", "finished"):
+                a.world_size = int(e["world_size"])
+            if e["event"] == "resumed":
+                a.resumed_step = int(e.get("step", 0))
+            if e["event"] in _TRAIN and isinstance(e.get("step"), int):
+                a.last_step = max(a.last_step, e["step"])
+        a.finished = any(e["event"] == "finished" for e in events)
+        return a
+
+    def first(self, *names: str) -> float | None:
+        return next((e["time"] for e in self.events if e["event"] in names), None)
+
+
+def _restart(prev: Attempt, nxt: Attempt, t0: float) -> dict[str, Any]:
+    kind = "rerun" if prev.finished else "failure"
+    if prev.world_size and nxt.world_size and prev.world_size != nxt.world_size:
+        kind = "rescale"
+    phases = recovery_phases(
+        failed_at=prev.end,
+        detected_at=nxt.first("started"),
+        group_formed_at=nxt.first("group_formed"),
+        state_loaded_at=nxt.first("resumed", "checkpoint_restored", "checkpoint_none_to_resume"),
+        first_step_at=nxt.first(*_STEP_DONE),
+    )
+    first_step = nxt.first(*_STEP_DONE)
+    return {
+        "kind": kind,
+        "at_seconds": round(prev.end - t0, 3),
+        "world_size_before": prev.world_size,
+        "world_size_after": nxt.world_size,
+        "last_step_before": prev.last_step,
+        "resumed_step": nxt.resumed_step,
+        "steps_lost": max(0, prev.last_step - nxt.resumed_step),
+        "recovery_seconds": None if first_step is None else round(first_step - prev.end, 3),
+        "phases": [{"name": p.name, "seconds": round(p.seconds, 3)} for p in phases],
+    }
+
+
+def _intervals(attempt: Attempt, keep_until: int | None) -> Iterable[tuple[dict[str, Any], float, float]]:
+    """(progress event, step seconds in its interval, fraction of those steps kept)."""
+    prev_t, prev_step = None, attempt.resumed_step
+    for e in attempt.progress:
+        steps = max(1, e["step"] - prev_step)
+        timed = e.get("step_seconds")
+        seconds = sum(timed) if isinstance(timed, list) else (None if prev_t is None else e["time"] - prev_t)
+        limit = e["step"] if keep_until is None else min(e["step"], keep_until)
+        if seconds is not None:
+            yield e, seconds, max(0.0, min(1.0, (limit - prev_step) / steps))
+        prev_t, prev_step = e["time"], e["step"]
+
+
+def _step_times(attempts: Sequence[Attempt]) -> tuple[list[float], str]:
+    exact = [s for a in attempts for e in a.progress for s in e.get("step_seconds") or []]
+    if exact:
+        return exact, "per step (worker timing)"
+    approx: list[float] = []
+    for a in attempts:
+        prev = None
+        for e in a.progress:
+            if prev is not None and e["step"] > prev["step"]:
+                n = e["step"] - prev["step"]
+                approx += [(e["time"] - prev["time"]) / n] * n
+            prev = e
+    return approx, "progress intervals (event times)"
+
+
+def _throughput(attempts: Sequence[Attempt]) -> dict[str, Any]:
+    """Samples/s over the progress intervals (start-up excluded), per world size and overall."""
+    per: dict[int, list[float]] = {}
+    for a in attempts:
+        if len(a.progress) < 2:
+            continue
+        first, last = a.progress[0], a.progress[-1]
+        acc = per.setdefault(a.world_size or 0, [0.0, 0.0, 0.0, 0.0])
+        acc[0] += last["samples_seen"] - first["samples_seen"]
+        acc[1] += last["time"] - first["time"]
+        acc[2] += last["step"] - first["step"]
+        acc[3] += sum(e.get("tokens") or 0 for e in a.progress[1:])
+    rows = {
+        w: {
+            "samples_per_second": s / t if t > 0 else None,
+            "steps": n,
+            "samples": s,
+            "tokens_per_second": tok / t if t > 0 and tok else None,
+            "global_batch": s / n if n else None,
+        }
+        for w, (s, t, n, tok) in per.items()
+    }
+    total_s, total_t = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())
+    total_tok = sum(v[3] for v in per.values())
+    return {
+        "samples_per_second": total_s / total_t if total_t > 0 else None,
+        "tokens_per_second": total_tok / total_t if total_t > 0 and total_tok else None,
+        "by_world_size": rows,
+    }
+
+
+def scaling(rows: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Efficiency per world size against the smallest: E = (X_W / W) / (X_b / b) with X the
+    samples/s — for b = 1 and a fixed global batch this is T1 / (W * T_W) (strong scaling);
+    with a fixed per-rank batch it is T_b / T_W (weak scaling)."""
+    known = {w: r for w, r in rows.items() if w and r.get("samples_per_second")}
+    if len(known) < 2:
+        return []
+    base = min(known)
+    xb, bb = known[base]["samples_per_second"], known[base]["global_batch"]
+    out = []
+    for w in sorted(known):
+        r = known[w]
+        kind = (
+            "strong" if r["global_batch"] == bb else "weak" if r["global_batch"] * base == bb * w else "mixed"
+        )
+        eff = (r["samples_per_second"] / w) / (xb / base)
+        out.append(
+            {
+                "world_size": w,
+                "samples_per_second": r["samples_per_second"],
+                "kind": kind,
+                "global_batch": r["global_batch"],
+                "efficiency": round(eff, 4),
+            }
+        )
+    return out
+
+
+def build_report(run: Run, *, target_loss: float | None = None, others: Sequence[Run] = ()) -> dict[str, Any]:
+    """The report as plain JSON-able values (the text and the PNG are drawn from it)."""
+    attempts = [Attempt.of(evs) for evs in split_attempts(run.events) if evs]
+    progress = [e for a in attempts for e in a.progress]
+    if not progress:
+        raise ReportError(f"{run.path}: no progress events: the run never finished a step (or logged none)")
+    t0, t_end = run.events[0]["time"], run.events[-1]["time"]
+    restarts = [_restart(a, b, t0) for a, b in itertools.pairwise(attempts)]
+    keep = [b.resumed_step for b in attempts[1:]] + [None]
+    productive = sum(s * f for a, k in zip(attempts, keep, strict=True) for _, s, f in _intervals(a, k))
+    times, source = _step_times(attempts)
+    step_total = sum(times)
+    tp = _throughput(attempts)
+    rows = dict(tp["by_world_size"])
+    for other in others:
+        for w, row in _throughput([Attempt.of(e) for e in split_attempts(other.events) if e])[
+            "by_world_size"
+        ].items():
+            rows.setdefault(w, row)
+    return {
+        "job": progress[-1].get("job"),
+        "run_dir": run.path,
+        "finished": attempts[-1].finished,
+        "steps": max(e["step"] for e in progress),
+        "samples_seen": progress[-1].get("samples_seen"),
+        "wall_seconds": round(t_end - t0, 3),
+        "goodput": goodput(wall_seconds=t_end - t0, productive_seconds=productive),
+        "world_sizes": sorted({a.world_size for a in attempts if a.world_size}),
+        "throughput": tp,
+        "step_seconds": _latency(times, source),
+        "comm_exposed_seconds": _share(progress, "comm_exposed_seconds", step_total),
+        "data_wait_seconds": _share(progress, "data_wait_seconds", step_total),
+        "peak_memory_bytes": max((e.get("peak_memory_bytes") or 0 for e in progress), default=0) or None,
+        "time_to_target": _time_to_target(progress, target_loss, t0),
+        "restarts": [r for r in restarts if r["kind"] != "rerun"],
+        "checkpoints": _checkpoints(run, t0),
+        "scaling": scaling(rows),
+        **_environment(run.run_record or _last_record(run.events)),
+        "timeline": _timeline(run.events, attempts, t0),
+    }
+
+
+def _latency(times: Sequence[float], source: str) -> dict[str, Any] | None:
+    if not times:
+        return None
+    return {
+        "p50": percentile(times, 50),
+        "p95": percentile(times, 95),
+        "p99": percentile(times, 99),
+        "mean": sum(times) / len(times),
+        "count": len(times),
+        "source": source,
+    }
+
+
+def _share(progress: Sequence[dict[str, Any]], key: str, step_total: float) -> dict[str, Any] | None:
+    values = [e[key] for e in progress if isinstance(e.get(key), int | float)]
+    if not values:
+        return None
+    total = sum(values)
+    return {"total": total, "fraction_of_step_time": total / step_total if step_total > 0 else None}
+
+
+def _time_to_target(
+    progress: Sequence[dict[str, Any]], target: float | None, t0: float
+) -> dict[str, Any] | None:
+    if target is None:
+        return None
+    hit = next((e for e in progress if e.get("loss") is not None and e["loss"] <= target), None)
+    if hit is None:
+        return {"target_loss": target, "reached": False, "seconds": None, "step": None}
+    return {
+        "target_loss": target,
+        "reached": True,
+        "seconds": round(hit["time"] - t0, 3),
+        "step": hit["step"],
+    }
+
+
+def _checkpoints(run: Run, t0: float) -> dict[str, Any]:
+    published = [e for e in run.events if e["event"] == "checkpoint_published"]
+    steps = sorted({e["step"] for e in published})
+    gaps = [b - a for a, b in itertools.pairwise(steps)]
+
+    def mean(key: str) -> float | None:
+        values = [e[key] for e in published if isinstance(e.get(key), int | float)]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "published": len(published),
+        "aborted": sum(e["event"] == "checkpoint_aborted" for e in run.events),
+        "bytes_written": sum(e.get("bytes") or 0 for e in published),
+        "persist_seconds_mean": mean("persist_seconds"),
+        "blocking_seconds_mean": mean("blocking_seconds"),
+        "interval_steps_mean": sum(gaps) / len(gaps) if gaps else None,
+        "on_disk": [
+            {
+                "step": m.get("step"),
+                "world_size": m.get("world_size"),
+                "bytes": sum(f.get("size", 0) for f in (m.get("files") or {}).values()),
+            }
+            for m in run.manifests
+        ],
+    }
+
+
+def _last_record(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((e for e in reversed(events) if e["event"] == "run_record"), None)
+
+
+def _environment(record: dict[str, Any] | None) -> dict[str, Any]:
+    if record is None:
+        return {"precision": None, "precision_table": None, "environment": None}
+    keys = ("versions", "device", "device_name", "backend", "world_size", "seed", "determinism", "batch")
+    return {
+        "precision": record.get("precision"),
+        "precision_table": record.get("precision_table"),
+        "environment": {k: record.get(k) for k in keys if k in record},
+    }
+
+
+def _timeline(events: Sequence[dict[str, Any]], attempts: Sequence[Attempt], t0: float) -> dict[str, Any]:
+    """What the PNG draws, times in seconds since the first event."""
+    rel = lambda t: round(t - t0, 3)  # noqa: E731
+    return {
+        "progress": [
+            [rel(e["time"]), e["step"], e.get("loss"), e.get("samples_per_second"), i]
+            for i, a in enumerate(attempts)
+            for e in a.progress
+        ],
+        "checkpoints": [rel(e["time"]) for e in events if e["event"] == "checkpoint_published"],
+        "attempts": [[rel(a.start), rel(a.end), a.world_size, a.finished] for a in attempts],
+    }
