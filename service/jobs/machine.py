@@ -259,9 +259,13 @@ def _match_desired(job: JobRecord, now: float) -> tuple[JobRecord, list[Action]]
     nodes, actions = list(job.nodes), list[Action]()
     active = [n for n in nodes if n.phase.active]
     busy = {n.index for n in nodes if n.phase.active or n.phase == NodePhase.STOPPING}
+    attempts = dict(job.next_attempt)  # never pruned, so a launch id is never reused
     for _ in range(job.desired_nodes - len(active)):
         index = next(i for i in range(len(busy) + 1) if i not in busy)
-        attempt = 1 + max((n.attempt for n in nodes if n.index == index), default=-1)
+        attempt = max(
+            attempts.get(index, 0), 1 + max((n.attempt for n in nodes if n.index == index), default=-1)
+        )
+        attempts[index] = attempt + 1
         new = NodeRecord(index=index, attempt=attempt, launch_id=launch_id(job.id, index, attempt))
         nodes.append(new)
         busy.add(index)
@@ -274,7 +278,7 @@ def _match_desired(job: JobRecord, now: float) -> tuple[JobRecord, list[Action]]
             actions.append(Cancel(nodes[i]))
         else:
             nodes[i] = _end(node, NodePhase.STOPPED, now)
-    return job.model_copy(update={"nodes": tuple(nodes)}), actions
+    return job.model_copy(update={"nodes": tuple(nodes), "next_attempt": attempts}), actions
 
 
 def _advance(job: JobRecord, before: JobRecord, *, changed: bool, now: float) -> JobRecord:

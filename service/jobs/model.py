@@ -118,6 +118,8 @@ class JobRecord(_Frozen):
     checkpoint_dir: str
     worker_token_hash: str
     nodes: tuple[NodeRecord, ...] = ()
+    next_attempt: dict[int, int] = Field(default_factory=dict)
+    """Per node slot, the next launch attempt number (kept when old nodes are pruned)."""
     restarts: int = 0
     cancel_requested: bool = False
     world_size: int | None = None

@@ -267,3 +267,17 @@ def test_launch_refused_by_the_scheduler_counts_as_a_failure() -> None:
     record = launch_failed(again.job, "j-1-n0-a1", "image not found", now=4.0)
     assert record.state == S.FAILED
     assert "image not found" in (record.reason or "") and "max_restarts" in (record.reason or "")
+
+
+def test_launch_ids_are_never_reused_after_old_nodes_are_pruned() -> None:
+    record = launched(job(desired=1, restarts=100))
+    seen = {n.launch_id for n in record.nodes}
+    for attempt in range(1, 30):
+        failed = {n.launch_id: Status("failed", 1) for n in record.nodes if n.phase == NodePhase.RUNNING}
+        decision = reconcile(record, Observation(now=float(attempt), statuses=failed))
+        launches = [a.node.launch_id for a in decision.actions if isinstance(a, Launch)]
+        assert launches == [f"j-1-n0-a{attempt}"] and not seen & set(launches)
+        seen |= set(launches)
+        record, _ = confirm_launch(decision.job, launches[0], f"h{attempt}", float(attempt))
+    assert len(record.nodes) <= 17
+    assert JobRecord.from_json(record.to_json()).next_attempt == {0: 30}
