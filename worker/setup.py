@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -57,6 +59,52 @@ def wrap_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: float) -> Distr
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,
     )
+
+
+class Wrapped:
+    """The module the training loop calls, and how to hold back gradient sync for a micro-step."""
+
+    def __init__(self, module: nn.Module, *, fsdp: bool) -> None:
+        self.module = module
+        self.fsdp = fsdp
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if not self.fsdp:
+            with self.module.no_sync():  # type: ignore[operator]
+                yield
+            return
+        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def wrap(model: nn.Module, info: DistInfo, *, parallelism: str, bucket_cap_mb: float) -> Wrapped:
+    """DDP (replicated state) or FSDP2 ``fully_shard`` (parameters and optimizer state sharded).
+
+    FSDP shards every member of an ``nn.ModuleList`` (the transformer blocks) and then the root.
+    Both average gradients over the ranks, which the loss weighting in :mod:`worker.step` relies on.
+    """
+    if parallelism == "ddp":
+        return Wrapped(wrap_ddp(model, info, bucket_cap_mb=bucket_cap_mb), fsdp=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(info.device).type, (info.world_size,))
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return Wrapped(model, fsdp=True)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view), or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerSpec) -> torch.optim.Optimizer:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from worker.amp import DynamicLossScaler, autocast
 from worker.data import Dataset, loss_sum
 from worker.failpoints import failpoint
 from worker.sampler import Window, indices
+from worker.setup import Wrapped, local
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class StepResult:
 
 
 def forward_backward(
-    ddp: DistributedDataParallel,
+    wrapped: Wrapped,
     data: Dataset,
     window: Window,
     *,
@@ -53,10 +53,10 @@ def forward_backward(
         idx = indices(seed, window.epoch, size, micro.bounds[rank])
         x, y = data.batch(idx)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        sync = contextlib.nullcontext() if j == last else ddp.no_sync()
+        sync = contextlib.nullcontext() if j == last else wrapped.no_sync()
         with sync:
             with autocast(precision, device):
-                out = ddp(x)
+                out = wrapped.module(x)
             loss = loss_sum(data.task, out, y)
             (loss * (weight * scale)).backward()
         total += loss.detach().double().cpu()
@@ -75,17 +75,16 @@ def optimizer_step(
 ) -> bool:
     """Unscale, agree across ranks on non-finite gradients, clip, step. Returns True if skipped."""
     params = [p for p in model.parameters() if p.requires_grad]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     if failpoint("after_grad_sync") == "nonfinite":
-        grad = next(p.grad for p in params if p.grad is not None)
-        grad.view(-1)[0] = float("inf")
-    grads = [p.grad for p in params if p.grad is not None]
+        grads[0].view(-1)[0] = float("inf")
     found = scaler.unscale_and_check(grads, group=None)
     scaler.update(found)
     if found:
         optimizer.zero_grad(set_to_none=True)
         return True
     if on_grads is not None:
-        on_grads([p.grad for p in params])
+        on_grads([None if p.grad is None else local(p.grad) for p in params])
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
     for group in optimizer.param_groups:

@@ -29,7 +29,7 @@ from worker.setup import (
     seed_all,
     set_determinism,
     spec_hash,
-    wrap_ddp,
+    wrap,
 )
 from worker.spec import JobSpec
 from worker.step import forward_backward, global_sum, optimizer_step
@@ -106,7 +106,12 @@ class Trainer:
 
     def start(self) -> None:
         """Create the DDP wrapper and optimizer, resume if a checkpoint says so, reseed per rank."""
-        self.ddp = wrap_ddp(self.model, self.info, bucket_cap_mb=self.spec.ddp.bucket_cap_mb)
+        self.wrapped = wrap(
+            self.model,
+            self.info,
+            parallelism=self.spec.parallelism,
+            bucket_cap_mb=self.spec.ddp.bucket_cap_mb,
+        )
         self.optimizer = build_optimizer(self.model, self.spec.optimizer)
         seed = rank_seed(self.spec.seed, self.info.rank)
         random.seed(seed)
@@ -194,10 +199,10 @@ class Trainer:
         return self._finish()
 
     def _train_window(self, window: Window) -> tuple[bool, float]:
-        self.ddp.train()
+        self.model.train()
         scale = self.scaler.scale
         local_loss, _ = forward_backward(
-            self.ddp,
+            self.wrapped,
             self.data,
             window,
             rank=self.info.rank,

@@ -18,7 +18,7 @@ from worker import dist as wdist
 from worker.data import build_data
 from worker.models import build_model
 from worker.sampler import SamplerState, plan_window
-from worker.setup import seed_all, wrap_ddp
+from worker.setup import seed_all, wrap
 from worker.spec import DataSpec, ModelSpec
 from worker.step import forward_backward
 
@@ -30,7 +30,7 @@ def main() -> None:
     data = build_data(DataSpec(name="synthetic", samples=100), seed=5)
     seed_all(11)
     model = build_model(ModelSpec(name="mlp", kwargs={"hidden": 16}), data.meta)
-    ddp = wrap_ddp(model, info, bucket_cap_mb=0.001)  # tiny buckets: several all-reduces per step
+    wrapped = wrap(model, info, parallelism="ddp", bucket_cap_mb=0.001)  # tiny buckets: several all-reduces
     saved = {}
     for i, cfg in enumerate(configs):
         window = plan_window(
@@ -41,7 +41,7 @@ def main() -> None:
             accum_steps=cfg["a"],
         )
         forward_backward(
-            ddp,
+            wrapped,
             data,
             window,
             rank=info.rank,

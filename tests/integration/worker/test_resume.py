@@ -162,13 +162,18 @@ def consumed(trace: Path) -> Counter[int]:
     return seen
 
 
-@pytest.mark.parametrize(("world", "steps"), [(1, 22), (3, 14)])
-def test_resume_at_a_new_world_size_sees_every_sample_once(tmp_path: Path, world: int, steps: int) -> None:
+@pytest.mark.parametrize(("parallelism", "world", "steps"), [("ddp", 1, 22), ("ddp", 3, 14), ("fsdp", 3, 14)])
+def test_resume_at_a_new_world_size_sees_every_sample_once(
+    tmp_path: Path, parallelism: str, world: int, steps: int
+) -> None:
     trace = tmp_path / "trace"
     trace.mkdir()
     env = {"ELASTRAIN_TRACE_SAMPLES": str(trace)}
-    train(tmp_path, "ck", max_steps=10, env=env)  # 10 steps x 32 samples at W=2
-    run = train(tmp_path, "ck", nproc=world, max_steps=steps, env=env)  # the rest of the epoch
+    model = {"name": "mlp", "kwargs": {"hidden": 32, "norm": "layer"}}
+    train(
+        tmp_path, "ck", max_steps=10, env=env, parallelism=parallelism, model=model
+    )  # 10 x 32 samples at W=2
+    run = train(tmp_path, "ck", nproc=world, max_steps=steps, env=env, parallelism=parallelism, model=model)
     resumed = run.last("resumed")
     assert resumed["step"] == 10 and resumed["batch_plan"]["world_size"] == world
     assert consumed(trace) == Counter(range(512))
