@@ -137,23 +137,11 @@ def test_worker_pod_is_a_valid_pod(render: Renderer, monkeypatch: pytest.MonkeyP
     kubernetes_validate.validate(obj, "1.35.0", strict=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TorchX 0.7.0's role_to_pod sets no security context; service/scheduler.py must add the "
-    "restricted pod/container securityContext (and a /tmp emptyDir) before submitting. Remove this "
-    "marker when it does.",
-)
 def test_worker_pod_meets_the_restricted_profile(render: Renderer, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = scheduler.worker_pod(_dryrun(render(), monkeypatch))["spec"]
     assert restricted_violations(spec) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the worker container declares no port 9400 and the pod has no prometheus.io/* "
-    "annotations: service/scheduler.py should set role.port_map={'metrics': 9400} and the "
-    "annotations. Remove this marker when it does.",
-)
 def test_worker_pod_exposes_metrics_for_scraping(render: Renderer, monkeypatch: pytest.MonkeyPatch) -> None:
     pod = scheduler.worker_pod(_dryrun(render(), monkeypatch))
     port = chart_values()["workers"]["metricsPort"]

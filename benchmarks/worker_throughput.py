@@ -1,0 +1,77 @@
+"""samples/s of ``-m worker`` against a bare torchrun + DDP loop, side by side in one run.
+
+Same model, batch, precision and bucket size; checkpointing off. Runs alternate (bare, worker,
+bare, worker, ...) so that drift on a shared machine hits both; prints each rate, the medians and
+the ratio worker / bare (target >= 0.98).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.integration.launch import REPO, worker_env
+
+
+def spec(precision: str, steps: int) -> dict[str, object]:
+    return {
+        "name": "bench",
+        "model": {"name": "mlp", "kwargs": {"hidden": 512, "depth": 4}},
+        "data": {"name": "synthetic", "samples": 65536, "kwargs": {"input_dim": 128}},
+        "precision": precision,
+        "micro_batch_size": 64,
+        "grad_accum_steps": 2,
+        "max_steps": steps,
+        "log_every_steps": 10,
+        "ddp": {"bucket_cap_mb": 25.0},
+    }
+
+
+def _torchrun(nproc: int, *args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = worker_env({"OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=900, check=True)
+    return proc.stdout
+
+
+def bare_rate(path: Path, nproc: int) -> float:
+    out = _torchrun(nproc, str(REPO / "benchmarks" / "bare_ddp.py"), str(path))
+    return float(json.loads(out.strip().splitlines()[-1])["samples_per_second"])
+
+
+def worker_rate(path: Path, nproc: int) -> float:
+    out = _torchrun(nproc, "-m", "worker", "--config", str(path))
+    progress = [json.loads(line) for line in out.splitlines() if '"event": "progress"' in line]
+    first, last = progress[0], progress[-1]
+    return (last["samples_seen"] - first["samples_seen"]) / (last["time"] - first["time"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--precision", default="fp32")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec(args.precision, args.steps)))
+        bare, ours = [], []
+        for _ in range(args.rounds):
+            bare.append(bare_rate(path, args.nproc))
+            ours.append(worker_rate(path, args.nproc))
+    b, w = statistics.median(bare), statistics.median(ours)
+    print(f"worker throughput ({args.precision}, W={args.nproc}, {args.rounds} rounds)")
+    print(f"  bare torchrun+DDP samples/s: {', '.join(f'{r:,.0f}' for r in bare)}  median {b:,.0f}")
+    print(f"  -m worker         samples/s: {', '.join(f'{r:,.0f}' for r in ours)}  median {w:,.0f}")
+    print(f"  ratio worker/bare: {w / b:.3f}  (target >= 0.98)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
