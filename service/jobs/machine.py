@@ -85,16 +85,15 @@ class Decision:
 
 
 def move(job: JobRecord, state: JobState, now: float, *, reason: str | None = None) -> JobRecord:
-    """Change state along an allowed edge (raises :class:`IllegalTransitionError` otherwise)."""
+    """Change state along an allowed edge (raises :class:`IllegalTransitionError` otherwise).
+    ``reason`` explains the new state; a state without one clears the old reason."""
     if state == job.state:
         return job
     if state not in ALLOWED[job.state]:
         raise IllegalTransitionError(f"job {job.id} cannot go from {job.state} to {state}")
-    update: dict[str, object] = {"state": state, "state_since": now, "updated_at": now}
+    update: dict[str, object] = {"state": state, "state_since": now, "updated_at": now, "reason": reason}
     if state.terminal:
         update["finished_at"] = now
-    if reason is not None:
-        update["reason"] = reason
     moved = job.model_copy(update=update)
     return moved.with_event(now, "state", f"{job.state} -> {state}" + (f": {reason}" if reason else ""))
 

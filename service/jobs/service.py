@@ -192,8 +192,8 @@ class JobService:
     def report_progress(self, job: JobRecord, progress: Progress) -> None:
         self.store.put(keys.progress(job.id), progress.model_dump_json().encode())
         self.on_change(job.id)
-        if job.state in (JobState.RECOVERING, JobState.RESCALING) and job.groups_formed:
-            self.update(job.id, lambda r: first_step_done(r, progress.step, self.clock()))
+        if job.state in (JobState.RECOVERING, JobState.RESCALING) and progress.time > job.state_since:
+            self.update(job.id, lambda r: first_step_done(r, progress.step, progress.time))
 
     def heartbeat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
         value = f'{{"time": {self.clock()!r}, "step": {step if step is not None else "null"}}}'

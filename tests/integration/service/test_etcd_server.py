@@ -45,3 +45,20 @@ def test_missing_binary_is_a_clear_error(tmp_path: Path) -> None:
     server = EtcdServer(tmp_path, binary=str(tmp_path / "no-such-etcd"))
     with pytest.raises(EtcdStartError, match="cannot run etcd binary"):
         server.start()
+
+
+def test_a_surviving_etcd_is_adopted_by_the_next_start(tmp_path: Path) -> None:
+    first = EtcdServer(tmp_path / "etcd", die_with_parent=False, adopt=True).start()
+    assert not first.adopted
+    second = EtcdServer(tmp_path / "etcd", die_with_parent=False, adopt=True).start()
+    try:
+        assert second.adopted and second.pid == first.pid and second.endpoint == first.endpoint
+        assert _health(second.endpoint) == "true"
+    finally:
+        second.stop()
+    assert not second.running() and not first.running()
+    third = EtcdServer(tmp_path / "etcd", die_with_parent=False, adopt=True).start()
+    try:
+        assert not third.adopted and third.endpoint == first.endpoint  # nothing to adopt: a fresh start
+    finally:
+        third.stop()
