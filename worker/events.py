@@ -8,16 +8,24 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+Sink = Callable[[str, dict[str, Any]], None]
 
 
 class Events:
+    """``sinks`` see every event of this rank (e.g. the service client), printed or not."""
+
     def __init__(self, *, enabled: bool, job: str, rank: int) -> None:
         self.enabled = enabled
         self.job = job
         self.rank = rank
+        self.sinks: list[Sink] = []
 
     def emit(self, event: str, **fields: Any) -> None:
+        for sink in self.sinks:
+            sink(event, fields)
         if not self.enabled:
             return
         record = {"event": event, "job": self.job, "time": round(time.time(), 3), **fields}

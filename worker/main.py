@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from worker.checkpoint import Checkpointer
     from worker.dist import DistInfo
     from worker.events import Events
+    from worker.service_client import ServiceClient
     from worker.spec import JobSpec
 
 EXIT_BAD_INPUT = 2
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         spec = load_spec(args.config)
+        env_dir = os.environ.get("ELASTRAIN_CHECKPOINT_DIR")
+        if spec.checkpoint.dir is None and env_dir:  # the service's storage for this job
+            spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": env_dir})})
         info = dist.detect(os.environ, backend=spec.ddp.backend, cuda_available=torch.cuda.is_available())
         events = Events(enabled=info.is_main, job=spec.name, rank=info.rank)
         trainer = Trainer(
@@ -58,33 +62,56 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"elastrain worker: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    client = _service(info, events)
     dist.init_group(info)
     try:
-        trainer.checkpointer = _checkpointer(spec, info, events)
+        trainer.checkpointer = _checkpointer(spec, info, events, client)
         trainer.start()
         trainer.run()
     except ElastrainError as exc:
-        _die(f"elastrain worker (rank {info.rank}): error: {exc}\n")
+        _die(f"elastrain worker (rank {info.rank}): error: {exc}\n", client)
     except BaseException:
-        _die(traceback.format_exc())
+        _die(traceback.format_exc(), client)
+    if client is not None:
+        client.close()
     del trainer  # the DDP reducer holds the group: release it before the group goes
     dist.shutdown()
     return 0
 
 
-def _die(message: str) -> NoReturn:
+def _service(info: DistInfo, events: Events) -> ServiceClient | None:
+    """The control plane's client when the service launched us (see worker.service_client)."""
+    from worker import service_client
+
+    client = service_client.from_env()
+    if client is not None:
+        client.heartbeat_from(info.local_rank)
+        events.sinks.append(
+            service_client.forward_events(client, rank=info.rank, world_size=info.world_size, env=os.environ)
+        )
+    return client
+
+
+def _die(message: str, client: ServiceClient | None) -> NoReturn:
     """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown)."""
+    if client is not None:
+        client.event("failed", message=message.strip().splitlines()[-1][:2000])
+        client.close(drain_s=2.0)
     sys.stderr.write(message)
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(1)
 
 
-def _checkpointer(spec: JobSpec, info: DistInfo, events: Events) -> Checkpointer | None:
-    """The job's checkpointer, or None when the spec has no checkpoint directory."""
+def _checkpointer(
+    spec: JobSpec, info: DistInfo, events: Events, client: ServiceClient | None
+) -> Checkpointer | None:
+    """The job's checkpointer (the service coordinates publishing when it launched us), or None
+    when the spec has no checkpoint directory."""
     if spec.checkpoint.dir is None:
         return None
     from worker.checkpoint import Checkpointer
+    from worker.service_client import HttpCoordinator
     from worker.setup import spec_hash
 
     return Checkpointer(
@@ -98,5 +125,6 @@ def _checkpointer(spec: JobSpec, info: DistInfo, events: Events) -> Checkpointer
         parallelism=spec.parallelism,
         seed=spec.seed,
         run_record={},
+        coordinator=HttpCoordinator(client) if client is not None else None,
         on_event=lambda name, fields: events.emit(name, **fields),
     )

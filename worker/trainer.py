@@ -99,6 +99,7 @@ class Trainer:
         self.monitor = GradMonitor(names, stale_after=spec.monitor.stale_after_steps)
         self.notes: list[str] = []
         self.checkpointer: Any = None
+        self.stepped = False
         trace_dir = os.environ.get("ELASTRAIN_TRACE_SAMPLES")
         self.trace = (
             Path(trace_dir) / f"rank-{info.rank}-attempt-{info.restart_count}.jsonl" if trace_dir else None
@@ -184,6 +185,9 @@ class Trainer:
                 continue
             prog.step += 1
             prog.samples_seen += window.samples
+            if not self.stepped:
+                self.stepped = True  # the first step of this group: a recovery is over
+                self.events.emit("first_step", step=prog.step)
             final = prog.step == spec.max_steps
             save = self._want_save(final)
             if prog.step % spec.log_every_steps == 0 or save or final:

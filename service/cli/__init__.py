@@ -12,6 +12,7 @@ from worker.errors import ElastrainError
 _COMMAND_MODULES = (
     "service.cli.checkpoint",
     "service.cli.jobs",
+    "service.cli.report",
 )
 
 

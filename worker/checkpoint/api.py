@@ -227,7 +227,7 @@ class Checkpointer:
         self._parent_step = outcome.step
         self.event(
             "checkpoint_published", step=outcome.step, path=outcome.path, bytes=nbytes,
-            persist_seconds=round(seconds, 4), blocking_seconds=round(self.stats.last_blocking_seconds, 4),
+            persist_seconds=round(seconds, 4), background=self.cfg.async_save,
         )  # fmt: skip
         if self.rank == 0 and self.job_dir is not None:
             deleted = _restore.apply_retention(self.job_dir, self.cfg.retention, newest=outcome.step)
@@ -245,7 +245,9 @@ class Checkpointer:
         result = _restore.restore(self, model=model, optimizer=optimizer, attempt=self._restores)
         if result is not None:
             self.stats.restores_total += 1
-            self._last_step = self._parent_step = result.step
+            self._parent_step = result.step
+            if self.job_dir is not None and result.path.parent.resolve() == self.job_dir.resolve():
+                self._last_step = result.step  # already in this job's directory: saving it again is a no-op
         return result
 
     def close(self) -> None:

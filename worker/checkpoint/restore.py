@@ -140,8 +140,9 @@ def _rng(ck: Checkpointer, manifest: Manifest, notes: list[str]) -> bool:
         return True
     seed = derive_rng(ck.seed, manifest.step, ck.rank)
     notes.append(
-        f"rank {ck.rank} did not exist in the saved world of {manifest.world_size} ranks: its RNG was "
-        f"derived from (seed {ck.seed}, step {manifest.step}, rank {ck.rank}) -> {seed}"
+        f"rank {ck.rank} has no saved RNG state (the checkpoint was written by {manifest.world_size} ranks"
+        f"{', then resharded' if 'resharded' in manifest.run_record else ''}): its RNG was derived from "
+        f"(seed {ck.seed}, step {manifest.step}, rank {ck.rank}) -> {seed}"
     )
     return False
 

@@ -1,0 +1,216 @@
+"""Talking to the control plane from a worker: heartbeats, progress, events, checkpoint reports.
+
+Active only when the service launched this worker (``ELASTRAIN_SERVICE_URL``,
+``ELASTRAIN_WORKER_TOKEN`` and ``ELASTRAIN_JOB_ID`` are set). The service being away never stops
+training: heartbeats, progress and events go through a bounded queue on a background thread and
+are dropped (counted) when the queue is full; checkpoint reports are retried until their
+timeout, and an unreachable coordinator makes the save abort, never publish twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from worker.checkpoint.commit import Report, report_to_json
+from worker.checkpoint.coordinator import Outcome
+
+log = logging.getLogger("elastrain.service_client")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    url: str
+    token: str
+    job_id: str
+    launch_id: str
+    node_index: int
+
+    @staticmethod
+    def from_env(env: Mapping[str, str]) -> ServiceConfig | None:
+        url, token, job = (
+            env.get("ELASTRAIN_SERVICE_URL"),
+            env.get("ELASTRAIN_WORKER_TOKEN"),
+            env.get("ELASTRAIN_JOB_ID"),
+        )
+        if not (url and token and job):
+            return None
+        return ServiceConfig(
+            url=url.rstrip("/"),
+            token=token,
+            job_id=job,
+            launch_id=env.get("ELASTRAIN_LAUNCH_ID", "local"),
+            node_index=int(env.get("ELASTRAIN_NODE_INDEX", "0") or 0),
+        )
+
+
+class ServiceClient:
+    """Fire-and-forget callbacks plus the blocking checkpoint calls."""
+
+    def __init__(self, cfg: ServiceConfig, *, heartbeat_s: float = 2.0, timeout_s: float = 5.0) -> None:
+        self.cfg = cfg
+        self.base = f"{cfg.url}/v1/jobs/{cfg.job_id}"
+        self.http = httpx.Client(headers={"Authorization": f"Bearer {cfg.token}"}, timeout=timeout_s)
+        self.dropped = 0
+        self.cancel_requested = False
+        self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(maxsize=256)
+        self._stop = threading.Event()
+        self._heartbeat_s = heartbeat_s
+        self._beat: dict[str, Any] | None = None
+        self._thread = threading.Thread(target=self._run, name="elastrain-service", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- fire and forget
+
+    def send(self, path: str, body: dict[str, Any]) -> None:
+        try:
+            self._queue.put_nowait((path, body))
+        except queue.Full:
+            self.dropped += 1
+
+    def heartbeat_from(self, local_rank: int) -> None:
+        self._beat = {"launch_id": self.cfg.launch_id, "local_rank": local_rank, "step": None}
+
+    def set_step(self, step: int) -> None:
+        if self._beat is not None:
+            self._beat["step"] = step
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.send("/workers/events", {"kind": kind, "node_index": self.cfg.node_index, **fields})
+
+    def progress(
+        self, *, step: int, samples_seen: int, samples_per_s: float, loss: float | None, world_size: int
+    ) -> None:
+        body = {"step": step, "samples_seen": samples_seen, "samples_per_s": max(0.0, samples_per_s)}
+        self.send("/workers/progress", body | {"loss": loss, "world_size": world_size})
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self._beat is not None and now >= next_beat:
+                self._post("/workers/heartbeat", dict(self._beat))
+                next_beat = now + self._heartbeat_s
+            try:
+                path, body = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._post(path, body)
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        try:
+            answer = self.http.post(self.base + path, json=body)
+            if answer.status_code == 200:
+                self.cancel_requested = bool(answer.json().get("cancel_requested", False))
+            else:
+                log.warning("service answered %s to %s: %s", answer.status_code, path, answer.text[:300])
+        except httpx.HTTPError as exc:
+            log.warning("service unreachable for %s: %s", path, exc)
+
+    def close(self, *, drain_s: float = 5.0) -> None:
+        """Send what is queued (for at most ``drain_s``), then stop."""
+        deadline = time.monotonic() + drain_s
+        while not self._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stop.set()
+        self._thread.join(timeout=drain_s)
+        self.http.close()
+
+
+class HttpCoordinator:
+    """The control plane's checkpoint coordinator, seen from a rank (see worker.checkpoint)."""
+
+    def __init__(self, client: ServiceClient, *, retry_s: float = 0.5) -> None:
+        self.client = client
+        self.retry_s = retry_s
+
+    def report(self, report: Report, *, seq: int) -> None:
+        """Deliver the phase-1 report, retrying a while: the service may be restarting."""
+        body = report_to_json(report)
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                answer = self.client.http.post(
+                    self.client.base + "/workers/checkpoints",
+                    content=body,
+                    headers={"Content-Type": "application/json"},
+                )
+                if answer.status_code < 500:
+                    return
+            except httpx.HTTPError as exc:
+                log.warning("checkpoint report for step %s not delivered yet: %s", report.step, exc)
+            if time.monotonic() > deadline:
+                return  # the outcome poll will time out and the save aborts
+            time.sleep(self.retry_s)
+
+    def outcome(self, step: int, generation: int, *, seq: int, timeout: float) -> Outcome:
+        """Poll until the service says published or aborted; no answer in time means abort."""
+        deadline = time.monotonic() + timeout
+        url = f"{self.client.base}/workers/checkpoints/{step}"
+        while time.monotonic() < deadline:
+            try:
+                answer = self.client.http.get(url, params={"generation": generation})
+                if answer.status_code == 200:
+                    raw = answer.json()
+                    if raw.get("status") in ("published", "aborted"):
+                        return Outcome(
+                            published=raw["status"] == "published",
+                            step=step,
+                            generation=generation,
+                            reason=str(raw.get("reason", "")),
+                            path=raw.get("path"),
+                        )
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("checkpoint outcome for step %s unknown yet: %s", step, exc)
+            time.sleep(self.retry_s)
+        return Outcome(False, step, generation, f"no answer from the service within {timeout:.0f}s")
+
+
+def from_env(env: Mapping[str, str] | None = None) -> ServiceClient | None:
+    cfg = ServiceConfig.from_env(os.environ if env is None else env)
+    return ServiceClient(cfg) if cfg else None
+
+
+def forward_events(client: ServiceClient, *, rank: int, world_size: int, env: Mapping[str, str]) -> Any:
+    """An Events sink that turns the worker's own events into the service's callbacks."""
+    group_id = ":".join(
+        env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
+    )
+
+    def sink(event: str, fields: dict[str, Any]) -> None:
+        if event == "progress" and "step" in fields:
+            client.set_step(int(fields["step"]))
+        if rank != 0:
+            return
+        if event == "run_record":
+            client.event(
+                "group_formed",
+                rank=0,
+                group_id=group_id[:200],
+                world_size=world_size,
+                restart_count=int(fields.get("restart_count", 0)),
+            )
+        elif event == "resumed":
+            client.event("state_loaded", rank=0, step=int(fields["step"]))
+        elif event == "progress":
+            client.progress(
+                step=int(fields["step"]),
+                samples_seen=int(fields["samples_seen"]),
+                samples_per_s=float(fields["samples_per_second"]),
+                loss=fields.get("loss"),
+                world_size=world_size,
+            )
+        elif event == "first_step":
+            client.event("first_step", rank=0, step=int(fields["step"]))
+        elif event == "finished":
+            client.event("finished", rank=0, step=int(fields["step"]), message="training finished")
+
+    return sink
