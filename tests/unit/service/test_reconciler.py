@@ -15,6 +15,7 @@ from service.jobs.model import JobState, NodePhase
 from service.jobs.service import JobService, NotLeaderError
 from service.reconciler import LaunchContext, Reconciler
 from service.store import LeaderElection, MemoryStore, put_if
+from worker.spec import JobSpec
 
 SPEC = {
     "name": "demo",
@@ -85,15 +86,27 @@ def test_intent_recorded_before_a_crash_is_launched_under_the_same_id(world: Wor
     assert world.jobs.get(job_id).nodes[0].handle == f"fake://{job_id}-n0-a0"
 
 
-def test_scheduler_that_finds_the_launch_id_is_not_asked_to_launch(world: World) -> None:
+def test_relaunch_of_an_orphaned_intent_that_did_launch_starts_nothing_new(world: World) -> None:
     job_id = world.submit(nodes="1")
     stored, revision = world.jobs.get_versioned(job_id)
     decision = reconcile(stored, Observation(now=world.clock()))
     put_if(world.store, keys.job(job_id), decision.job.to_json(), revision)
-    world.scheduler.find = lambda launch_id: f"found://{launch_id}"
-    world.reconciler().run_once()
-    assert world.scheduler.launches == []
-    assert world.jobs.get(job_id).nodes[0].handle == f"found://{job_id}-n0-a0"
+    node = decision.job.nodes[0]
+    world.scheduler.launch(
+        job_id, world_spec(world, job_id), 0, _env(job_id, node.launch_id), launch_id=node.launch_id
+    )
+    world.reconciler().run_once()  # crash happened after launching, before recording the handle
+    assert world.scheduler.calls == [node.launch_id, node.launch_id]
+    assert len(world.scheduler.launches) == 1
+    assert world.jobs.get(job_id).nodes[0].handle == f"fake://{node.launch_id}"
+
+
+def world_spec(world: World, job_id: str) -> JobSpec:
+    return JobSpec.model_validate_json(json.dumps(world.jobs.get(job_id).spec))
+
+
+def _env(job_id: str, launch_id: str) -> dict[str, str]:
+    return {"ELASTRAIN_JOB_ID": job_id, "ELASTRAIN_LAUNCH_ID": launch_id}
 
 
 def test_failed_node_is_relaunched_then_the_job_fails_when_restarts_run_out(world: World) -> None:
