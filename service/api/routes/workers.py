@@ -70,15 +70,20 @@ def event(job_id: str, body: WorkerEvent, auth: WorkerAuth, ctx: ContextDep, req
 
 @router.post("/workers/checkpoints", responses=_ERRORS)
 async def checkpoint_report(
-    job_id: str, auth: WorkerAuth, ctx: ContextDep, request: Request
+    job_id: str,
+    auth: WorkerAuth,
+    ctx: ContextDep,
+    request: Request,
+    seq: Annotated[int, Query(ge=0, description="Save number within the generation")] = 0,
 ) -> dict[str, Any]:
     """Phase 1 report of one rank (the JSON of ``worker.checkpoint.commit.report_to_json``).
-    The answer says whether the step is pending, published or aborted."""
+    The answer says whether the step is pending, published or aborted (the fields of
+    ``worker.checkpoint.coordinator.Outcome`` plus ``status``). Idempotent per rank."""
     record = await run_in_threadpool(_job, ctx, job_id, auth, request)
     body = await request.body()
     if ctx.coordinator is None:
         raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
-    result: dict[str, Any] = await run_in_threadpool(ctx.coordinator.report, record, body)
+    result: dict[str, Any] = await run_in_threadpool(ctx.coordinator.report, record, body, seq=seq)
     return result
 
 
@@ -90,12 +95,13 @@ def checkpoint_outcome(
     ctx: ContextDep,
     request: Request,
     generation: Annotated[int, Query(ge=0)] = 0,
+    seq: Annotated[int, Query(ge=0)] = 0,
 ) -> dict[str, Any]:
     """Whether a reported step was published, is pending or was aborted."""
     record = _job(ctx, job_id, auth, request)
     if ctx.coordinator is None:
         raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
-    result: dict[str, Any] = ctx.coordinator.outcome(record, step, generation)
+    result: dict[str, Any] = ctx.coordinator.outcome(record, step, generation, seq=seq)
     return result
 
 
