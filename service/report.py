@@ -157,7 +157,7 @@ def _restart(prev: Attempt, nxt: Attempt, t0: float) -> dict[str, Any]:
         failed_at=prev.end,
         detected_at=nxt.first("started"),
         group_formed_at=nxt.first("group_formed"),
-        state_loaded_at=nxt.first("resumed", "checkpoint_restored", "checkpoint_none_to_resume"),
+        state_loaded_at=nxt.first("resumed") or nxt.first("checkpoint_restored", "checkpoint_none_to_resume"),
         first_step_at=nxt.first(*_STEP_DONE),
     )
     first_step = nxt.first(*_STEP_DONE)

@@ -444,8 +444,19 @@ class CommTimer:
         self._pending = 0
         self._last_launch: float | None = None
         self._done = 0.0
+        self.hook = self._unannotated_hook()
 
-    def hook(self, process_group: Any, bucket: Any) -> Any:
+    def _unannotated_hook(self) -> Callable[[Any, Any], Any]:
+        """DDP checks a hook's annotations against ``dist.GradBucket``/``Future``; this module's
+        annotations are strings (``from __future__``), so the hook carries none."""
+
+        def hook(process_group: Any, bucket: Any) -> Any:
+            return self._launch(process_group, bucket)
+
+        hook.__annotations__ = {}
+        return hook
+
+    def _launch(self, process_group: Any, bucket: Any) -> Any:
         import torch.distributed as dist
 
         group = process_group if process_group is not None else dist.group.WORLD
