@@ -21,7 +21,14 @@ from torch import nn
 from worker.checkpoint import restore as _restore
 from worker.checkpoint.asyncsave import AsyncWriter
 from worker.checkpoint.blocks import DEFAULT_BLOCK_SIZE
-from worker.checkpoint.coordinator import Coordinator, InJobCoordinator, KeyValueStore, MemoryStore, Outcome
+from worker.checkpoint.coordinator import (
+    Coordinator,
+    InJobCoordinator,
+    KeyValueStore,
+    MemoryStore,
+    Outcome,
+    session_id,
+)
 from worker.checkpoint.engine import SaveJob, json_copy, new_job, persist
 from worker.checkpoint.interval import auto_interval_seconds, observed_mtbf, policy_from_spec, should_save
 from worker.checkpoint.layout import collect_orphans, parse_staging_dir, remove_tree, staging_dir_name
@@ -107,9 +114,15 @@ class Checkpointer:
         self._last_time = time.time()
         self._started = self._last_time
         self._parent_step: int | None = None
+        self.session = session_id(self._store, job=job, generation=generation, world_size=world_size)
         if self.job_dir is not None:
             self._coordinator = coordinator or InJobCoordinator(
-                self._store, rank=rank, world_size=world_size, job=job, job_dir=self.job_dir
+                self._store,
+                rank=rank,
+                world_size=world_size,
+                job=job,
+                job_dir=self.job_dir,
+                session=self.session,
             )
             if rank == 0:
                 self.job_dir.mkdir(parents=True, exist_ok=True)

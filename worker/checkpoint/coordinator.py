@@ -2,11 +2,13 @@
 
 :class:`Coordinator` is the small interface the engine calls; :class:`InJobCoordinator` is the
 implementation for a worker under bare torchrun: ranks put their reports into the
-torch.distributed Store under ``elastrain/ckpt/<job>/g<generation>/n<seq>/s<step>/``, rank 0
+torch.distributed Store under ``elastrain/ckpt/<job>/<session>/g<generation>/n<seq>/s<step>/``
+(``session`` tells apart checkpointers created one after another in one generation), rank 0
 waits for all ``world_size`` reports (failing fast on a failure report), runs the pure
 :func:`worker.checkpoint.commit.decide`, publishes or aborts, and writes the outcome back so the
-other ranks learn it. The store is used only through ``set``, ``get`` and ``check``, which work
-from a background thread (unlike collectives on the training process group).
+other ranks learn it; it then deletes the reports (they can be large). The store is used only
+through ``set``, ``get``, ``check``, ``add`` and ``delete_key``, which work from a background
+thread (unlike collectives on the training process group).
 
 The generation is the rendezvous generation; under torchrun that is
 ``TORCHELASTIC_RESTART_COUNT`` (every restart of the worker group forms a new rendezvous).
@@ -63,6 +65,10 @@ class KeyValueStore(Protocol):
 
     def check(self, keys: list[str]) -> bool: ...
 
+    def add(self, key: str, amount: int) -> int: ...
+
+    def delete_key(self, key: str) -> bool: ...
+
 
 class MemoryStore:
     """An in-process :class:`KeyValueStore` (a world of one, and tests)."""
@@ -82,6 +88,23 @@ class MemoryStore:
     def check(self, keys: list[str]) -> bool:
         with self._lock:
             return all(k in self._data for k in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            return value
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            return self._data.pop(key, None) is not None
+
+
+def session_id(store: KeyValueStore, *, job: str, generation: int, world_size: int) -> str:
+    """A name every rank computes alike for the n-th checkpointer created in this generation
+    (all ranks create theirs in the same order): each rank adds 1 to one counter."""
+    n = store.add(f"elastrain/ckpt/{job}/g{generation}/sessions", 1)
+    return f"s{(n - 1) // world_size}"
 
 
 def wait_for(store: KeyValueStore, key: str, *, timeout: float, poll: float = 0.01) -> bytes | None:
@@ -115,9 +138,11 @@ class InJobCoordinator:
     """Rank 0 of the job coordinates through the rendezvous Store (see the module docstring)."""
 
     def __init__(
-        self, store: KeyValueStore, *, rank: int, world_size: int, job: str, job_dir: Path, poll: float = 0.01
-    ) -> None:
+        self, store: KeyValueStore, *, rank: int, world_size: int, job: str, job_dir: Path,
+        session: str = "s0", poll: float = 0.01,
+    ) -> None:  # fmt: skip
         self.store = store
+        self.session = session
         self.rank = rank
         self.world_size = world_size
         self.job = job
@@ -125,7 +150,7 @@ class InJobCoordinator:
         self.poll = poll
 
     def _prefix(self, step: int, generation: int, seq: int) -> str:
-        return f"elastrain/ckpt/{self.job}/g{generation}/n{seq}/s{step}"
+        return f"elastrain/ckpt/{self.job}/{self.session}/g{generation}/n{seq}/s{step}"
 
     def report(self, report: Report, *, seq: int) -> None:
         key = f"{self._prefix(report.step, report.generation, seq)}/report/{report.rank}"
@@ -154,8 +179,10 @@ class InJobCoordinator:
             for r in range(self.world_size):
                 key = f"{prefix}/report/{r}"
                 if r not in reports and self.store.check([key]):
+                    raw = self.store.get(key)
+                    self.store.delete_key(key)  # reports can be large; only rank 0 reads them
                     try:
-                        reports[r] = report_from_json(self.store.get(key))
+                        reports[r] = report_from_json(raw)
                     except ValueError as exc:
                         return self._abort(staging, step, generation, f"rank {r}: {exc}")
             decision = decide(

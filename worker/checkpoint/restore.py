@@ -75,7 +75,7 @@ def _try(ck: Checkpointer, step_dir: Path, live: LiveState) -> tuple[str, str, M
 def _agree(ck: Checkpointer, attempt: int, index: int, status: str, reason: str) -> list[dict[str, str]]:
     if ck.world_size == 1:
         return [{"status": status, "reason": reason}]
-    prefix = f"elastrain/ckpt/{ck.job}/g{ck.generation}/restore{attempt}/c{index}"
+    prefix = f"elastrain/ckpt/{ck.job}/{ck.session}/g{ck.generation}/restore{attempt}/c{index}"
     got = store_allgather(
         ck.store, prefix, rank=ck.rank, world_size=ck.world_size,
         value=json.dumps({"status": status, "reason": reason}), timeout=ck.timeout_s,

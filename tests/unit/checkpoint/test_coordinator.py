@@ -86,3 +86,16 @@ def test_store_allgather() -> None:
     for t in threads:
         t.join()
     assert results == {r: ["v0", "v1", "v2"] for r in range(3)}
+
+
+def test_sessions_keep_successive_checkpointers_apart() -> None:
+    from worker.checkpoint.coordinator import session_id
+
+    store = MemoryStore()
+    first = [session_id(store, job="j", generation=0, world_size=3) for _ in range(3)]
+    second = [session_id(store, job="j", generation=0, world_size=3) for _ in range(3)]
+    assert first == ["s0"] * 3 and second == ["s1"] * 3
+    assert session_id(store, job="j", generation=1, world_size=3) == "s0"
+    assert store.delete_key("elastrain/ckpt/j/g0/sessions") and not store.check(
+        ["elastrain/ckpt/j/g0/sessions"]
+    )
