@@ -432,11 +432,13 @@ class _Collector:
 
 
 class CommTimer:
-    """A DDP communication hook that all-reduces exactly as DDP's built-in one (mean by
-    multiplying with 1/W: bit-identical gradients) and times it. *Exposed* time is from the
-    moment the last bucket is launched (backward compute is over) until every bucket of that
-    backward has been reduced: the wait nothing overlaps. Register before the first backward:
-    ``ddp.register_comm_hook(None, timer.hook)``."""
+    """A DDP communication hook that all-reduces as DDP's built-in one does (mean by multiplying
+    with 1/W) and times it. Bit-identical to the built-in reduction when gradients are set to
+    None between steps (the trainer's ``zero_grad(set_to_none=True)``); gradients that persist
+    as bucket views are divided in place by DDP instead, which can differ in the last bit.
+    *Exposed* time is from the moment the last bucket is launched (backward compute is over)
+    until every bucket of that backward has been reduced: the wait nothing overlaps. Register
+    before the first backward: ``ddp.register_comm_hook(None, timer.hook)``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
