@@ -81,6 +81,17 @@ def init_group(info: DistInfo, *, timeout_s: float = 300.0) -> None:
         dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def agree_generation() -> int:
+    """A number all ranks of this group share and no earlier group of the job had: rank 0's
+    clock in milliseconds, broadcast. Not TORCHELASTIC_RESTART_COUNT: an agent that joins later,
+    or restarts for a membership change, counts differently from the others (pytorch#135712),
+    and ranks that disagree on the generation never complete a save or a restore."""
+    value = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(value, src=0)
+    return int(value.item())
+
+
 def shutdown() -> None:
     """Tear the group down without the exit-time deadlock of torch 2.13's gloo backend.
 

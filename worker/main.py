@@ -110,6 +110,7 @@ def _checkpointer(
     when the spec has no checkpoint directory."""
     if spec.checkpoint.dir is None:
         return None
+    from worker import dist
     from worker.checkpoint import Checkpointer
     from worker.service_client import HttpCoordinator
     from worker.setup import spec_hash
@@ -121,7 +122,7 @@ def _checkpointer(
         data_version=spec.data.version,
         rank=info.rank,
         world_size=info.world_size,
-        generation=info.restart_count,
+        generation=dist.agree_generation(),
         parallelism=spec.parallelism,
         seed=spec.seed,
         run_record={},

@@ -140,6 +140,7 @@ class HttpCoordinator:
             try:
                 answer = self.client.http.post(
                     self.client.base + "/workers/checkpoints",
+                    params={"seq": seq},
                     content=body,
                     headers={"Content-Type": "application/json"},
                 )
@@ -157,7 +158,7 @@ class HttpCoordinator:
         url = f"{self.client.base}/workers/checkpoints/{step}"
         while time.monotonic() < deadline:
             try:
-                answer = self.client.http.get(url, params={"generation": generation})
+                answer = self.client.http.get(url, params={"generation": generation, "seq": seq})
                 if answer.status_code == 200:
                     raw = answer.json()
                     if raw.get("status") in ("published", "aborted"):

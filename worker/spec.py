@@ -168,6 +168,7 @@ class JobSpec(_Frozen):
     log_every_steps: PositiveInt = 10
     # Fields for the control plane; a bare torchrun worker ignores them.
     nodes: str = "1"
+    initial_nodes: int | None = Field(default=None, gt=0)
     nproc_per_node: PositiveInt = 1
     max_restarts: int = Field(default=3, ge=0)
     resources: dict[str, str] = Field(default_factory=dict)
@@ -179,6 +180,13 @@ class JobSpec(_Frozen):
         if lo < 1 or hi < lo:
             raise ValueError(f"{value!r} must be N or MIN:MAX with 1 <= MIN <= MAX")
         return value
+
+    @model_validator(mode="after")
+    def _initial_nodes(self) -> JobSpec:
+        lo, hi = parse_nodes(self.nodes)
+        if self.initial_nodes is not None and not lo <= self.initial_nodes <= hi:
+            raise ValueError(f"'initial_nodes' {self.initial_nodes} must lie within 'nodes' {self.nodes!r}")
+        return self
 
     @model_validator(mode="after")
     def _batch(self) -> JobSpec:

@@ -33,4 +33,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `elastrain jobs | head`
+        return 141
     return code

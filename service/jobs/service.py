@@ -151,7 +151,7 @@ class JobService:
             spec=spec.model_dump(mode="json", by_alias=True),
             spec_hash=spec_hash,
             state_since=now,
-            desired_nodes=hi,
+            desired_nodes=spec.initial_nodes or hi,
             min_nodes=lo,
             max_nodes=hi,
             nproc_per_node=spec.nproc_per_node,

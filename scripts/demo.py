@@ -1,0 +1,170 @@
+"""``make run``: the main job on the embedded defaults, end to end.
+
+Starts ``elastrain serve`` (embedded etcd, local TorchX scheduler), submits a small job on 2 of
+1..3 nodes, SIGKILLs one worker once a checkpoint is published, shows the recovery, scales the
+job to 3 nodes, lets it finish and prints where the checkpoints and metrics are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+WORKDIR = Path(".elastrain/demo")
+SPEC: dict[str, Any] = {
+    "name": "demo",
+    "model": {"name": "mlp", "kwargs": {"hidden": 64}},
+    "data": {"name": "synthetic", "samples": 4096},
+    "precision": "fp32",
+    "micro_batch_size": 16,
+    "grad_accum_steps": 1,
+    "max_steps": 400,
+    "seed": 3,
+    "deterministic": True,
+    "log_every_steps": 10,
+    "checkpoint": {"interval_steps": 20},
+    "nodes": "1:3",
+    "initial_nodes": 2,
+    "nproc_per_node": 1,
+    "max_restarts": 5,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def say(text: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 300.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise SystemExit(f"demo: gave up waiting for {what} after {timeout:.0f}s (logs under {WORKDIR})")
+
+
+def worker_pids(job_id: str) -> list[int]:
+    """Worker processes of this job: `-m worker` with ELASTRAIN_JOB_ID set to it (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ours = f"ELASTRAIN_JOB_ID={job_id}".encode() in env and b"--config" in cmd
+        if ours and b"worker" in cmd and b"torch.distributed.run" not in b" ".join(cmd):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def show(job: dict[str, Any]) -> None:
+    say(
+        f"state {job['state']:<10} world size {job['world_size']}  step {job['step']}  "
+        f"samples/s {job['samples_per_s'] or 0:,.0f}  loss {job['loss'] or 0:.4f}  "
+        f"last checkpoint {job['last_published_step']}  restarts {job['restarts']}"
+    )
+
+
+def main() -> int:
+    shutil.rmtree(WORKDIR, ignore_errors=True)
+    WORKDIR.mkdir(parents=True)
+    port, token = free_port(), secrets.token_urlsafe(24)
+    url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"ELASTRAIN_API_TOKEN": token, "OMP_NUM_THREADS": "1"}
+    log = (WORKDIR / "service.log").open("w")
+    say(f"starting elastrain serve on {url} (embedded etcd, data dir {WORKDIR})")
+    cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--data-dir", str(WORKDIR)]
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    try:
+        return run(http, url)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        say("service stopped")
+
+
+def ok(http: httpx.Client, path: str) -> bool:
+    try:
+        return http.get(path).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def run(http: httpx.Client, url: str) -> int:
+    wait_for("the service to be ready", lambda: ok(http, "/readyz"), timeout=120)
+    answer = http.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": "demo"})
+    answer.raise_for_status()
+    job_id = answer.json()["id"]
+    say(f"submitted job {job_id}: nodes {SPEC['nodes']}, starting on {SPEC['initial_nodes']}")
+
+    def job() -> dict[str, Any]:
+        data: dict[str, Any] = http.get(f"/v1/jobs/{job_id}").json()
+        return data
+
+    def published() -> dict[str, Any] | None:
+        current = job()
+        show(current)
+        return current if (current["last_published_step"] or 0) >= 20 else None
+
+    wait_for("the first published checkpoint", published)
+    victim = wait_for("a worker process", lambda: worker_pids(job_id))[-1]
+    say(f"SIGKILL worker pid {victim}")
+    os.kill(victim, signal.SIGKILL)
+    wait_for("the job to notice", lambda: job()["restarts"] >= 1 or job()["state"] == "RECOVERING", 60)
+    recovered = wait_for("the recovery", lambda: (j := job())["state"] == "RUNNING" and j["recoveries"] and j)
+    show(recovered)
+    say(f"recovery: {json.dumps(recovered['recoveries'][-1])}")
+    say("scaling to 3 nodes")
+    http.post(f"/v1/jobs/{job_id}/scale", json={"nodes": 3}).raise_for_status()
+
+    def at_three() -> dict[str, Any] | None:
+        current = job()
+        show(current)
+        return current if current["world_size"] == 3 and current["state"] == "RUNNING" else None
+
+    wait_for("world size 3", at_three)
+
+    def finished() -> dict[str, Any] | None:
+        current = job()
+        show(current)
+        return current if current["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") else None
+
+    final = wait_for("the job to finish", finished, timeout=900)
+    checkpoints = http.get(f"/v1/jobs/{job_id}/checkpoints").json()
+    say(f"job {job_id} {final['state']}: {final.get('reason') or ''}")
+    for ck in checkpoints.get("checkpoints", []):
+        say(f"  checkpoint step {ck.get('step')} world size {ck.get('world_size')} bytes {ck.get('bytes')}")
+    say(f"checkpoints: {final['checkpoint_dir']}")
+    say(f"metrics: {url}/metrics (service); worker logs and metrics targets under {WORKDIR}")
+    say(f"report: elastrain report {job_id} --url {url}")
+    return 0 if final["state"] == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
