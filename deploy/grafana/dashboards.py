@@ -38,7 +38,8 @@ def panel(
 
 
 def quantiles(metric: str, by: str, sel: str = "") -> list[dict[str, Any]]:
-    inner = f"sum by ({by}, le) (rate({metric}_bucket{{{sel}}}[{RI}]))"
+    selector = f"{{{sel}}}" if sel else ""
+    inner = f"sum by ({by}, le) (rate({metric}_bucket{selector}[{RI}]))"
     legend = "{{" + by.split(",")[0].strip() + "}}"
     return [q(f"histogram_quantile({p}, {inner})", f"{legend} p{round(p * 100)}") for p in (0.5, 0.95, 0.99)]
 
@@ -79,7 +80,7 @@ WORKER_RESTARTS = annotation(
 )
 RESCALES = annotation(
     "rescale",
-    f"changes(max by (job_id) (elastrain_worker_world_size{{{J}}})[2m:15s]) > 0",
+    f"changes(max by (job_id) (elastrain_worker_world_size{{{J}}})[2m:]) > 0",
     "purple",
     value_is_time=False,
 )

@@ -100,7 +100,7 @@ def service_url(tmp_path: Path) -> Iterator[tuple[str, ServiceObservability]]:
     obs = ServiceObservability(metrics.registry)
     store = InstrumentedStore(MemoryStore(), obs)
     settings = Settings(data_dir=tmp_path / "data", storage_root=tmp_path / "ck", etcd="")
-    app = create_app(settings, store, api_token=TOKEN, metrics=metrics)  # type: ignore[arg-type]
+    app = create_app(settings, store, api_token=TOKEN, metrics=metrics)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -48,7 +48,7 @@ def render(snaps: list[dict[str, Any]]) -> str:
             return families(snaps)
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(C())  # type: ignore[arg-type]
+    registry.register(C())
     return generate_latest(registry).decode()
 
 

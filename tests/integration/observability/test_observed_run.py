@@ -1,0 +1,329 @@
+"""A real Prometheus (Debian's package, on loopback) scrapes a real training job and the real
+service, with the configuration shipped in deploy/prometheus; then every PromQL expression of the
+dashboards and alert rules is asked for data, and ``elastrain report`` reads the same run.
+
+The job: the worker under torchrun (2 ranks, gloo, fp16, checkpoints every 10 steps) with the
+exporter wired in by ``instrumented_worker.py``; rank 1 is SIGKILLed once and one fp16 step is
+skipped, so restarts, rollback and skipped steps are real. The service: ``elastrain serve`` with
+its fake scheduler (tests/integration/service), where a job goes through one recovery by the
+worker callbacks a worker sends when torchrun re-forms its group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from scripts.prometheus_tools import PROMETHEUS_DIR, PrometheusServer, PrometheusTools
+from service.etcd_server import EtcdServer
+from tests.integration.launch import REPO, worker_env
+from tests.integration.observability.promql import exempt_reason, expressions, signals
+from tests.integration.service.svc_process import ServiceProcess, wait_for
+
+pytestmark = pytest.mark.integration
+RUNNER = Path(__file__).with_name("instrumented_worker.py")
+MAX_STEPS = 40
+SPEC: dict[str, Any] = {
+    "name": "observed",
+    "model": {"name": "tiny-gpt", "kwargs": {"d_model": 16, "n_layers": 1, "n_heads": 2}},
+    "data": {"name": "tokens", "samples": 1024, "kwargs": {"vocab_size": 16, "seq_len": 8}},
+    "precision": "fp16",
+    "micro_batch_size": 8,
+    "grad_accum_steps": 2,
+    "max_steps": MAX_STEPS,
+    "seed": 3,
+    "log_every_steps": 1,
+    "monitor": {"every_steps": 5},
+}
+# Attempt 0: rank 0's 5th window overflows (skipped), rank 1 dies in its 25th (after step 23).
+FAILPOINTS = "after_grad_sync=nonfinite@0#5^0,after_grad_sync=kill@1#25^0"
+SERVICE_SPEC = {
+    "name": "svc-observed",
+    "model": {"name": "mlp"},
+    "data": {"name": "synthetic"},
+    "micro_batch_size": 8,
+    "max_steps": 20,
+    "nodes": "1",
+}
+
+
+@dataclass
+class Observed:
+    prom: PrometheusServer
+    service: ServiceProcess
+    run_dir: Path
+    targets: Path
+    service_job: str
+
+
+def prometheus_config(service_port: int, targets: Path) -> str:
+    """deploy/prometheus/prometheus.yml with the test's ports, directory and a 1 s interval."""
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(PROMETHEUS_DIR / name) for name in config["rule_files"]]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    jobs["elastrain-service"]["static_configs"] = [{"targets": [f"127.0.0.1:{service_port}"]}]
+    jobs["elastrain-workers"]["file_sd_configs"] = [
+        {"files": [str(targets / "*.json")], "refresh_interval": "1s"}
+    ]
+    return yaml.safe_dump(config)
+
+
+def recover_a_service_job(svc: ServiceProcess) -> str:
+    """A job that runs, loses its worker group and recovers, told through the worker callbacks."""
+    with svc.client() as client:
+        job_id: str = client.post("/v1/jobs", json=SERVICE_SPEC).json()["id"]
+        state = lambda: client.get(f"/v1/jobs/{job_id}").json()["state"]  # noqa: E731
+        wait_for(lambda: state() == "RUNNING", what="service job RUNNING")
+        token = svc.launch_env(f"{job_id}-n0-a0")["ELASTRAIN_WORKER_TOKEN"]
+        worker = {"Authorization": f"Bearer {token}"}
+
+        def post(path: str, body: dict[str, Any]) -> None:
+            httpx.post(
+                f"{svc.url}/v1/jobs/{job_id}/workers/{path}", json=body, headers=worker
+            ).raise_for_status()
+
+        post(
+            "events",
+            {"kind": "group_formed", "rank": 0, "group_id": "g0", "world_size": 2, "restart_count": 0},
+        )
+        post("progress", {"step": 12, "samples_per_s": 100.0, "loss": 1.0, "world_size": 2})
+        post(
+            "events",
+            {"kind": "group_formed", "rank": 0, "group_id": "g1", "world_size": 2, "restart_count": 1},
+        )
+        assert state() == "RECOVERING"
+        time.sleep(0.5)  # phases of a measurable length
+        post("events", {"kind": "state_loaded", "rank": 0, "step": 10})
+        time.sleep(0.2)
+        post("events", {"kind": "first_step", "rank": 0, "step": 11})
+        wait_for(lambda: state() == "RUNNING", what="service job RUNNING again")
+    return job_id
+
+
+def value(prom: PrometheusServer, expr: str) -> float | None:
+    result = prom.query(expr)
+    return float(result[0]["value"][1]) if result else None
+
+
+@pytest.fixture(scope="module")
+def observed(prom_tools: PrometheusTools, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+    tmp = tmp_path_factory.mktemp("observed")
+    for sub in ("svc", "prom", "run", "targets"):
+        (tmp / sub).mkdir()
+    etcd = EtcdServer(tmp / "etcd").start()
+    svc = ServiceProcess(tmp / "svc", etcd=etcd.endpoint).start()
+    prom = PrometheusServer(prom_tools, tmp / "prom", prometheus_config(svc.port, tmp / "targets")).start()
+    run_dir, release = tmp / "run", tmp / "release"
+    (tmp / "spec.json").write_text(
+        json.dumps(SPEC | {"checkpoint": {"dir": str(run_dir), "interval_steps": 10}})
+    )
+    env = worker_env(
+        {
+            "ELASTRAIN_METRICS_PORT": "auto",
+            "ELASTRAIN_METRICS_TARGETS_DIR": str(tmp / "targets"),
+            "ELASTRAIN_TEST_RELEASE": str(release),
+            "ELASTRAIN_FAILPOINTS": FAILPOINTS,
+        }
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        "--monitor-interval=0.2",
+        str(RUNNER),
+        "--config",
+        str(tmp / "spec.json"),
+    ]
+    # The run directory layout elastrain report reads: rank 0's stdout events as events.jsonl.
+    with open(run_dir / "events.jsonl", "wb") as out, open(tmp / "worker.stderr", "wb") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=REPO)
+    try:
+        job = recover_a_service_job(svc)
+        finished = lambda: '"event": "finished"' in (run_dir / "events.jsonl").read_text()  # noqa: E731
+        deadline = time.monotonic() + 300
+        while not finished():
+            assert proc.poll() is None, (tmp / "worker.stderr").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the worker did not finish in 300 s"
+            time.sleep(0.5)
+        wait_for(
+            lambda: value(prom, "max(elastrain_worker_step)") == MAX_STEPS, timeout_s=60, what="final scrape"
+        )
+        # rate() needs two samples of the live attempt's series in its window: give it five.
+        samples = 'min(count_over_time(elastrain_worker_samples_total{job_id="observed"}[1m]))'
+        wait_for(
+            lambda: (value(prom, samples) or 0) >= 5, timeout_s=60, what="five scrapes of the last attempt"
+        )
+        wait_for(
+            lambda: value(prom, "elastrain_job_recovery_seconds_count") == 1, timeout_s=30, what="service"
+        )
+        yield Observed(prom, svc, run_dir, tmp / "targets", job)
+    finally:
+        release.touch()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        prom.stop()
+        svc.stop()
+        etcd.stop()
+
+
+# ------------------------------------------------------------------ Prometheus
+
+
+def test_prometheus_scrapes_one_endpoint_per_node_and_the_service(observed: Observed) -> None:
+    targets = observed.prom.targets()
+    by_job = {t["labels"]["job"]: t for t in targets if t["health"] == "up"}
+    assert set(by_job) == {"elastrain-service", "elastrain-workers"}, targets
+    assert len(list(observed.targets.glob("*.json"))) == 1  # attempt 0's file went with its process
+    ranks = observed.prom.query('count by (job_id) (elastrain_worker_world_size{job_id="observed"})')
+    assert float(ranks[0]["value"][1]) == 2  # both local ranks through local rank 0's endpoint
+
+
+def test_every_dashboard_and_alert_expression_returns_data(observed: Observed) -> None:
+    page = httpx.get(f"{observed.service.url}/metrics").text
+    missing, exempted = [], []
+    for where, expr in expressions():
+        for signal in signals(expr):
+            reason = exempt_reason(signal, service_page=page)
+            if reason is not None:
+                exempted.append(f"{where}: {signal}  ({reason})")
+            elif not observed.prom.query(signal):
+                missing.append(f"{where}: {signal}")
+    assert not missing, "no data for:\n" + "\n".join(missing)
+    print("\nexempt:\n" + "\n".join(exempted))
+
+
+def test_worker_series_show_the_run(observed: Observed) -> None:
+    prom, sel = observed.prom, '{job_id="observed"}'
+    assert value(prom, f"max(elastrain_worker_restarts{sel})") == 1
+    assert value(prom, f"max(elastrain_worker_world_size{sel})") == 2
+    assert (value(prom, f"min(elastrain_worker_comm_exposed_seconds_total{sel})") or 0) > 0
+    assert value(prom, f"min(elastrain_worker_loss_scale{sel})") == 32768.0  # backed off once from 65536
+    assert value(prom, f"max(elastrain_worker_loss_scale_min{sel})") == 1.0
+    assert value(prom, f"max(elastrain_checkpoint_last_published_step{sel})") == MAX_STEPS
+    assert value(prom, f"max(elastrain_checkpoint_restores_total{sel})") == 1
+    assert (value(prom, f"sum(elastrain_worker_tokens_total{sel})") or 0) > 0
+    # Attempt 0 ran through step 23 and was rolled back to 20: its counters reset with the process.
+    assert value(prom, f"max(elastrain_worker_steps_total{sel})") == MAX_STEPS - 20
+
+
+def test_service_recovery_histogram_has_one_observation(observed: Observed) -> None:
+    assert value(observed.prom, "elastrain_job_recovery_seconds_count") == 1
+    assert value(observed.prom, "max(elastrain_job_restarts)") is not None
+    with observed.service.client() as client:
+        record = client.get(f"/v1/jobs/{observed.service_job}").json()
+    assert record["restarts"] == 1
+
+
+def test_alert_rules_are_loaded_and_evaluate(observed: Observed) -> None:
+    groups = observed.prom.api("rules")["groups"]
+    rules = [r for g in groups for r in g["rules"] if r["type"] == "alerting"]
+    assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
+    firing = {r["name"] for r in rules if r["state"] != "inactive"}
+    assert not firing, f"a healthy finished run fires {firing}"
+
+
+def test_metrics_pages_pass_promtool(observed: Observed, prom_tools: PrometheusTools) -> None:
+    (target,) = json.loads(next(observed.targets.glob("*.json")).read_text())
+    for url in (f"http://{target['targets'][0]}/metrics", f"{observed.service.url}/metrics"):
+        proc = prom_tools.promtool_run("check", "metrics", stdin=httpx.get(url).content)
+        assert proc.returncode == 0 and not proc.stdout.strip(), url + proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ elastrain report
+
+
+def report(*args: str) -> tuple[str, list[str]]:
+    """``elastrain report`` in a fresh interpreter; also returns the modules it imported."""
+    driver = (
+        "import argparse, sys\n"
+        "from service.cli import report\n"
+        "p = argparse.ArgumentParser(prog='elastrain'); sub = p.add_subparsers(required=True)\n"
+        "report.register(sub); a = p.parse_args(sys.argv[1:]); code = a.func(a)\n"
+        "sys.stderr.write('MODULES ' + ' '.join(sorted(sys.modules)) + '\\n'); sys.exit(code)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, "report", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = proc.stderr.rsplit("MODULES ", 1)[1].split()
+    return proc.stdout, modules
+
+
+def test_report_text_of_the_killed_run(observed: Observed) -> None:
+    text, modules = report(str(observed.run_dir), "--target-loss", "10")
+    assert "torch" not in modules
+    for needle in (
+        "status         finished at step 40",
+        "samples/s",
+        "tokens/s",
+        "p50",
+        "p95",
+        "p99",
+        "per step (worker timing)",
+        "exposed comm",
+        "of step time",
+        "data wait",
+        "MiB",
+        "time to loss <= 10:",
+        "restarts       1",
+        "#1 failure",
+        "resumed at 20",
+        "steps lost",
+        "detect+reform+restore",
+        "first_step",
+        "checkpoints    ",
+        "precision      fp16",
+        "matmul/linear",
+        "environment",
+        "torch",
+    ):
+        assert needle in text, f"{needle!r} not in:\n{text}"
+    assert "n/a (the worker did not report it)" not in text
+
+
+def test_report_json_and_png(observed: Observed, tmp_path: Path) -> None:
+    png = tmp_path / "run.png"
+    out, _ = report(str(observed.run_dir), "--json", "--png", str(png))
+    r = json.loads(out)
+    assert r["job"] == "observed" and r["finished"] and r["steps"] == MAX_STEPS and r["world_sizes"] == [2]
+    (restart,) = r["restarts"]
+    assert restart["kind"] == "failure" and restart["resumed_step"] == 20 and restart["steps_lost"] >= 1
+    assert [p["name"] for p in restart["phases"]][-1] == "first_step" and restart["recovery_seconds"] > 0
+    assert r["step_seconds"]["p50"] <= r["step_seconds"]["p95"] <= r["step_seconds"]["p99"]
+    assert r["throughput"]["samples_per_second"] > 0 and r["throughput"]["tokens_per_second"] > 0
+    assert r["comm_exposed_seconds"]["total"] > 0 and r["data_wait_seconds"]["total"] > 0
+    assert r["peak_memory_bytes"] > 0 and 0 < r["goodput"] < 1
+    assert r["checkpoints"]["published"] >= 3 and r["checkpoints"]["on_disk"]
+    assert r["precision_table"]["matmul/linear"]["output"] == "fp16"
+    assert r["environment"]["backend"] == "gloo" and r["png"] == str(png)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (1000, 600)
+    from PIL import Image
+
+    with Image.open(png) as image:
+        image.verify()
