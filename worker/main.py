@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     client = _service(info, events)
     dist.init_group(info)
     try:
-        trainer.checkpointer = _checkpointer(spec, info, events, client)
+        trainer.generation = dist.agree_generation()
+        trainer.checkpointer = _checkpointer(spec, info, events, client, trainer.generation)
         trainer.start()
         trainer.run()
     except ElastrainError as exc:
@@ -104,13 +105,12 @@ def _die(message: str, client: ServiceClient | None) -> NoReturn:
 
 
 def _checkpointer(
-    spec: JobSpec, info: DistInfo, events: Events, client: ServiceClient | None
+    spec: JobSpec, info: DistInfo, events: Events, client: ServiceClient | None, generation: int
 ) -> Checkpointer | None:
     """The job's checkpointer (the service coordinates publishing when it launched us), or None
     when the spec has no checkpoint directory."""
     if spec.checkpoint.dir is None:
         return None
-    from worker import dist
     from worker.checkpoint import Checkpointer
     from worker.service_client import HttpCoordinator
     from worker.setup import spec_hash
@@ -122,7 +122,7 @@ def _checkpointer(
         data_version=spec.data.version,
         rank=info.rank,
         world_size=info.world_size,
-        generation=dist.agree_generation(),
+        generation=generation,
         parallelism=spec.parallelism,
         seed=spec.seed,
         run_record={},

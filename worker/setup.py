@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import platform
 import random
@@ -114,8 +115,18 @@ def build_optimizer(model: nn.Module, cfg: OptimizerSpec) -> torch.optim.Optimiz
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
+# Where and how a job runs, not what it computes: left out of the training configuration's hash,
+# so that the same training under the service and under bare torchrun has the same state digest.
+OPERATIONAL_FIELDS = frozenset(
+    {"name", "checkpoint", "nodes", "initial_nodes", "nproc_per_node", "max_restarts", "resources",
+     "log_every_steps", "monitor"}
+)  # fmt: skip
+
+
 def spec_hash(spec: JobSpec) -> str:
-    return hashlib.blake2b(spec_json(spec).encode(), digest_size=16).hexdigest()
+    """A hash of the training configuration (the spec less :data:`OPERATIONAL_FIELDS`)."""
+    raw = {k: v for k, v in json.loads(spec_json(spec)).items() if k not in OPERATIONAL_FIELDS}
+    return hashlib.blake2b(json.dumps(raw, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def run_record(

@@ -100,10 +100,9 @@ class Trainer:
         self.notes: list[str] = []
         self.checkpointer: Any = None
         self.stepped = False
+        self.generation = 0  # set by the caller once the group exists (dist.agree_generation)
         trace_dir = os.environ.get("ELASTRAIN_TRACE_SAMPLES")
-        self.trace = (
-            Path(trace_dir) / f"rank-{info.rank}-attempt-{info.restart_count}.jsonl" if trace_dir else None
-        )
+        self.trace = Path(trace_dir) / f"rank-{info.rank}-pid-{os.getpid()}.jsonl" if trace_dir else None
 
     def start(self) -> None:
         """Create the DDP wrapper and optimizer, resume if a checkpoint says so, reseed per rank."""
@@ -122,6 +121,7 @@ class Trainer:
         if self.progress.reference_batch is None:
             self.progress.reference_batch = self.plan.global_batch
         record = run_record(self.spec, self.info, plan=self.plan, flags=self.flags, notes=self.notes)
+        record["generation"] = self.generation
         self.record = record
         if self.checkpointer is not None:
             self.checkpointer.run_record = record
@@ -242,10 +242,9 @@ class Trainer:
             consumed += indices(
                 self.spec.seed, window.epoch, len(self.data), micro.bounds[self.info.rank]
             ).tolist()
+        record = {"generation": self.generation, "step": self.progress.step, "epoch": window.epoch}
         with self.trace.open("a") as out:
-            out.write(
-                json.dumps({"step": self.progress.step, "epoch": window.epoch, "indices": consumed}) + "\n"
-            )
+            out.write(json.dumps(record | {"world_size": self.info.world_size, "indices": consumed}) + "\n")
 
     def _observe_grads(self, grads: list[torch.Tensor | None]) -> None:
         self.monitor.observe(grads)

@@ -7,8 +7,8 @@ torch.distributed Store under ``elastrain/ckpt/<job>/<session>/g<generation>/n<s
 waits for all ``world_size`` reports (failing fast on a failure report), runs the pure
 :func:`worker.checkpoint.commit.decide`, publishes or aborts, and writes the outcome back so the
 other ranks learn it; it then deletes the reports (they can be large). The store is used only
-through ``set``, ``get``, ``check``, ``add`` and ``delete_key``, which work from a background
-thread (unlike collectives on the training process group).
+through ``set``, ``get``, ``check``, ``wait``, ``add`` and ``delete_key``, which work from a
+background thread (unlike collectives on the training process group).
 
 The generation is the rendezvous generation; under torchrun that is
 ``TORCHELASTIC_RESTART_COUNT`` (every restart of the worker group forms a new rendezvous).
@@ -20,6 +20,7 @@ import json
 import threading
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -65,6 +66,9 @@ class KeyValueStore(Protocol):
 
     def check(self, keys: list[str]) -> bool: ...
 
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        """Block until every key exists; raise (any exception) after ``timeout``."""
+
     def add(self, key: str, amount: int) -> int: ...
 
     def delete_key(self, key: str) -> bool: ...
@@ -75,11 +79,17 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._lock:
             self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
+            self._lock.notify_all()
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        with self._lock:
+            if not self._lock.wait_for(lambda: all(k in self._data for k in keys), timeout.total_seconds()):
+                raise TimeoutError(f"keys {keys} not set within {timeout}")
 
     def get(self, key: str) -> bytes:
         with self._lock:
@@ -93,6 +103,7 @@ class MemoryStore:
         with self._lock:
             value = int(self._data.get(key, b"0")) + amount
             self._data[key] = str(value).encode()
+            self._lock.notify_all()
             return value
 
     def delete_key(self, key: str) -> bool:
@@ -107,17 +118,18 @@ def session_id(store: KeyValueStore, *, job: str, generation: int, world_size: i
     return f"s{(n - 1) // world_size}"
 
 
-def wait_for(store: KeyValueStore, key: str, *, timeout: float, poll: float = 0.01) -> bytes | None:
+def wait_keys(store: KeyValueStore, keys: list[str], seconds: float) -> bool:
+    """Whether all ``keys`` exist within ``seconds`` (a blocking wait in the store, no polling)."""
+    try:
+        store.wait(keys, timedelta(seconds=max(seconds, 0.001)))
+    except Exception:  # torch raises DistStoreError on timeout, or an error if the store is gone
+        return store.check(keys)
+    return True
+
+
+def wait_for(store: KeyValueStore, key: str, *, timeout: float) -> bytes | None:
     """The value of ``key`` once it exists, or None after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = poll
-    while True:
-        if store.check([key]):
-            return store.get(key)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.2)
+    return store.get(key) if wait_keys(store, [key], timeout) else None
 
 
 def store_allgather(
@@ -125,13 +137,11 @@ def store_allgather(
 ) -> list[str]:
     """Every rank's ``value`` for a one-off agreement (restore). Raises ElastrainError on timeout."""
     store.set(f"{prefix}/{rank}", value)
-    out = []
-    for r in range(world_size):
-        got = wait_for(store, f"{prefix}/{r}", timeout=timeout)
-        if got is None:
-            raise ElastrainError(f"rank {r} did not answer within {timeout:.0f} s ({prefix})")
-        out.append(got.decode())
-    return out
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    if not wait_keys(store, keys, timeout):
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise ElastrainError(f"ranks {missing} did not answer within {timeout:.0f} s ({prefix})")
+    return [store.get(k).decode() for k in keys]
 
 
 class InJobCoordinator:
@@ -139,7 +149,7 @@ class InJobCoordinator:
 
     def __init__(
         self, store: KeyValueStore, *, rank: int, world_size: int, job: str, job_dir: Path,
-        session: str = "s0", poll: float = 0.01,
+        session: str = "s0", poll: float = 0.1,
     ) -> None:  # fmt: skip
         self.store = store
         self.session = session
@@ -174,8 +184,11 @@ class InJobCoordinator:
         staging = self.job_dir / staging_dir_name(step, generation)
         deadline = time.monotonic() + timeout
         reports: dict[int, Report] = {}
-        delay = self.poll
+        keys = [f"{prefix}/report/{r}" for r in range(self.world_size)]
         while True:
+            # Block until all reports are in, but look at partial ones every `poll` seconds so
+            # that a failure report aborts at once.
+            wait_keys(self.store, [keys[r] for r in range(self.world_size) if r not in reports], self.poll)
             for r in range(self.world_size):
                 key = f"{prefix}/report/{r}"
                 if r not in reports and self.store.check([key]):
@@ -195,8 +208,6 @@ class InJobCoordinator:
                 return self._abort(staging, step, generation, decision.reason)
             if decision.action == "publish":
                 break
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.2)
         try:
             manifest = build_manifest(expected, list(reports.values()))
             path = publish_staged(self.job_dir, staging, manifest)

@@ -2,8 +2,9 @@
 
 Resharding is nothing more than this: a rank at any world size asks for the rows it holds now,
 and the plan maps them onto the pieces the old world wrote. Reads are widened to whole blocks of
-the piece so every byte that is used is verified against its block digest, then adjacent reads
-in one file are merged (up to ``max_read`` bytes) to keep syscalls few.
+the piece so every byte that is used is verified against its block digest. Adjacent small reads
+in one file are merged (up to ``max_read`` bytes) to keep syscalls few; a read of at least
+``small`` bytes stays alone so that it can land directly in the tensor's memory without a copy.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from worker.checkpoint.manifest import Manifest, Piece
 from worker.checkpoint.saveplan import fsdp_rows
 from worker.errors import CheckpointError
 
-DEFAULT_MAX_READ = 64 << 20
+DEFAULT_MAX_READ = 16 << 20
+DEFAULT_SMALL = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,7 @@ class ReadOp:
 
 
 def plan_reads(
-    manifest: Manifest, needs: Sequence[Need], *, max_read: int = DEFAULT_MAX_READ
+    manifest: Manifest, needs: Sequence[Need], *, max_read: int = DEFAULT_MAX_READ, small: int = DEFAULT_SMALL
 ) -> list[ReadOp]:
     """Read ops covering every need; raises :class:`CheckpointError` if a need is not in the
     checkpoint (unknown tensor, or rows beyond its shape)."""
@@ -85,7 +87,7 @@ def plan_reads(
             raise CheckpointError(
                 f"tensor {need.name!r}: the checkpoint's pieces do not cover the rows needed"
             )
-    return merge_reads(ops, max_read=max_read)
+    return merge_reads(ops, max_read=max_read, small=small)
 
 
 def _op_for(piece: Piece, need: Need, lo: int, hi: int, rb: int, block: int) -> ReadOp:
@@ -112,9 +114,11 @@ def _op_for(piece: Piece, need: Need, lo: int, hi: int, rb: int, block: int) -> 
     )
 
 
-def merge_reads(ops: Sequence[ReadOp], *, max_read: int = DEFAULT_MAX_READ) -> list[ReadOp]:
-    """Merge reads that are adjacent in one file (sorted by file, offset); overlapping reads
-    (two needs in one block) are kept apart."""
+def merge_reads(
+    ops: Sequence[ReadOp], *, max_read: int = DEFAULT_MAX_READ, small: int = DEFAULT_SMALL
+) -> list[ReadOp]:
+    """Merge small reads that are adjacent in one file (sorted by file, offset); overlapping
+    reads (two needs in one block) are kept apart."""
     out: list[ReadOp] = []
     for op in sorted(ops, key=lambda o: (o.file, o.offset)):
         prev = out[-1] if out else None
@@ -122,6 +126,8 @@ def merge_reads(ops: Sequence[ReadOp], *, max_read: int = DEFAULT_MAX_READ) -> l
             prev is not None
             and prev.file == op.file
             and prev.offset + prev.nbytes == op.offset
+            and op.nbytes < small
+            and (prev.nbytes < small or len(prev.copies) > 1)
             and prev.nbytes + op.nbytes <= max_read
         ):
             shift = prev.nbytes

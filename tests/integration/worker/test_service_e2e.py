@@ -1,0 +1,255 @@
+"""The whole system as a user drives it: `elastrain serve` (embedded etcd, local TorchX scheduler),
+real torchrun workers on CPU/gloo, REST calls. Compared with a bare `torchrun -m worker` run."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from scripts.demo import free_port, worker_pids
+from service.cli import main as elastrain
+from tests.integration.launch import REPO, run_worker, worker_env, write_spec
+
+pytestmark = pytest.mark.integration
+
+
+def job_spec(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "name": "e2e",
+        "model": {"name": "mlp", "kwargs": {"hidden": 32, "norm": "layer"}},
+        "data": {"name": "synthetic", "samples": 1024},
+        "micro_batch_size": 8,
+        "grad_accum_steps": 2,
+        "max_steps": 60,
+        "seed": 5,
+        "deterministic": True,
+        "log_every_steps": 5,
+        "checkpoint": {"interval_steps": 10, "retention": {"keep_latest": 50}},
+        "nodes": "1",
+        "nproc_per_node": 2,
+        "max_restarts": 3,
+    }
+    return base | over
+
+
+class Service:
+    """`python -m service serve` in a subprocess; restartable on the same data dir."""
+
+    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
+        self.data_dir, self.env = data_dir, env
+        self.port, self.token = free_port(), secrets.token_urlsafe(24)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=10
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = worker_env(self.env) | {"ELASTRAIN_API_TOKEN": self.token}
+        log = (self.data_dir / f"service-{time.time():.0f}.log").open("w")
+        cmd = [
+            sys.executable,
+            "-m",
+            "service",
+            "serve",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+        ]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        until(lambda: self._ready(), "the service to be ready", 120)
+
+    def _ready(self) -> bool:
+        try:
+            return self.http.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def submit(self, spec: dict[str, Any]) -> str:
+        answer = self.http.post("/v1/jobs", json=spec)
+        assert answer.status_code == 201, answer.text
+        return str(answer.json()["id"])
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        data: dict[str, Any] = self.http.get(f"/v1/jobs/{job_id}").json()
+        return data
+
+    def finished(self, job_id: str, timeout: float = 400) -> dict[str, Any]:
+        result: dict[str, Any] = until(
+            lambda: (j := self.job(job_id))["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and j,
+            f"job {job_id} to finish",
+            timeout,
+        )
+        return result
+
+
+def until(check: Callable[[], Any], what: str, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": "after_grad_sync=sleep:0.05"})
+    svc.data_dir.mkdir()
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def bare_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("bare")
+    spec = job_spec() | {"checkpoint": {"dir": str(tmp / "ck"), "interval_steps": 10}}
+    run = run_worker(write_spec(tmp, spec), nproc=2)
+    assert run.code == 0, run.stderr[-3000:]
+    return digest(tmp / "ck")
+
+
+def digest(path: Path) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "service", "checkpoint", "digest", str(path)],
+        capture_output=True, text=True, cwd=REPO, check=True,
+    )  # fmt: skip
+    return out.stdout.split()[0]
+
+
+def test_submitted_job_succeeds_and_equals_a_bare_torchrun_run(service: Service, bare_digest: str) -> None:
+    job_id = service.submit(job_spec())
+    final = service.finished(job_id)
+    assert final["state"] == "SUCCEEDED", final
+    listed = service.http.get(f"/v1/jobs/{job_id}/checkpoints").json()["checkpoints"]
+    assert [c["step"] for c in listed][-1] == 60 and all(c["world_size"] == 2 for c in listed)
+    assert digest(Path(final["checkpoint_dir"])) == bare_digest
+
+
+def test_sigkill_of_a_worker_recovers_and_finishes_bit_for_bit(service: Service, bare_digest: str) -> None:
+    job_id = service.submit(job_spec())
+    until(lambda: (service.job(job_id)["last_published_step"] or 0) >= 10, "a published checkpoint", 200)
+    victim = until(lambda: worker_pids(job_id), "a worker process", 60)[-1]
+    os.kill(victim, signal.SIGKILL)
+    final = service.finished(job_id)
+    assert final["state"] == "SUCCEEDED", final
+    assert final["restarts"] == 1
+    recovery = final["recoveries"][-1]
+    assert recovery["first_step_at"] is not None and recovery["resumed_step"] >= 10, recovery
+    assert digest(Path(final["checkpoint_dir"])) == bare_digest
+
+
+def history(trace: Path) -> Counter[tuple[int, int]]:
+    """(epoch, index) counts of the committed history: for each step, the newest generation's work."""
+    rows = [json.loads(line) for path in trace.glob("*.jsonl") for line in path.read_text().splitlines()]
+    newest: dict[int, int] = {}
+    for row in rows:
+        newest[row["step"]] = max(newest.get(row["step"], -1), row["generation"])
+    seen: Counter[tuple[int, int]] = Counter()
+    for row in rows:
+        if row["generation"] == newest[row["step"]]:
+            seen.update((row["epoch"], i) for i in row["indices"])
+    return seen
+
+
+def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": "after_grad_sync=sleep:0.1",
+                                     "ELASTRAIN_TRACE_SAMPLES": str(trace)})  # fmt: skip
+    svc.data_dir.mkdir()
+    svc.start()
+    try:
+        spec = job_spec(nodes="1:3", initial_nodes=2, nproc_per_node=1, max_steps=96, grad_accum_steps=None,
+                        global_batch_size=48, data={"name": "synthetic", "samples": 1536})  # fmt: skip
+        job_id = svc.submit(spec)
+        for nodes in (3, 1):
+            until(
+                lambda: svc.job(job_id)["state"] == "RUNNING" and (svc.job(job_id)["step"] or 0) >= 5,
+                "progress",
+                200,
+            )
+            assert svc.http.post(f"/v1/jobs/{job_id}/scale", json={"nodes": nodes}).status_code == 202
+            at_size = lambda n=nodes: (j := svc.job(job_id))["world_size"] == n and j["state"] == "RUNNING"  # noqa: E731
+            until(at_size, f"world size {nodes}", 200)
+            start = svc.job(job_id)["last_published_step"] or 0
+            until(lambda s=start: (svc.job(job_id)["last_published_step"] or 0) > s, "a checkpoint", 200)
+        final = svc.finished(job_id)
+    finally:
+        svc.stop()
+    assert final["state"] == "SUCCEEDED", final
+    sizes = {c["world_size"] for c in svc_checkpoints(final)}
+    assert sizes == {2, 3, 1}, sizes
+    seen = history(trace)
+    assert set(seen.values()) == {1}, "a sample was trained on twice in one epoch"
+    assert {i for (e, i) in seen if e == 0} == set(range(1536)) and {e for e, _ in seen} == {0, 1, 2}
+
+
+def svc_checkpoints(final: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for manifest in sorted(Path(final["checkpoint_dir"]).glob("step-*/manifest.json")):
+        out.append(json.loads(manifest.read_text()))
+    return out
+
+
+def test_service_kill9_and_restart_keeps_the_job(tmp_path: Path, bare_digest: str) -> None:
+    svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": "after_grad_sync=sleep:0.1"})
+    svc.data_dir.mkdir()
+    svc.start()
+    try:
+        job_id = svc.submit(job_spec())
+        until(lambda: (svc.job(job_id)["last_published_step"] or 0) >= 10, "a published checkpoint", 200)
+        svc.kill9()
+        svc.start()
+        final = svc.finished(job_id)
+    finally:
+        svc.stop()
+    assert final["state"] == "SUCCEEDED", final
+    assert len(final["nodes"]) == 1 and final["nodes"][0]["attempt"] == 0, final["nodes"]
+    assert final["restarts"] == 0
+    assert digest(Path(final["checkpoint_dir"])) == bare_digest
+
+
+def test_cli_talks_to_the_service(service: Service, capsys: pytest.CaptureFixture[str]) -> None:
+    os.environ["ELASTRAIN_API_TOKEN"] = service.token
+    try:
+        spec = write_spec(service.data_dir, job_spec(max_steps=10))
+        assert elastrain(["submit", str(spec), "--url", service.url]) == 0
+        job_id = service.http.get("/v1/jobs").json()["jobs"][0]["id"]
+        service.finished(job_id)
+        capsys.readouterr()
+        assert elastrain(["status", job_id, "--url", service.url]) == 0
+        assert "SUCCEEDED" in capsys.readouterr().out
+    finally:
+        del os.environ["ELASTRAIN_API_TOKEN"]
