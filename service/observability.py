@@ -47,14 +47,17 @@ def recovery_phases(
     group_formed_at: float | None = None,
     state_loaded_at: float | None = None,
     first_step_at: float | None = None,
+    from_detection: bool = False,
 ) -> list[Phase]:
     """The phases of one recovery, in order, from the time stamps known. ``failed_at`` is the
-    failure (or the last sign of life before it). A phase whose end is unknown merges into the
-    next one (``detect+reform``); phases after the last known stamp are left out (still running)."""
+    failure (or the last sign of life before it); with ``from_detection`` it is the moment the
+    failure was noticed and there is no detect phase. A phase whose end is unknown merges into
+    the next one (``detect+reform``); phases after the last known stamp are left out."""
     ends = (detected_at, group_formed_at, state_loaded_at, first_step_at)
     out: list[Phase] = []
     start, merged = failed_at, []
-    for name, end in zip(PHASES, ends, strict=True):
+    skip = 1 if from_detection else 0
+    for name, end in zip(PHASES[skip:], ends[skip:], strict=True):
         merged.append(name)
         if end is None:
             continue
@@ -126,14 +129,13 @@ class ServiceObservability:
         """Call once when a recovery completes (``service.jobs.model.Recovery``, first step done).
         ``last_seen_at``: newest heartbeat/progress before the failure, if known (the detect
         phase needs it; without it phases start at the service's ``failed_at``)."""
-        start = last_seen_at if last_seen_at is not None else recovery.failed_at
-        detected = recovery.failed_at if last_seen_at is not None else None
         for phase in recovery_phases(
-            failed_at=start,
-            detected_at=detected,
+            failed_at=recovery.failed_at if last_seen_at is None else last_seen_at,
+            detected_at=recovery.failed_at,
             group_formed_at=recovery.group_formed_at,
             state_loaded_at=recovery.state_loaded_at,
             first_step_at=recovery.first_step_at,
+            from_detection=last_seen_at is None,
         ):
             self.recovery_phase.labels(phase.name).observe(phase.seconds)
         if recovery.steps_lost:

@@ -78,6 +78,7 @@ def _service_view(record: dict[str, Any]) -> dict[str, Any]:
     for r in record.get("recoveries") or []:
         phases = recovery_phases(
             failed_at=r["failed_at"],
+            from_detection=True,
             group_formed_at=r.get("group_formed_at"),
             state_loaded_at=r.get("state_loaded_at"),
             first_step_at=r.get("first_step_at"),

@@ -327,3 +327,21 @@ def test_report_json_and_png(observed: Observed, tmp_path: Path) -> None:
 
     with Image.open(png) as image:
         image.verify()
+
+
+def test_report_for_a_service_job_adds_the_recoveries_the_service_measured(observed: Observed) -> None:
+    svc = observed.service
+    with svc.client() as client:
+        record = client.get(f"/v1/jobs/{observed.service_job}").json()
+    run_dir = Path(record["checkpoint_dir"])  # where the job's worker writes its events
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "events.jsonl").write_bytes((observed.run_dir / "events.jsonl").read_bytes())
+    args = ("--url", svc.url, "--token-file", str(svc.data_dir / "api-token"))
+    out, _ = report(observed.service_job, "--json", *args)
+    service = json.loads(out)["service"]
+    assert service["restarts"] == 1 and service["state"] == "RUNNING"
+    (recovery,) = service["recoveries"]
+    assert [p["name"] for p in recovery["phases"]] == ["reform", "restore", "first_step"]
+    assert recovery["phases"][1]["seconds"] >= 0.5  # the test waited 0.5 s before state_loaded
+    text, _ = report(observed.service_job, *args)
+    assert "service #1: the worker group re-formed" in text

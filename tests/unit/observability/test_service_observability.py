@@ -39,6 +39,10 @@ def test_phases_merge_over_missing_stamps_and_stop_at_the_last_known() -> None:
     assert [(p.name, p.seconds) for p in merged] == [("detect+reform+restore", 6), ("first_step", 1)]
     running = recovery_phases(failed_at=0, detected_at=2)
     assert [p.name for p in running] == ["detect"]
+    noticed = recovery_phases(
+        failed_at=5, detected_at=99, state_loaded_at=6, first_step_at=7, from_detection=True
+    )
+    assert [(p.name, p.seconds) for p in noticed] == [("reform+restore", 1), ("first_step", 1)]
 
 
 def test_goodput_is_a_ratio_in_0_1() -> None:
@@ -91,6 +95,7 @@ def test_a_completed_recovery_observes_each_phase_and_the_lost_steps() -> None:
     assert sample(registry, "elastrain_job_rollback_steps_total", job_id="job-1") == 10
     obs.observe_recovery("job-2", recovery)  # without a last sign of life: no detect phase
     assert sample(registry, "elastrain_job_recovery_phase_seconds_count", phase="detect") == 1
+    assert sample(registry, "elastrain_job_recovery_phase_seconds_count", phase="reform") == 2
 
 
 def test_job_gauges_follow_the_record_and_go_when_it_ends() -> None:
