@@ -90,6 +90,7 @@ def test_default_render_has_the_expected_objects(render: Renderer) -> None:
             "RoleBinding/elastrain-scheduler",
             "Secret/elastrain-api-token",
             "ConfigMap/elastrain-kubeconfig",
+            "ConfigMap/elastrain-dashboards",  # deploy/grafana, copied into files/grafana
             "PersistentVolumeClaim/elastrain-checkpoints",
             "Service/elastrain-etcd",
             "StatefulSet/elastrain-etcd",
