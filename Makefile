@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint types unit integration bench clean
+.PHONY: venv run test lint types unit integration bench faults deploy-sync clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,15 @@ test: lint types
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
+
+# The fault matrix, each row TRIALS times with recorded seeds; writes a results table.
+TRIALS ?= 1
+faults: $(STAMP)
+	$(PY) -m scripts.faults --trials $(TRIALS)
+
+# Copy deploy/prometheus and deploy/grafana into the chart and re-render deploy/k8s.
+deploy-sync: $(STAMP)
+	$(PY) -m scripts.deploy_tools sync
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,34 @@
+"""``make bench``: every benchmark, one after another, each printing its own ratios.
+
+Each runs in its own process (they start torchrun, etcd and uvicorn themselves). A failing
+benchmark is reported and the others still run; the exit code says whether all ran.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BENCHMARKS = (
+    ("worker throughput vs bare torchrun+DDP", ["benchmarks.worker_throughput"]),
+    ("checkpoint save/load vs raw I/O and DCP", ["benchmarks.checkpoint_bench"]),
+    ("re-rendezvous after a worker SIGKILL", ["benchmarks.rendezvous_recovery", "--skip-default"]),
+    ("control plane GET/submit load", ["benchmarks.service_api"]),
+)
+
+
+def main() -> int:
+    failed = []
+    for title, args in BENCHMARKS:
+        print(f"\n=== {title}: python -m {' '.join(args)}", flush=True)
+        code = subprocess.run([sys.executable, "-m", *args], check=False).returncode
+        if code:
+            failed.append(title)
+            print(f"=== {title}: exit code {code}", flush=True)
+    if failed:
+        print(f"\nbenchmarks that did not complete: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
