@@ -176,33 +176,41 @@ class ServiceObservability:
 
 
 class InstrumentedStore:
-    """A ``KVStore`` that counts and times every call of the store it wraps (same semantics,
-    same errors): ``InstrumentedStore(EtcdStore(endpoints), obs)``."""
-
-    _OPS = frozenset(
-        {
-            "get",
-            "list_prefix",
-            "commit",
-            "put",
-            "delete_prefix",
-            "lease_grant",
-            "lease_refresh",
-            "lease_revoke",
-        }
-    )
+    """A ``KVStore`` (service.store) that counts and times every call of the store it wraps, with
+    the same semantics and errors: ``InstrumentedStore(EtcdStore(endpoints), obs)``."""
 
     def __init__(self, inner: Any, obs: ServiceObservability) -> None:
-        self._inner = inner
+        self.inner = inner
         self._obs = obs
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name not in self._OPS or not callable(attr):
-            return attr
+    def _call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        with self._obs.etcd_call(op):
+            return getattr(self.inner, op)(*args, **kwargs)
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self._obs.etcd_call(name):
-                return attr(*args, **kwargs)
+    def get(self, key: str) -> Any:
+        return self._call("get", key)
 
-        return timed
+    def list_prefix(self, prefix: str, *, start_after: str | None = None, limit: int = 0) -> list[Any]:
+        out: list[Any] = self._call("list_prefix", prefix, start_after=start_after, limit=limit)
+        return out
+
+    def commit(self, writes: Sequence[Any], *, fence: Any = None) -> bool:
+        return bool(self._call("commit", writes, fence=fence))
+
+    def put(self, key: str, value: bytes, *, lease_id: int = 0) -> None:
+        self._call("put", key, value, lease_id=lease_id)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._call("delete_prefix", prefix)
+
+    def lease_grant(self, ttl_s: int) -> int:
+        return int(self._call("lease_grant", ttl_s))
+
+    def lease_refresh(self, lease_id: int) -> bool:
+        return bool(self._call("lease_refresh", lease_id))
+
+    def lease_revoke(self, lease_id: int) -> None:
+        self._call("lease_revoke", lease_id)
+
+    def healthy(self) -> bool:
+        return bool(self._call("healthy"))
