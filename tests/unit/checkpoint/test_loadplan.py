@@ -59,6 +59,8 @@ def test_adjacent_reads_merge_up_to_the_cap() -> None:
     assert len(plan_reads(s.manifest, needs, max_read=32)) == 5
     got = execute(s, needs, max_read=32)
     assert all(got[(f"t{i}", 0)] == s.logical[f"t{i}"] for i in range(10))
+    # a read of at least `small` bytes stays alone (it goes straight into the tensor)
+    assert len(plan_reads(s.manifest, needs, small=16)) == 10
 
 
 def test_unknown_tensor_or_rows_out_of_range() -> None:
