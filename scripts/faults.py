@@ -1,0 +1,126 @@
+"""Run the fault matrix (tests/faults) N times per row with recorded seeds and print a table.
+
+``python -m scripts.faults --trials N [--rows a,b] [--seed BASE] [--slow] [--out PATH]``
+
+Draws N seeds from ``--seed`` (default: from the clock, printed so a run can be repeated), runs
+every selected row once per seed in a single pytest session (rows share the uninterrupted
+reference run), and writes a Markdown table -- row, trials, passed, failed seeds, notes -- to
+stdout and to ``--out`` (default ``.elastrain/faults.md``). A failed seed reruns alone with
+``ELASTRAIN_FAULT_SEED=<seed> pytest <row's test>``. Exit status 1 when any trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+T = "tests/faults/"
+ROWS: dict[str, str] = {
+    "sigkill-rank": T + "test_worker_faults.py::test_sigkill_random_rank_at_random_step",
+    "kill-at-failpoint": T + "test_worker_faults.py::test_kill_at_a_checkpoint_failpoint",
+    "corrupt-shard": T + "test_worker_faults.py::test_corrupt_newest_shard_is_refused",
+    "enospc-failpoint": T + "test_worker_faults.py::test_enospc_failpoint_during_a_save",
+    "enospc-tmpfs": T + "test_worker_faults.py::test_enospc_on_a_real_small_tmpfs",
+    "sigstop-worker": T + "test_sigstop.py::test_sigstop_a_worker_then_sigcont",
+    "service-kill-submit": T + "test_service_faults.py::test_kill9_during_submit_with_idempotency_key",
+    "service-kill-scale": T + "test_service_faults.py::test_kill9_during_scale_converges",
+    "etcd-quorum": T + "test_etcd_quorum.py::test_lose_one_then_two_etcd_members",
+    "bad-path-fields": T + "test_bad_input.py::test_traversal_paths_are_422",
+    "bad-large-bodies": T + "test_bad_input.py::test_large_and_deep_bodies_are_refused",
+    "bad-manifest-code": T + "test_bad_input.py::test_crafted_checkpoint_never_executes_code",
+}
+
+
+@dataclass
+class Tally:
+    trials: int = 0
+    passed: int = 0
+    failed: list[int] = field(default_factory=list)
+    notes: set[str] = field(default_factory=set)
+
+
+def draw_seeds(base: int, trials: int) -> list[int]:
+    """``trials`` distinct seeds determined by ``base``."""
+    rng = random.Random(base)
+    return rng.sample(range(1, 1_000_000), trials)
+
+
+def tally(junit: Path, rows: dict[str, str]) -> dict[str, Tally]:
+    """Per-row results from a pytest junit XML file (test ids ``name[seed=N]``)."""
+    by_func = {node.split("::")[-1]: row for row, node in rows.items()}
+    out = {row: Tally() for row in rows}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        func, _, param = case.get("name", "").partition("[")
+        row = by_func.get(func)
+        if row is None:
+            continue
+        seed = param.rstrip("]").removeprefix("seed=")
+        result = out[row]
+        skipped = case.find("skipped")
+        if skipped is not None:
+            result.notes.add("skipped: " + skipped.get("message", "")[:120])
+            continue
+        result.trials += 1
+        if case.find("failure") is not None or case.find("error") is not None:
+            result.failed.append(int(seed) if seed.isdigit() else -1)
+        else:
+            result.passed += 1
+    return out
+
+
+def table(results: dict[str, Tally], *, base: int, seconds: float) -> str:
+    lines = [
+        "| row | trials | passed | failed seeds | notes |",
+        "|---|---:|---:|---|---|",
+    ]
+    for row, r in results.items():
+        failed = ", ".join(map(str, r.failed)) or "-"
+        lines.append(f"| {row} | {r.trials} | {r.passed} | {failed} | {'; '.join(sorted(r.notes)) or ''} |")
+    lines.append("")
+    lines.append(f"Base seed {base}; total runtime {seconds:.0f} s; rerun with `--seed {base}`.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.faults", description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--rows", default="", help=f"comma-separated subset of: {', '.join(ROWS)}")
+    parser.add_argument("--seed", type=int, default=None, help="base seed (default: from the clock)")
+    parser.add_argument("--slow", action="store_true", help="also run the slow rows")
+    parser.add_argument("--out", default=".elastrain/faults.md")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds for the whole pytest run")
+    args = parser.parse_args(argv)
+    chosen = [r.strip() for r in args.rows.split(",") if r.strip()] or list(ROWS)
+    unknown = [r for r in chosen if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    rows = {r: ROWS[r] for r in chosen}
+    base = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    seeds = draw_seeds(base, args.trials)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    junit = out.with_suffix(".junit.xml")
+    env = dict(os.environ, ELASTRAIN_FAULT_SEEDS=",".join(map(str, seeds)))
+    if args.slow:
+        env["ELASTRAIN_FAULTS_SLOW"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    print(f"faults: base seed {base}, seeds {seeds}, rows {', '.join(rows)}", flush=True)
+    started = time.monotonic()
+    subprocess.run(cmd + list(rows.values()), cwd=REPO, env=env, timeout=args.timeout, check=False)
+    results = tally(junit, rows)
+    text = table(results, base=base, seconds=time.monotonic() - started)
+    out.write_text(text)
+    print(text, end="")
+    return 1 if any(r.failed for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The fault matrix's shared pieces: seeds from the environment, the seed printed on failure,
+the slow-row gate and the uninterrupted reference run every worker row compares against.
+
+Seeds: ``ELASTRAIN_FAULT_SEEDS="3,17"`` (what ``python -m scripts.faults`` sets) or
+``ELASTRAIN_FAULT_SEED=3``; default ``1``. Every row is parametrised by them (``[seed=N]``).
+Slow rows run only with ``ELASTRAIN_FAULTS_SLOW=1``; otherwise they skip with that reason
+(``pytest -rs`` and the runner's table show it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.launch import Run, run_worker, write_spec
+from tests.integration.worker.test_resume import spec
+
+# tests/integration/service has no __init__.py; its helpers import as top-level modules there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "service"))
+
+SLOW_ENV = "ELASTRAIN_FAULTS_SLOW"
+
+
+def fault_seeds() -> list[int]:
+    """The seeds every row runs with, from the environment."""
+    raw = os.environ.get("ELASTRAIN_FAULT_SEEDS") or os.environ.get("ELASTRAIN_FAULT_SEED") or "1"
+    return [int(s) for s in raw.split(",") if s.strip()]
+
+
+def seeded(func: Any) -> Any:
+    """Parametrise a row by the fault seeds (ids ``seed=N``)."""
+    return pytest.mark.parametrize("seed", fault_seeds(), ids=lambda s: f"seed={s}")(func)
+
+
+def slow_gate() -> pytest.MarkDecorator:
+    """Skip (with the reason shown) unless slow rows are asked for."""
+    return pytest.mark.skipif(
+        os.environ.get(SLOW_ENV) != "1",
+        reason=f"slow row: set {SLOW_ENV}=1 to run it (python -m scripts.faults --slow does)",
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    seed = getattr(item, "callspec", None) and item.callspec.params.get("seed")
+    if report.failed and seed is not None:
+        report.sections.append(
+            ("fault seed", f"failed with seed={seed}: rerun with ELASTRAIN_FAULT_SEED={seed}")
+        )
+        sys.stderr.write(f"\nFAULT ROW FAILED: {item.nodeid} seed={seed}\n")
+    return report
+
+
+class Reference:
+    """The uninterrupted 30-step W=2 run of test_resume's spec: its final digest."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.digest: str = run.last("finished")["params_digest"]
+
+
+def train(tmp: Path, name: str, *, env: dict[str, str] | None = None, nproc: int = 2, **over: Any) -> Run:
+    """Run test_resume's spec under torchrun (max_restarts=2) into ``tmp/name``; asserts exit 0."""
+    run = run_worker(
+        write_spec(tmp, spec(tmp / name, **over), f"{name}.json"), nproc=nproc, max_restarts=2, env=env
+    )
+    assert run.code == 0, run.stderr[-4000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return Reference(train(tmp_path_factory.mktemp("reference"), "ref"))
