@@ -9,7 +9,7 @@ them identical). A skipped step leaves the global step, the LR schedule and weig
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,16 +47,10 @@ class DynamicLossScaler:
     def scale(self) -> float:
         return self.state.scale
 
-    def unscale_and_check(self, grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
-        """Divide every gradient by the scale and say whether any rank saw a non-finite value."""
-        found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        if grads:
-            inv = torch.full((1,), 1.0 / self.state.scale, dtype=torch.float32, device=found.device)
-            for dtype_group in _by_dtype(grads):
-                torch._amp_foreach_non_finite_check_and_unscale_(dtype_group, found, inv)
-        if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item() > 0)
+    def unscale(self, grads: Sequence[torch.Tensor]) -> None:
+        """Divide every gradient by the scale, in place (nothing to do at scale 1)."""
+        if grads and self.state.scale != 1.0:
+            torch._foreach_mul_(list(grads), 1.0 / self.state.scale)
 
     def update(self, found_non_finite: bool) -> None:
         """Back off on a skipped step; grow after ``growth_interval`` good steps in a row."""
@@ -90,11 +84,15 @@ def next_scale(state: ScalerState, found: bool, cfg: LossScaleSpec, *, enabled: 
     return ScalerState(scale=state.scale, good_steps=good, skipped_total=state.skipped_total)
 
 
-def _by_dtype(grads: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        groups.setdefault(grad.dtype, []).append(grad)
-    yield from groups.values()
+def any_rank_non_finite(local_norms: list[torch.Tensor], *, device: torch.device) -> bool:
+    """Whether any gradient on any rank holds inf or NaN, from per-gradient norms (a non-finite
+    element makes its norm non-finite). The flag is all-reduced with MAX, so every rank agrees."""
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    if local_norms:
+        flag[0] = (~torch.isfinite(torch.stack(local_norms))).any().float()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def precision_table(precision: str, device: torch.device) -> dict[str, dict[str, str]]:

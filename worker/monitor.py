@@ -25,13 +25,12 @@ class GradMonitor:
         self.stale_after = stale_after
         self.zero_run = torch.zeros(len(names), dtype=torch.int64)
 
-    def observe(self, grads: list[torch.Tensor | None]) -> None:
-        """Count consecutive steps in which each parameter got an all-zero (or no) gradient."""
-        where = [i for i, g in enumerate(grads) if g is not None]
-        zero = torch.ones(len(grads), dtype=torch.bool)
-        if where:
-            norms = torch.stack(torch._foreach_norm([grads[i] for i in where]))  # type: ignore[misc]
-            zero[torch.tensor(where)] = (norms == 0).cpu()
+    def observe(self, norms: list[torch.Tensor | None]) -> None:
+        """Count consecutive steps in which each parameter got an all-zero (or no) gradient,
+        given each parameter's gradient norm (None: no gradient)."""
+        present = [n for n in norms if n is not None]
+        flags = iter((torch.stack(present) == 0).tolist() if present else [])
+        zero = torch.tensor([True if n is None else next(flags) for n in norms], dtype=torch.bool)
         self.zero_run = (self.zero_run + 1) * zero
 
     def measure(self, grads: list[torch.Tensor | None]) -> GradStats:

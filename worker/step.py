@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from worker.amp import DynamicLossScaler, autocast
+from worker.amp import DynamicLossScaler, any_rank_non_finite, autocast
 from worker.data import Dataset, loss_sum
 from worker.failpoints import failpoint
 from worker.sampler import Window, indices
@@ -71,27 +71,48 @@ def optimizer_step(
     *,
     lr: float,
     clip: float | None,
-    on_grads: Callable[[list[torch.Tensor | None]], None] | None = None,
+    sharded: bool = False,
+    on_norms: Callable[[list[torch.Tensor | None]], None] | None = None,
 ) -> bool:
-    """Unscale, agree across ranks on non-finite gradients, clip, step. Returns True if skipped."""
+    """Unscale, agree across ranks on non-finite gradients, clip, step. Returns True if skipped.
+
+    One pass over the gradients computes every gradient's norm; it serves the non-finite check,
+    the underflow watch and clipping alike. With ``sharded`` (FSDP) each rank holds a slice of
+    every gradient, so the clipping norm is summed over ranks.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [local(p.grad) for p in params if p.grad is not None]
     if failpoint("after_grad_sync") == "nonfinite":
         grads[0].view(-1)[0] = float("inf")
-    found = scaler.unscale_and_check(grads, group=None)
+    scaler.unscale(grads)
+    norms = list(torch._foreach_norm(grads)) if grads else []
+    device = grads[0].device if grads else torch.device("cpu")
+    found = any_rank_non_finite(norms, device=device)
     scaler.update(found)
     if found:
         optimizer.zero_grad(set_to_none=True)
         return True
-    if on_grads is not None:
-        on_grads([None if p.grad is None else local(p.grad) for p in params])
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    if on_norms is not None:
+        it = iter(norms)
+        on_norms([None if p.grad is None else next(it) for p in params])
+    if clip is not None and grads:
+        _clip(grads, norms, clip, sharded=sharded)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return False
+
+
+def _clip(grads: list[torch.Tensor], norms: list[torch.Tensor], max_norm: float, *, sharded: bool) -> None:
+    """Scale all gradients so that their global L2 norm is at most ``max_norm`` (as
+    ``clip_grad_norm_`` does), reusing the per-gradient norms."""
+    squared = torch.stack(norms).double().square().sum()
+    if sharded and dist.is_initialized():
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM)
+    coef = max_norm / (float(squared.sqrt()) + 1e-6)
+    if coef < 1.0:
+        torch._foreach_mul_(grads, coef)
 
 
 def global_sum(values: list[float], device: torch.device) -> list[float]:

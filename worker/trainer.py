@@ -23,6 +23,7 @@ from worker.sampler import SamplerState, Window, indices, plan_window, split_eve
 from worker.schedule import BatchPlan, lr_at, plan_batch
 from worker.setup import (
     build_optimizer,
+    local,
     params_digest,
     rank_seed,
     run_record,
@@ -230,7 +231,8 @@ class Trainer:
             self.scaler,
             lr=lr,
             clip=self.spec.optimizer.grad_clip_norm,
-            on_grads=self._observe_grads,
+            sharded=self.wrapped.fsdp,
+            on_norms=self._observe_grads,
         )
         return skipped, local_loss
 
@@ -246,10 +248,13 @@ class Trainer:
         with self.trace.open("a") as out:
             out.write(json.dumps(record | {"world_size": self.info.world_size, "indices": consumed}) + "\n")
 
-    def _observe_grads(self, grads: list[torch.Tensor | None]) -> None:
-        self.monitor.observe(grads)
+    def _observe_grads(self, norms: list[torch.Tensor | None]) -> None:
+        self.monitor.observe(norms)
         step = self.progress.step + 1
         if step % self.spec.monitor.every_steps == 0:
+            grads = [
+                None if p.grad is None else local(p.grad) for p in self.model.parameters() if p.requires_grad
+            ]
             stats = self.monitor.measure(grads)
             self.events.emit(
                 "grad_stats",
