@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker.checkpoint.api import Checkpointer, CheckpointStats, Restored
-    from worker.checkpoint.coordinator import Coordinator, InJobCoordinator, MemoryStore, Outcome
+    from worker.checkpoint.coordinator import (
+        Coordinator,
+        InJobCoordinator,
+        MemoryStore,
+        Outcome,
+        generation_from_env,
+    )
     from worker.checkpoint.verify import logical_digest, verify_checkpoint
 
 __all__ = [
@@ -24,6 +30,7 @@ __all__ = [
     "MemoryStore",
     "Outcome",
     "Restored",
+    "generation_from_env",
     "logical_digest",
     "verify_checkpoint",
 ]
@@ -36,6 +43,7 @@ _LAZY = {
     "InJobCoordinator": "worker.checkpoint.coordinator",
     "MemoryStore": "worker.checkpoint.coordinator",
     "Outcome": "worker.checkpoint.coordinator",
+    "generation_from_env": "worker.checkpoint.coordinator",
     "logical_digest": "worker.checkpoint.verify",
     "verify_checkpoint": "worker.checkpoint.verify",
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -109,6 +110,15 @@ class MemoryStore:
     def delete_key(self, key: str) -> bool:
         with self._lock:
             return self._data.pop(key, None) is not None
+
+
+def generation_from_env(env: Mapping[str, str]) -> int:
+    """The rendezvous generation of this worker group: ``TORCHELASTIC_RESTART_COUNT`` under
+    torchrun (each restart re-forms the group), 0 outside it."""
+    raw = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    if not raw.isdigit():
+        raise ElastrainError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a whole number")
+    return int(raw)
 
 
 def session_id(store: KeyValueStore, *, job: str, generation: int, world_size: int) -> str:

@@ -203,3 +203,24 @@ def test_disabled_without_dir(tmp_path: Path) -> None:
     assert not ck.should_save(10, now=1e12)
     ck.save(step=1, model=model, optimizer=optim, progress={}, metrics={})
     assert ck.restore(model=model, optimizer=optim) is None
+
+
+def test_other_dtypes_round_trip(tmp_path: Path) -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3).to(torch.bfloat16)
+            self.register_buffer("mask", torch.tensor([True, False, True]))
+            self.register_buffer("count", torch.tensor(7, dtype=torch.int32))
+
+    torch.manual_seed(3)
+    a, b = Net(), Net()
+    b.lin.weight.data.zero_()
+    b.mask.zero_()
+    b.count.zero_()
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    save(checkpointer(tmp_path), a, oa, 1)
+    assert checkpointer(tmp_path).restore(model=b, optimizer=ob) is not None
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
