@@ -168,7 +168,7 @@ def craft(step_dir: Path, how: str, marker: Path) -> None:
         manifest.write_bytes(bomb)
     elif how == "factory-manifest":
         data = json.loads(manifest.read_text())
-        data["meta"] = {"py/reduce": [{"py/function": "os.system"}, {"py/tuple": [f"touch {marker}"]}]}
+        data["py/reduce"] = [{"py/function": "os.system"}, {"py/tuple": [f"touch {marker}"]}]
         data["__class__"] = "subprocess.Popen"
         data["!!python/object/apply:os.system"] = [f"touch {marker}"]
         manifest.write_text(json.dumps(data))
