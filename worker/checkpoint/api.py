@@ -105,7 +105,7 @@ class Checkpointer:
         self.stats = CheckpointStats()
         self.policy = policy_from_spec(cfg)
         self._on_event = on_event
-        self._store = store if store is not None else _default_store(world_size)
+        self._store: KeyValueStore = MemoryStore()
         self._coordinator = coordinator
         self._writer = AsyncWriter()
         self._seq = 0
@@ -114,8 +114,10 @@ class Checkpointer:
         self._last_time = time.time()
         self._started = self._last_time
         self._parent_step: int | None = None
-        self.session = session_id(self._store, job=job, generation=generation, world_size=world_size)
+        self.session = "off"
         if self.job_dir is not None:
+            self._store = store if store is not None else _default_store(world_size)
+            self.session = session_id(self._store, job=job, generation=generation, world_size=world_size)
             self._coordinator = coordinator or InJobCoordinator(
                 self._store,
                 rank=rank,
