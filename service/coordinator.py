@@ -158,6 +158,7 @@ class CheckpointCoordinator:
         self, record: JobRecord, expected: Expected, reports: list[Report], seq: int, reason: str
     ) -> dict[str, Any]:
         step, generation = expected.step, expected.generation
+        started = time.perf_counter()
         key = keys.outcome(record.id, step, generation, seq)
         if not self._claim(key, {"status": "publishing", "by": self.instance}):
             return self.outcome(record, step, generation, seq=seq)
@@ -178,6 +179,7 @@ class CheckpointCoordinator:
         self.store.put(key, json.dumps(result).encode())
         self.store.delete_prefix(keys.report_round(record.id, step, generation, seq))
         self.metrics.published.inc()
+        self.metrics.obs.observe_publish(time.perf_counter() - started)
         self._retain(record, step)
         return result
 

@@ -138,8 +138,9 @@ class ServiceObservability:
             from_detection=last_seen_at is None,
         ):
             self.recovery_phase.labels(phase.name).observe(phase.seconds)
+        rollback = self.rollback_steps.labels(job_id)  # the series exists from the first recovery on
         if recovery.steps_lost:
-            self.rollback_steps.labels(job_id).inc(recovery.steps_lost)
+            rollback.inc(recovery.steps_lost)
 
     def observe_job(self, record: Any, *, now: float, step_seconds: float | None = None) -> None:
         """Per-job gauges from a ``JobRecord``; a finished job's series are removed."""

@@ -33,6 +33,7 @@ from service.coordinator import CheckpointCoordinator
 from service.etcd_server import EtcdServer
 from service.jobs.machine import Policy
 from service.jobs.service import JobService, ensure_worker_secret
+from service.observability import InstrumentedStore
 from service.reconciler import LaunchContext, Reconciler, Scheduler
 from service.settings import Settings, SettingsError
 from service.store import EtcdStore, LeaderElection, StoreUnavailableError
@@ -120,12 +121,13 @@ def build_app(
     settings: Settings, endpoints: list[str], *, scheduler: Any = None
 ) -> tuple[FastAPI, Reconciler]:
     """The app and its reconciler (started by the app's lifespan)."""
-    store = EtcdStore(endpoints)
-    wait_for_store(store, endpoints)
+    metrics = Metrics()
+    etcd = EtcdStore(endpoints)
+    wait_for_store(etcd, endpoints)
+    store = InstrumentedStore(etcd, metrics.obs)
     token, where = resolve_api_token(settings)
     log.info("API token: %s", where)
     scheduler = scheduler if scheduler is not None else build_scheduler(settings, endpoints)
-    metrics = Metrics()
     jobs = JobService(store, settings.checkpoint_root, ensure_worker_secret(store))
     coordinator = CheckpointCoordinator(jobs, metrics=metrics)
     election = LeaderElection(store, holder_id(settings), ttl_s=settings.leader_ttl_s)

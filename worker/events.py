@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 Sink = Callable[[str, dict[str, Any]], None]
@@ -22,6 +23,7 @@ class Events:
         self.job = job
         self.rank = rank
         self.sinks: list[Sink] = []
+        self.log_path: Path | None = None  # rank 0 appends every event here too (the run dir)
 
     def emit(self, event: str, **fields: Any) -> None:
         for sink in self.sinks:
@@ -29,8 +31,12 @@ class Events:
         if not self.enabled:
             return
         record = {"event": event, "job": self.job, "time": round(time.time(), 3), **fields}
-        sys.stdout.write(json.dumps(record, sort_keys=False, default=str) + "\n")
+        line = json.dumps(record, sort_keys=False, default=str) + "\n"
+        sys.stdout.write(line)
         sys.stdout.flush()
+        if self.log_path is not None:
+            with self.log_path.open("a", encoding="utf-8") as out:
+                out.write(line)
 
     def say(self, text: str) -> None:
         if self.enabled:

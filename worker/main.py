@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": env_dir})})
         info = dist.detect(os.environ, backend=spec.ddp.backend, cuda_available=torch.cuda.is_available())
         events = Events(enabled=info.is_main, job=spec.name, rank=info.rank)
+        if info.is_main and spec.checkpoint.dir is not None:  # the run dir `elastrain report` reads
+            events.log_path = _run_dir(spec.checkpoint.dir) / "events.jsonl"
         trainer = Trainer(
             spec, info, events=events, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume)
         )
@@ -75,9 +77,19 @@ def main(argv: list[str] | None = None) -> int:
         _die(traceback.format_exc(), client)
     if client is not None:
         client.close()
+    if trainer.metrics is not None:
+        trainer.metrics.close()
     del trainer  # the DDP reducer holds the group: release it before the group goes
     dist.shutdown()
     return 0
+
+
+def _run_dir(path: str) -> Path:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecError(f"field 'checkpoint.dir': cannot create {path!r}: {exc.strerror}") from None
+    return Path(path)
 
 
 def _service(info: DistInfo, events: Events) -> ServiceClient | None:

@@ -10,6 +10,7 @@ weighs the same, never a mean of means.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,17 +43,21 @@ def forward_backward(
     precision: str,
     scale: float,
     device: torch.device,
-) -> tuple[float, int]:
-    """Run the window's micro-steps; gradients end up synchronised and scaled by ``scale``."""
+) -> tuple[float, int, float]:
+    """Run the window's micro-steps; gradients end up synchronised and scaled by ``scale``.
+    Returns this rank's loss sum, its sample count and the seconds spent waiting for data."""
     weight = world_size / window.samples
     total = torch.zeros((), dtype=torch.float64)
     count = 0
+    data_wait = 0.0
     last = len(window.micro_steps) - 1
     size = len(data)
     for j, micro in enumerate(window.micro_steps):
+        started = time.perf_counter()
         idx = indices(seed, window.epoch, size, micro.bounds[rank])
         x, y = data.batch(idx)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        data_wait += time.perf_counter() - started
         sync = contextlib.nullcontext() if j == last else wrapped.no_sync()
         with sync:
             with autocast(precision, device):
@@ -61,7 +66,7 @@ def forward_backward(
             (loss * (weight * scale)).backward()
         total += loss.detach().double().cpu()
         count += len(idx)
-    return float(total), count
+    return float(total), count, data_wait
 
 
 def optimizer_step(

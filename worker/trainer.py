@@ -17,6 +17,7 @@ from worker.amp import DynamicLossScaler, autocast
 from worker.data import Dataset, build_data, loss_sum
 from worker.dist import DistInfo
 from worker.events import Events, progress_line
+from worker.metrics import WorkerMetrics, peak_memory_bytes
 from worker.models import build_model
 from worker.monitor import GradMonitor
 from worker.sampler import SamplerState, Window, indices, plan_window, split_evenly
@@ -100,6 +101,9 @@ class Trainer:
         self.monitor = GradMonitor(names, stale_after=spec.monitor.stale_after_steps)
         self.notes: list[str] = []
         self.checkpointer: Any = None
+        self.metrics: WorkerMetrics | None = None
+        self.data_wait = 0.0
+        self.local_samples = 0
         self.stepped = False
         self.generation = 0  # set by the caller once the group exists (dist.agree_generation)
         trace_dir = os.environ.get("ELASTRAIN_TRACE_SAMPLES")
@@ -114,6 +118,10 @@ class Trainer:
             bucket_cap_mb=self.spec.ddp.bucket_cap_mb,
         )
         self.optimizer = build_optimizer(self.model, self.spec.optimizer)
+        job = os.environ.get("ELASTRAIN_JOB_ID", self.spec.name)
+        self.metrics = WorkerMetrics.from_env(job=job, rank=self.info.rank, world_size=self.info.world_size)
+        if not self.wrapped.fsdp:  # exposed communication is timed by a DDP comm hook
+            self.wrapped.module.register_comm_hook(None, self.metrics.comm.hook)  # type: ignore[operator]
         seed = rank_seed(self.spec.seed, self.info.rank)
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -176,7 +184,9 @@ class Trainer:
                 micro_batch=self.plan.micro_batch,
                 accum_steps=self.plan.accum_steps,
             )
+            started = time.perf_counter()
             skipped, local_loss = self._train_window(window)
+            self._observe_step(time.perf_counter() - started, skipped)
             if self.trace is not None:
                 self._trace(window)
             prog.sampler = window.after
@@ -206,7 +216,7 @@ class Trainer:
     def _train_window(self, window: Window) -> tuple[bool, float]:
         self.model.train()
         scale = self.scaler.scale
-        local_loss, _ = forward_backward(
+        local_loss, local_samples, self.data_wait = forward_backward(
             self.wrapped,
             self.data,
             window,
@@ -234,7 +244,24 @@ class Trainer:
             sharded=self.wrapped.fsdp,
             on_norms=self._observe_grads,
         )
+        self.local_samples = local_samples
         return skipped, local_loss
+
+    def _observe_step(self, seconds: float, skipped: bool) -> None:
+        """Feed the rank's Prometheus exporter (worker.metrics) after every window."""
+        metrics = self.metrics
+        if metrics is None:
+            return
+        tokens = self.local_samples * int(self.data.meta.get("seq_len", 0))
+        step = self.progress.step + (0 if skipped else 1)
+        metrics.observe_step(seconds, self.local_samples, tokens, self.data_wait, step=step)
+        if skipped:
+            metrics.skipped()
+        if self.spec.precision == "fp16":
+            metrics.set_scale(self.scaler.scale, min_scale=self.spec.loss_scale.min_scale)
+        metrics.peak_memory(peak_memory_bytes(self.info.device))
+        if self.checkpointer is not None:
+            metrics.checkpoint(self.checkpointer.stats.as_metrics())
 
     def _trace(self, window: Window) -> None:
         """Debug aid (ELASTRAIN_TRACE_SAMPLES=DIR): the dataset indices this rank consumed."""
@@ -256,6 +283,8 @@ class Trainer:
                 None if p.grad is None else local(p.grad) for p in self.model.parameters() if p.requires_grad
             ]
             stats = self.monitor.measure(grads)
+            if self.metrics is not None:
+                self.metrics.grad_stats(stats.zero_fraction, stats.min_nonzero)
             self.events.emit(
                 "grad_stats",
                 step=step,
@@ -287,8 +316,14 @@ class Trainer:
             skipped=self.scaler.state.skipped_total,
         )
         self.events.say(line)
+        extra: dict[str, Any] = {}
+        if self.metrics is not None:
+            if prog.last_loss is not None:
+                self.metrics.set_loss(prog.last_loss)
+            extra = self.metrics.progress_fields()
         self.events.emit(
             "progress",
+            **extra,
             step=prog.step,
             samples_seen=prog.samples_seen,
             loss=prog.last_loss,
@@ -345,6 +380,10 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self.metrics is not None:
+            if self.checkpointer is not None:
+                self.metrics.checkpoint(self.checkpointer.stats.as_metrics())
+            self.metrics.flush()
         digest = params_digest(self.model)
         rank_digests: list[Any] = [None] * self.info.world_size
         torch.distributed.all_gather_object(rank_digests, digest)

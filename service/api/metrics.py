@@ -59,6 +59,9 @@ class Metrics:
             "elastrain_checkpoints_published_total", "Checkpoints published by the service", registry=r
         )
         self.aborted = Counter("elastrain_checkpoints_aborted_total", "Checkpoint steps aborted", registry=r)
+        from service.observability import ServiceObservability
+
+        self.obs = ServiceObservability(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -71,6 +74,7 @@ class Metrics:
             self.jobs.labels(state.value).set(count)
 
     def observe_job(self, record: JobRecord, progress: Progress | None) -> None:
+        self.obs.observe_job(record, now=time.time())
         if record.state.terminal:
             for gauge in (self.step, self.throughput, self.world_size, self.restarts):
                 with contextlib.suppress(KeyError):

@@ -53,7 +53,17 @@ def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextD
     report = Progress(**body.model_dump(), time=ctx.jobs.clock())
     ctx.jobs.report_progress(record, report)
     ctx.metrics.observe_job(record, report)
+    if record.state == JobState.RECOVERING:  # a progress report can close a recovery too
+        _observe_recovery(ctx, record, ctx.jobs.get(job_id))
     return _ack(record)
+
+
+def _observe_recovery(ctx: Context, before: JobRecord, after: JobRecord) -> None:
+    if before.state == JobState.RECOVERING and after.state == JobState.RUNNING and after.recoveries:
+        seconds = after.recoveries[-1].seconds
+        if seconds is not None:
+            ctx.metrics.recovery.observe(seconds)
+            ctx.metrics.obs.observe_recovery(before.id, after.recoveries[-1])
 
 
 @router.post("/workers/events", response_model=Ack, responses=_ERRORS)
@@ -61,10 +71,7 @@ def event(job_id: str, body: WorkerEvent, auth: WorkerAuth, ctx: ContextDep, req
     """group_formed (rank 0, once per formation), state_loaded, first_step, failed, finished, log."""
     before = _job(ctx, job_id, auth, request)
     after = ctx.jobs.worker_event(job_id, body)
-    if before.state == JobState.RECOVERING and after.state == JobState.RUNNING and after.recoveries:
-        seconds = after.recoveries[-1].seconds
-        if seconds is not None:
-            ctx.metrics.recovery.observe(seconds)
+    _observe_recovery(ctx, before, after)
     return _ack(after)
 
 

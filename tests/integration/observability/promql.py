@@ -14,14 +14,7 @@ ROOT = Path(__file__).resolve().parents[3]
 VARIABLES = {"$__rate_interval": "1m", "$__range": "5m", "$__interval": "15s", "$job_id": ".*"}
 # Defined in service/observability.py, not yet registered and observed by the service (see H5's
 # report for the wiring). The test checks the service really lacks them, so the list stays true.
-NEEDS_SERVICE_WIRING = (
-    "elastrain_job_goodput_ratio",
-    "elastrain_job_recovery_phase_seconds",
-    "elastrain_job_rollback_steps_total",
-    "elastrain_job_nodes",
-    "elastrain_etcd_requests_total",
-    "elastrain_checkpoint_publish_duration_seconds",
-)
+NEEDS_SERVICE_WIRING: tuple[str, ...] = ()
 _COMPARISONS = ("==", "!=", ">=", "<=", ">", "<")
 _NUMBER = re.compile(r"^\s*-?\d+(\.\d+)?([eE][-+]?\d+)?\s*$")
 

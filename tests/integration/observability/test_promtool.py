@@ -97,7 +97,7 @@ def service_url(tmp_path: Path) -> Iterator[tuple[str, ServiceObservability]]:
     """The service app (service.api.app.create_app) with the additions of service.observability
     on its registry, under uvicorn on a loopback port."""
     metrics = Metrics()
-    obs = ServiceObservability(metrics.registry)
+    obs = metrics.obs
     store = InstrumentedStore(MemoryStore(), obs)
     settings = Settings(data_dir=tmp_path / "data", storage_root=tmp_path / "ck", etcd="")
     app = create_app(settings, store, api_token=TOKEN, metrics=metrics)

@@ -45,8 +45,7 @@ def exported_names() -> set[str]:
     stats = {f"elastrain_checkpoint_{f.name}": 0.0 for f in dataclasses.fields(CheckpointStats)}
     rank.checkpoint(stats, now=1.0)
     names = {s.name for fam in families([rank.snapshot()]) for s in fam.samples}
-    metrics = Metrics()
-    ServiceObservability(metrics.registry)
+    metrics = Metrics()  # registers the ServiceObservability additions too
     for fam in metrics.registry.collect():
         names |= {fam.name, fam.name + "_total", fam.name + "_bucket", fam.name + "_count", fam.name + "_sum"}
     return names
