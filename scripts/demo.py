@@ -30,7 +30,7 @@ SPEC: dict[str, Any] = {
     "precision": "fp32",
     "micro_batch_size": 16,
     "grad_accum_steps": 1,
-    "max_steps": 400,
+    "max_steps": 300,
     "seed": 3,
     "deterministic": True,
     "log_every_steps": 10,
@@ -79,12 +79,19 @@ def worker_pids(job_id: str) -> list[int]:
     return sorted(found)
 
 
+_last_shown: list[str] = [""]
+
+
 def show(job: dict[str, Any]) -> None:
-    say(
+    """A status line, printed only when it changed."""
+    line = (
         f"state {job['state']:<10} world size {job['world_size']}  step {job['step']}  "
         f"samples/s {job['samples_per_s'] or 0:,.0f}  loss {job['loss'] or 0:.4f}  "
         f"last checkpoint {job['last_published_step']}  restarts {job['restarts']}"
     )
+    if line != _last_shown[0]:
+        _last_shown[0] = line
+        say(line)
 
 
 def main() -> int:
@@ -139,7 +146,13 @@ def run(http: httpx.Client, url: str) -> int:
     wait_for("the job to notice", lambda: job()["restarts"] >= 1 or job()["state"] == "RECOVERING", 60)
     recovered = wait_for("the recovery", lambda: (j := job())["state"] == "RUNNING" and j["recoveries"] and j)
     show(recovered)
-    say(f"recovery: {json.dumps(recovered['recoveries'][-1])}")
+    rec = recovered["recoveries"][-1]
+    phases = {
+        k: round(rec[k] - rec["failed_at"], 2)
+        for k in ("group_formed_at", "state_loaded_at", "first_step_at")
+        if rec.get(k)
+    }
+    say(f"recovered: resumed at step {rec.get('resumed_step')}; seconds after the kill: {json.dumps(phases)}")
     say("scaling to 3 nodes")
     http.post(f"/v1/jobs/{job_id}/scale", json={"nodes": 3}).raise_for_status()
 

@@ -36,7 +36,13 @@ def _resuming(checkpoint_dir: str | None, resume: str) -> bool:
         return False
     if resume != "auto":
         return True
-    return checkpoint_dir is not None and (Path(checkpoint_dir) / "latest").exists()
+    if checkpoint_dir is None:
+        return False
+    from worker.checkpoint.layout import list_published
+
+    # Not just `latest`: a kill between the publish rename and the `latest` update leaves a
+    # published step that restore() will load.
+    return bool(list_published(Path(checkpoint_dir)))
 
 
 def main(argv: list[str] | None = None) -> int:
