@@ -12,6 +12,7 @@ import sys
 BENCHMARKS = (
     ("worker throughput vs bare torchrun+DDP", ["benchmarks.worker_throughput"]),
     ("checkpoint save/load vs raw I/O and DCP", ["benchmarks.checkpoint_bench"]),
+    ("async checkpoint: blocking and background cost", ["benchmarks.checkpoint_async"]),
     ("re-rendezvous after a worker SIGKILL", ["benchmarks.rendezvous_recovery", "--skip-default"]),
     ("control plane GET/submit load", ["benchmarks.service_api"]),
 )
