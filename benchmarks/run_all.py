@@ -15,6 +15,7 @@ BENCHMARKS = (
     ("async checkpoint: blocking and background cost", ["benchmarks.checkpoint_async"]),
     ("re-rendezvous after a worker SIGKILL", ["benchmarks.rendezvous_recovery", "--skip-default"]),
     ("control plane GET/submit load", ["benchmarks.service_api"]),
+    ("a job under the service vs bare torchrun; recovery vs its floor", ["benchmarks.service_job"]),
 )
 
 

@@ -1,0 +1,112 @@
+"""A job under the service against bare ``torchrun -m worker``, side by side in one run.
+
+1. Throughput: the same spec (1 node x 2 processes) bare and under ``elastrain serve`` (agents,
+   heartbeats, etcd, progress callbacks); samples/s from the workers' own progress events.
+   Target: service / bare >= 0.98.
+2. Recovery: under the service, SIGKILL one worker after a checkpoint; the service measures
+   failure -> first step after resume. The floor, measured in the same run: a fresh torchrun of
+   the same spec resuming from that checkpoint, launch -> first step (respawn, import torch,
+   process group, load, one step). Target: recovery / floor <= 1.3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from scripts.demo import worker_pids
+from tests.integration.launch import REPO, worker_env
+from tests.integration.worker.test_service_e2e import Service, until
+
+
+def spec(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "name": "bench",
+        "model": {"name": "mlp", "kwargs": {"hidden": 512, "depth": 4}},
+        "data": {"name": "synthetic", "samples": 65536, "kwargs": {"input_dim": 128}},
+        "micro_batch_size": 64,
+        "grad_accum_steps": 2,
+        "max_steps": 300,
+        "log_every_steps": 10,
+        "nodes": "1",
+        "nproc_per_node": 2,
+        "max_restarts": 3,
+    }
+    return base | over
+
+
+def rate(events: list[dict[str, Any]]) -> float:
+    progress = [e for e in events if e["event"] == "progress"]
+    first, last = progress[0], progress[-1]
+    return float((last["samples_seen"] - first["samples_seen"]) / (last["time"] - first["time"]))
+
+
+def events_of(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def bare(tmp: Path, body: dict[str, Any]) -> list[dict[str, Any]]:
+    path = tmp / f"bare-{time.time_ns()}.json"
+    path.write_text(json.dumps(body))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "worker", "--config", str(path)]  # fmt: skip
+    out = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def under_service(svc: Service, body: dict[str, Any]) -> dict[str, Any]:
+    job = svc.finished(svc.submit(body), timeout=900)
+    assert job["state"] == "SUCCEEDED", job
+    return job
+
+
+def recovery(svc: Service, tmp: Path) -> tuple[float, float]:
+    body = spec(max_steps=400, checkpoint={"interval_steps": 50, "retention": {"keep_latest": 50}})
+    job_id = svc.submit(body)
+    until(lambda: (svc.job(job_id)["last_published_step"] or 0) >= 100, "a checkpoint", 600)
+    os.kill(until(lambda: worker_pids(job_id), "a worker", 60)[-1], signal.SIGKILL)
+    job = svc.finished(job_id, timeout=900)
+    measured = float(job["recoveries"][-1]["seconds"])
+    resumed = int(job["recoveries"][-1]["resumed_step"])
+    # The floor: resume the same checkpoint in a fresh torchrun and time launch -> first step.
+    copy = tmp / "floor"
+    shutil.copytree(Path(job["checkpoint_dir"]) / f"step-{resumed:08d}", copy / f"step-{resumed:08d}")
+    (copy / "latest").write_text(f"step-{resumed:08d}\n")
+    started = time.time()
+    events = bare(tmp, spec(max_steps=resumed + 1, checkpoint={"dir": str(copy)}))
+    first = next(e for e in events if e["event"] == "first_step")
+    return measured, first["time"] - started
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        svc = Service(tmp / "svc", {})
+        svc.data_dir.mkdir()
+        svc.start()
+        try:
+            bare_rate = rate(bare(tmp, spec()))
+            job = under_service(svc, spec())
+            svc_rate = rate(events_of(Path(job["checkpoint_dir"]) / "events.jsonl"))
+            measured, floor = recovery(svc, tmp)
+        finally:
+            svc.stop()
+    print("job under the service vs bare torchrun (W=2, same spec)")
+    print(f"  bare samples/s {bare_rate:,.0f}   service samples/s {svc_rate:,.0f}")
+    print(f"  ratio service/bare: {svc_rate / bare_rate:.3f}  (target >= 0.98)")
+    print(f"  recovery (SIGKILL -> first step) {measured:.2f} s")
+    print(f"  floor (fresh torchrun resuming that checkpoint -> first step) {floor:.2f} s")
+    print(f"  ratio recovery/floor: {measured / floor:.2f}  (target <= 1.3)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
