@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,12 @@ def slow_gate() -> pytest.MarkDecorator:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    seed = getattr(item, "callspec", None) and item.callspec.params.get("seed")
+    callspec = getattr(item, "callspec", None)
+    seed = callspec.params.get("seed") if callspec is not None else None
     if report.failed and seed is not None:
         report.sections.append(
             ("fault seed", f"failed with seed={seed}: rerun with ELASTRAIN_FAULT_SEED={seed}")
