@@ -77,3 +77,5 @@ def test_sigstop_leader_past_lease_is_fenced(tmp_path: Path, seed: int) -> None:
     launched = a.launches()
     assert sorted(launched) == [f"{job_id}-n0-a0", f"{job_id}-n0-a1"], f"{what}: {launched}"
     assert got["restarts"] == 1, f"{what}: {got}"
+    log = (tmp_path / "a" / "service.log").read_text()
+    assert "lease lost" in log or "lost leadership" in log, f"{what}: the old leader never noticed"
