@@ -76,6 +76,9 @@ def tally(junit: Path, rows: dict[str, str]) -> dict[str, Tally]:
             result.failed.append(int(seed) if seed.isdigit() else -1)
         else:
             result.passed += 1
+    for result in out.values():
+        if result.trials == 0 and not result.notes:
+            result.notes.add("not run: see the pytest output above the table")
     return out
 
 
