@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from svc_process import ServiceProcess
 
@@ -100,8 +101,7 @@ def test_traversal_paths_are_422(svc: ServiceProcess, seed: int) -> None:
                 where = os.path.realpath(resp.json()["checkpoint_dir"])
                 assert where.startswith(os.path.realpath(root) + "/"), what
 
-    random.seed(seed)
-    check()
+    hypothesis_seed(seed)(check)()
 
 
 def rss_kib(pid: int) -> int:
