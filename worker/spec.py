@@ -106,6 +106,9 @@ class MonitorSpec(_Frozen):
 
     every_steps: PositiveInt = 10
     stale_after_steps: PositiveInt = 100
+    # Exposed gradient communication, timed by a DDP comm hook (Python futures on every bucket):
+    # off by default because it cost about 5-10% of samples/s on CPU/gloo in benchmarks/.
+    time_communication: bool = False
 
 
 class RetentionSpec(_Frozen):

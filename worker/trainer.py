@@ -120,7 +120,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.spec.optimizer)
         job = os.environ.get("ELASTRAIN_JOB_ID", self.spec.name)
         self.metrics = WorkerMetrics.from_env(job=job, rank=self.info.rank, world_size=self.info.world_size)
-        if not self.wrapped.fsdp:  # exposed communication is timed by a DDP comm hook
+        if self.spec.monitor.time_communication and not self.wrapped.fsdp:  # a DDP comm hook
             self.wrapped.module.register_comm_hook(None, self.metrics.comm.hook)  # type: ignore[operator]
         seed = rank_seed(self.spec.seed, self.info.rank)
         random.seed(seed)

@@ -45,7 +45,7 @@ SPEC: dict[str, Any] = {
     "max_steps": MAX_STEPS,
     "seed": 3,
     "log_every_steps": 1,
-    "monitor": {"every_steps": 5},
+    "monitor": {"every_steps": 5, "time_communication": True},
 }
 # Attempt 0: rank 0's 5th window overflows (skipped), rank 1 dies in its 25th (after step 23).
 FAILPOINTS = "after_grad_sync=nonfinite@0#5^0,after_grad_sync=kill@1#25^0"
