@@ -1,7 +1,9 @@
 """Refuse a request body over the limit with 413 before any route parses it.
 
 The whole body (at most ``max_bytes``) is read first, then replayed to the app as one message;
-a ``Content-Length`` over the limit is refused without reading anything.
+a ``Content-Length`` over the limit is refused without reading anything. A JSON body nested
+deeper than ``MAX_DEPTH`` is refused with 422 too: Python's JSON and pydantic parsers recurse, and
+a few thousand brackets would otherwise end in a RecursionError (a 500).
 """
 
 from __future__ import annotations
@@ -12,6 +14,35 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_body
+
+MAX_DEPTH = 64
+_OPEN, _CLOSE, _QUOTE, _ESCAPE = frozenset(b"[{"), frozenset(b"]}"), ord('"'), ord("\\")
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest bracket nesting of a JSON text (brackets inside strings do not count).
+    Stops counting once past MAX_DEPTH; malformed text is left to the parser."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == _ESCAPE:
+                escaped = True
+            elif byte == _QUOTE:
+                in_string = False
+        elif byte == _QUOTE:
+            in_string = True
+        elif byte in _OPEN:
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_DEPTH:
+                    return deepest
+        elif byte in _CLOSE:
+            depth -= 1
+    return deepest
 
 
 class BodyLimit:
@@ -44,7 +75,14 @@ class BodyLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        data = b"".join(chunks)
+        if json_depth(data) > MAX_DEPTH:
+            message = (
+                f"the JSON body is nested deeper than {MAX_DEPTH} levels; no elastrain document needs that"
+            )
+            await _reply(send, 422, "too_deep", message)
+            return
+        body: Message = {"type": "http.request", "body": data, "more_body": False}
         await self.app(scope, _replay([body], receive), send)
 
     def _too_large(self, size: int) -> str:
