@@ -77,10 +77,10 @@ class BodyLimit:
                 break
         data = b"".join(chunks)
         if json_depth(data) > MAX_DEPTH:
-            message = (
+            reason = (
                 f"the JSON body is nested deeper than {MAX_DEPTH} levels; no elastrain document needs that"
             )
-            await _reply(send, 422, "too_deep", message)
+            await _reply(send, 422, "too_deep", reason)
             return
         body: Message = {"type": "http.request", "body": data, "more_body": False}
         await self.app(scope, _replay([body], receive), send)
