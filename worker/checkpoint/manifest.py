@@ -203,6 +203,7 @@ def _dict(value: Any, what: str) -> dict[str, Any]:
 
 def _piece(raw: Any, name: str) -> Piece:
     raw = _dict(raw, f"piece of {name}")
+    _only(raw, _PIECE_KEYS, f"a piece of {name}")
     rows = raw["rows"]
     if not isinstance(rows, list) or len(rows) != 2:
         raise TypeError(f"rows of a piece of {name} must be [start, stop]")
@@ -220,6 +221,7 @@ def _piece(raw: Any, name: str) -> Piece:
 
 def _tensor(raw: Any, name: str) -> TensorEntry:
     raw = _dict(raw, f"tensor {name}")
+    _only(raw, _TENSOR_KEYS, f"tensor {name}")
     shape = raw["shape"]
     if not isinstance(shape, list):
         raise TypeError(f"shape of {name} must be a list")
@@ -233,8 +235,23 @@ def _tensor(raw: Any, name: str) -> TensorEntry:
     )
 
 
+_TOP_LEVEL = frozenset(
+    {"format_version", "job", "step", "generation", "world_size", "parallelism", "block_size", "parent_step",
+     "spec_hash", "data_version", "files", "tensors", "meta", "rank_meta", "metrics", "run_record"}
+)  # fmt: skip
+_TENSOR_KEYS = frozenset({"dtype", "shape", "kind", "owner", "pieces"})
+_PIECE_KEYS = frozenset({"file", "offset", "nbytes", "rows", "digests"})
+
+
+def _only(raw: dict[str, Any], allowed: frozenset[str], what: str) -> None:
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ValueError(f"{what} has fields outside the schema: {', '.join(map(repr, unknown[:5]))}")
+
+
 def _from_dict(raw: Any) -> Manifest:
     raw = _dict(raw, "manifest")
+    _only(raw, _TOP_LEVEL, "manifest")
     parent = raw.get("parent_step")
     metrics = _dict(raw.get("metrics", {}), "metrics")
     return Manifest(
