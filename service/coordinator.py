@@ -72,6 +72,10 @@ def _sizes_match(step_dir: Path, manifest: Manifest) -> bool:
     )
 
 
+# A publish claim older than this, held by another service instance, belongs to a dead publisher.
+STALE_CLAIM_S = 10.0
+
+
 class CheckpointCoordinator:
     def __init__(
         self, jobs: JobService, *, metrics: Metrics | None = None, clock: Callable[[], float] = time.time
@@ -123,13 +127,47 @@ class CheckpointCoordinator:
         return self._publish(record, expected, reports, seq, decision.reason)
 
     def outcome(self, record: JobRecord, step: int, generation: int, *, seq: int = 0) -> dict[str, Any]:
-        found = self.store.get(keys.outcome(record.id, step, generation, seq))
+        key = keys.outcome(record.id, step, generation, seq)
+        found = self.store.get(key)
         if found is None:
             return _outcome("pending", step, generation, "not all ranks have reported")
         result: dict[str, Any] = json.loads(found.value)
         if result["status"] == "publishing":
+            if self._stale(result):
+                return self._take_over(record, step, generation, seq, found.mod_revision)
             result = _outcome("pending", step, generation, "publishing")
         return result
+
+    def _stale(self, claim: dict[str, Any]) -> bool:
+        """A publish claim whose publisher is gone: another instance's (a service killed while
+        publishing) after STALE_CLAIM_S, our own after a much longer while."""
+        age = self.clock() - float(claim.get("at", 0.0))
+        return age > (STALE_CLAIM_S if claim.get("by") != self.instance else 10 * STALE_CLAIM_S)
+
+    def _take_over(
+        self, record: JobRecord, step: int, generation: int, seq: int, revision: int
+    ) -> dict[str, Any]:
+        """Finish an interrupted publish (idempotent: publish_staged keeps a step already renamed
+        into place and only moves ``latest``), or abort it when the round cannot complete."""
+        key = keys.outcome(record.id, step, generation, seq)
+        claim = {"status": "publishing", "by": self.instance, "at": self.clock()}
+        if not self.store.commit([Write(key, json.dumps(claim).encode(), revision)]):
+            return _outcome("pending", step, generation, "publishing")  # someone else took it over
+        reports = self._round(record.id, step, generation, seq)
+        if not reports or len(reports) < reports[0].world_size:
+            result = _outcome("aborted", step, generation, "the publisher died and the round is incomplete")
+            self.store.put(key, json.dumps(result).encode())
+            self.metrics.aborted.inc()
+            with contextlib.suppress(OSError):
+                abort_staged(
+                    Path(record.checkpoint_dir) / staging_dir_name(step, generation), result["reason"]
+                )
+            return result
+        log.warning("job %s: finishing the publish of step %s that a dead service left", record.id, step)
+        expected = Expected(step, generation, reports[0].world_size)
+        return self._publish_claimed(
+            record, expected, reports, seq, "publish finished after a service restart"
+        )
 
     def _round(self, job_id: str, step: int, generation: int, seq: int) -> list[Report]:
         out = []
@@ -158,10 +196,17 @@ class CheckpointCoordinator:
         self, record: JobRecord, expected: Expected, reports: list[Report], seq: int, reason: str
     ) -> dict[str, Any]:
         step, generation = expected.step, expected.generation
+        key = keys.outcome(record.id, step, generation, seq)
+        if not self._claim(key, {"status": "publishing", "by": self.instance, "at": self.clock()}):
+            return self.outcome(record, step, generation, seq=seq)
+        return self._publish_claimed(record, expected, reports, seq, reason)
+
+    def _publish_claimed(
+        self, record: JobRecord, expected: Expected, reports: list[Report], seq: int, reason: str
+    ) -> dict[str, Any]:
+        step, generation = expected.step, expected.generation
         started = time.perf_counter()
         key = keys.outcome(record.id, step, generation, seq)
-        if not self._claim(key, {"status": "publishing", "by": self.instance}):
-            return self.outcome(record, step, generation, seq=seq)
         job_dir = Path(record.checkpoint_dir)
         staging = job_dir / staging_dir_name(step, generation)
         try:

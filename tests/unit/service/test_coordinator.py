@@ -144,3 +144,39 @@ def test_adopt_records_a_renamed_step_and_collects_dead_staging(world: World, tm
     assert other.jobs.get(other.job_id).last_published_step == 10
     assert not (world.job_dir / ".staging-00000005-0").exists()
     assert (world.job_dir / ".staging-00000015-0").exists()  # may still be published
+
+
+def test_a_publish_left_by_a_dead_service_is_finished_by_the_next(world: World) -> None:
+    """A service killed between its publish claim and the outcome leaves 'publishing' behind;
+    the next instance finishes the round from the stored reports once the claim is stale."""
+    from service.coordinator import STALE_CLAIM_S
+    from service.jobs import keys
+    from service.store import Write
+
+    r0 = stage_rank(world.job_dir, job=world.job_id, step=10, generation=0, rank=0, world_size=2)
+    r1 = stage_rank(world.job_dir, job=world.job_id, step=10, generation=0, rank=1, world_size=2)
+    for r in (r0, r1):
+        world.jobs.store.put(keys.report(world.job_id, 10, 0, r.rank, 0), report_to_json(r).encode())
+    claim = {"status": "publishing", "by": "a-dead-instance", "at": world.clock()}
+    assert world.jobs.store.commit(
+        [Write(keys.outcome(world.job_id, 10, 0, 0), json.dumps(claim).encode(), 0)]
+    )
+    assert world.coord.outcome(world.record, 10, 0)["status"] == "pending"  # not stale yet
+    world.clock.advance(STALE_CLAIM_S + 1)
+    finished = world.coord.outcome(world.record, 10, 0)
+    assert finished["status"] == "published", finished
+    assert read_latest(world.job_dir) == "step-00000010" and world.record.last_published_step == 10
+
+
+def test_a_dead_publisher_with_an_incomplete_round_is_aborted(world: World) -> None:
+    from service.coordinator import STALE_CLAIM_S
+    from service.jobs import keys
+    from service.store import Write
+
+    r0 = stage_rank(world.job_dir, job=world.job_id, step=10, generation=0, rank=0, world_size=2)
+    world.jobs.store.put(keys.report(world.job_id, 10, 0, 0, 0), report_to_json(r0).encode())
+    claim = {"status": "publishing", "by": "a-dead-instance", "at": world.clock()}
+    world.jobs.store.commit([Write(keys.outcome(world.job_id, 10, 0, 0), json.dumps(claim).encode(), 0)])
+    world.clock.advance(STALE_CLAIM_S + 1)
+    assert world.coord.outcome(world.record, 10, 0)["status"] == "aborted"
+    assert not (world.job_dir / ".staging-00000010-0").exists()
