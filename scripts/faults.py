@@ -1,6 +1,6 @@
 """Run the fault matrix (tests/faults) N times per row with recorded seeds and print a table.
 
-``python -m scripts.faults --trials N [--rows a,b] [--seed BASE] [--slow] [--out PATH]``
+``python -m scripts.faults --trials N [--rows a,b] [--seed BASE] [--out PATH]``
 
 Draws N seeds from ``--seed`` (default: from the clock, printed so a run can be repeated), runs
 every selected row once per seed in a single pytest session (rows share the uninterrupted
@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--rows", default="", help=f"comma-separated subset of: {', '.join(ROWS)}")
     parser.add_argument("--seed", type=int, default=None, help="base seed (default: from the clock)")
-    parser.add_argument("--slow", action="store_true", help="also run the slow rows")
     parser.add_argument("--out", default=".elastrain/faults.md")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds for the whole pytest run")
     args = parser.parse_args(argv)
@@ -115,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     junit = out.with_suffix(".junit.xml")
     env = dict(os.environ, ELASTRAIN_FAULT_SEEDS=",".join(map(str, seeds)))
-    if args.slow:
-        env["ELASTRAIN_FAULTS_SLOW"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     print(f"faults: base seed {base}, seeds {seeds}, rows {', '.join(rows)}", flush=True)
     started = time.monotonic()

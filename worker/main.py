@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         events = Events(enabled=info.is_main, job=spec.name, rank=info.rank)
         if info.is_main and spec.checkpoint.dir is not None:  # the run dir `elastrain report` reads
             events.log_path = _run_dir(spec.checkpoint.dir) / "events.jsonl"
+        timeout_s = _collective_timeout(os.environ.get("ELASTRAIN_COLLECTIVE_TIMEOUT_S", "300"))
         trainer = Trainer(
             spec, info, events=events, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume)
         )
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastrain worker: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     client = _service(info, events)
-    dist.init_group(info)
+    dist.init_group(info, timeout_s=timeout_s)
     try:
         trainer.generation = dist.agree_generation()
         trainer.checkpointer = _checkpointer(spec, info, events, client, trainer.generation)
@@ -88,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     del trainer  # the DDP reducer holds the group: release it before the group goes
     dist.shutdown()
     return 0
+
+
+def _collective_timeout(raw: str) -> float:
+    """How long a collective may wait for a peer (a stopped or hung rank) before the group fails
+    and torchrun restarts it from the newest checkpoint."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise SpecError(f"ELASTRAIN_COLLECTIVE_TIMEOUT_S={raw!r} must be a positive number of seconds")
+    return value
 
 
 def _run_dir(path: str) -> Path:

@@ -23,8 +23,6 @@ from tests.integration.worker.test_resume import spec
 # tests/integration/service has no __init__.py; its helpers import as top-level modules there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "service"))
 
-SLOW_ENV = "ELASTRAIN_FAULTS_SLOW"
-
 
 def fault_seeds() -> list[int]:
     """The seeds every row runs with, from the environment."""
@@ -35,14 +33,6 @@ def fault_seeds() -> list[int]:
 def seeded(func: Any) -> Any:
     """Parametrise a row by the fault seeds (ids ``seed=N``)."""
     return pytest.mark.parametrize("seed", fault_seeds(), ids=lambda s: f"seed={s}")(func)
-
-
-def slow_gate() -> pytest.MarkDecorator:
-    """Skip (with the reason shown) unless slow rows are asked for."""
-    return pytest.mark.skipif(
-        os.environ.get(SLOW_ENV) != "1",
-        reason=f"slow row: set {SLOW_ENV}=1 to run it (python -m scripts.faults --slow does)",
-    )
 
 
 @pytest.hookimpl(wrapper=True)
