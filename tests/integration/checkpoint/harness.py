@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.integration.launch import worker_env
 
 REPO = Path(__file__).resolve().parents[3]
 TOY = Path(__file__).with_name("toy_train.py")
@@ -44,15 +45,10 @@ class Run:
 
 
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    out = dict(os.environ)
-    out["PYTHONPATH"] = str(REPO) + os.pathsep + out.get("PYTHONPATH", "")
-    out["OMP_NUM_THREADS"] = "1"
-    # torch 2.13 loses the first in-place restart when workers share the rendezvous TCPStore
-    # (pytorch/pytorch#135712); every launch here sets this, and the kill test proves no restart is lost.
-    out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    out.pop("ELASTRAIN_FAILPOINTS", None)
-    out.update(extra or {})
-    return out
+    """The worker environment of tests/integration/launch.py; it sets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which torch 2.13 loses the first in-place
+    restart (pytorch/pytorch#135712): the kill test proves no restart is lost."""
+    return worker_env(extra)
 
 
 def torchrun(nproc: int, *args: str, max_restarts: int = 0, extra_env: dict[str, str] | None = None,
