@@ -260,8 +260,6 @@ class Trainer:
         if self.spec.precision == "fp16":
             metrics.set_scale(self.scaler.scale, min_scale=self.spec.loss_scale.min_scale)
         metrics.peak_memory(peak_memory_bytes(self.info.device))
-        if self.checkpointer is not None:
-            metrics.checkpoint(self.checkpointer.stats.as_metrics())
 
     def _trace(self, window: Window) -> None:
         """Debug aid (ELASTRAIN_TRACE_SAMPLES=DIR): the dataset indices this rank consumed."""
@@ -299,7 +297,8 @@ class Trainer:
         if final:
             return True
         want = float(self.checkpointer.should_save(self.progress.step, now=time.time()))
-        if self.spec.checkpoint.interval_steps is None:
+        cfg = self.spec.checkpoint
+        if cfg.interval_seconds is not None or cfg.interval == "auto":
             # Time-based policies read local clocks: agree, or ranks would diverge on a collective.
             want = global_sum([want], self.device)[0]
         return want > 0
@@ -376,6 +375,8 @@ class Trainer:
             progress=progress,
             metrics=metrics,
         )
+        if self.metrics is not None:  # the checkpoint counters change only here and on restore
+            self.metrics.checkpoint(self.checkpointer.stats.as_metrics())
 
     def _finish(self) -> dict[str, Any]:
         if self.checkpointer is not None:
