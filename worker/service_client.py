@@ -55,7 +55,9 @@ class ServiceConfig:
 class ServiceClient:
     """Fire-and-forget callbacks plus the blocking checkpoint calls."""
 
-    def __init__(self, cfg: ServiceConfig, *, heartbeat_s: float = 2.0, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, cfg: ServiceConfig, *, heartbeat_s: float = 5.0, progress_s: float = 1.0, timeout_s: float = 5.0
+    ) -> None:
         self.cfg = cfg
         self.base = f"{cfg.url}/v1/jobs/{cfg.job_id}"
         self.http = httpx.Client(headers={"Authorization": f"Bearer {cfg.token}"}, timeout=timeout_s)
@@ -64,7 +66,9 @@ class ServiceClient:
         self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(maxsize=256)
         self._stop = threading.Event()
         self._heartbeat_s = heartbeat_s
+        self._progress_s = progress_s
         self._beat: dict[str, Any] | None = None
+        self._progress: dict[str, Any] | None = None
         self._thread = threading.Thread(target=self._run, name="elastrain-service", daemon=True)
         self._thread.start()
 
@@ -93,17 +97,25 @@ class ServiceClient:
         self.send("/workers/progress", body | {"loss": loss, "world_size": world_size})
 
     def _run(self) -> None:
-        next_beat = 0.0
+        next_beat = next_progress = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             if self._beat is not None and now >= next_beat:
                 self._post("/workers/heartbeat", dict(self._beat))
                 next_beat = now + self._heartbeat_s
+            if now >= next_progress:
+                self._send_progress()
+                next_progress = now + self._progress_s
             try:
                 path, body = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
             self._post(path, body)
+
+    def _send_progress(self) -> None:
+        body, self._progress = self._progress, None
+        if body is not None:
+            self._post("/workers/progress", body)
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
         try:
@@ -122,6 +134,7 @@ class ServiceClient:
             time.sleep(0.05)
         self._stop.set()
         self._thread.join(timeout=drain_s)
+        self._send_progress()  # the final numbers
         self.http.close()
 
 
