@@ -175,7 +175,7 @@ def run(http: httpx.Client, url: str) -> int:
         say(f"  checkpoint step {ck.get('step')} world size {ck.get('world_size')} bytes {ck.get('bytes')}")
     say(f"checkpoints: {final['checkpoint_dir']}")
     say(f"metrics: {url}/metrics (service); worker logs and metrics targets under {WORKDIR}")
-    say(f"report: elastrain report {job_id} --url {url}")
+    say(f"report (works offline, from the run directory): elastrain report {final['checkpoint_dir']}")
     return 0 if final["state"] == "SUCCEEDED" else 1
 
 
