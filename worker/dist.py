@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -108,7 +107,3 @@ def shutdown() -> None:
         gc.collect()
         time.sleep(0.05)  # releases the GIL for gloo's threads
         dist.destroy_process_group()
-
-
-def env_snapshot() -> dict[str, str]:
-    return dict(os.environ)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,16 +121,12 @@ class Trainer:
         self.metrics = WorkerMetrics.from_env(job=job, rank=self.info.rank, world_size=self.info.world_size)
         if self.spec.monitor.time_communication and not self.wrapped.fsdp:  # a DDP comm hook
             self.wrapped.module.register_comm_hook(None, self.metrics.comm.hook)  # type: ignore[operator]
-        seed = rank_seed(self.spec.seed, self.info.rank)
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
+        seed_all(rank_seed(self.spec.seed, self.info.rank))
         self._resume()
         if self.progress.reference_batch is None:
             self.progress.reference_batch = self.plan.global_batch
         record = run_record(self.spec, self.info, plan=self.plan, flags=self.flags, notes=self.notes)
         record["generation"] = self.generation
-        self.record = record
         if self.checkpointer is not None:
             self.checkpointer.run_record = record
         if self.info.is_main:
