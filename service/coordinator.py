@@ -112,7 +112,7 @@ class CheckpointCoordinator:
             return self._finish_abort(
                 record, report, seq, f"step {step} is older than the published step {newest}"
             )
-        self.store.put(keys.report(record.id, step, generation, report.rank, seq), body)
+        self.jobs.put(keys.report(record.id, step, generation, report.rank, seq), body)
         reports = self._round(record.id, step, generation, seq)
         expected = Expected(step, generation, report.world_size)
         staging = Path(record.checkpoint_dir) / staging_dir_name(step, generation)
@@ -151,12 +151,12 @@ class CheckpointCoordinator:
         into place and only moves ``latest``), or abort it when the round cannot complete."""
         key = keys.outcome(record.id, step, generation, seq)
         claim = {"status": "publishing", "by": self.instance, "at": self.clock()}
-        if not self.store.commit([Write(key, json.dumps(claim).encode(), revision)]):
+        if not self.jobs.commit([Write(key, json.dumps(claim).encode(), revision)]):
             return _outcome("pending", step, generation, "publishing")  # someone else took it over
         reports = self._round(record.id, step, generation, seq)
         if not reports or len(reports) < reports[0].world_size:
             result = _outcome("aborted", step, generation, "the publisher died and the round is incomplete")
-            self.store.put(key, json.dumps(result).encode())
+            self.jobs.put(key, json.dumps(result).encode())
             self.metrics.aborted.inc()
             with contextlib.suppress(OSError):
                 abort_staged(
@@ -179,7 +179,7 @@ class CheckpointCoordinator:
         return out
 
     def _claim(self, key: str, value: dict[str, Any]) -> bool:
-        return self.store.commit([Write(key, json.dumps(value).encode(), 0)])
+        return self.jobs.commit([Write(key, json.dumps(value).encode(), 0)])
 
     def _finish_abort(self, record: JobRecord, report: Report, seq: int, reason: str) -> dict[str, Any]:
         step, generation = report.step, report.generation
@@ -214,15 +214,17 @@ class CheckpointCoordinator:
             path = publish_staged(job_dir, staging, manifest)
         except (OSError, ElastrainError) as exc:
             result = _outcome("aborted", step, generation, f"publishing failed: {exc}")
-            self.store.put(key, json.dumps(result).encode())
+            self.jobs.put(key, json.dumps(result).encode())
             self.metrics.aborted.inc()
             with contextlib.suppress(OSError):
                 abort_staged(staging, result["reason"])
             return result
         self._record(record, manifest, path, verified=True)
         result = _outcome("published", step, generation, reason, str(path))
-        self.store.put(key, json.dumps(result).encode())
-        self.store.delete_prefix(keys.report_round(record.id, step, generation, seq))
+        self.jobs.put(key, json.dumps(result).encode())
+        self.jobs.commit(
+            [Write(keys.report_round(record.id, step, generation, seq), None, None, prefix=True)]
+        )
         self.metrics.published.inc()
         self.metrics.obs.observe_publish(time.perf_counter() - started)
         self._retain(record, step)
@@ -242,7 +244,7 @@ class CheckpointCoordinator:
             "dir": str(path),
             "metrics": manifest.metrics,
         }
-        self.store.put(keys.checkpoint(record.id, manifest.step), json.dumps(entry).encode())
+        self.jobs.put(keys.checkpoint(record.id, manifest.step), json.dumps(entry).encode())
 
         def newest(r: JobRecord) -> JobRecord:
             if r.last_published_step is not None and r.last_published_step >= manifest.step:
@@ -276,7 +278,7 @@ class CheckpointCoordinator:
             except OSError as exc:
                 log.warning("job %s: retention could not delete step %s: %s", record.id, step, exc)
                 continue
-            self.store.commit([Write(keys.checkpoint(record.id, step), None, None)])
+            self.jobs.commit([Write(keys.checkpoint(record.id, step), None, None)])
 
     # ------------------------------------------------------------------ resume
 
@@ -341,7 +343,7 @@ class CheckpointCoordinator:
         recorded = {int(e["step"]): e for e in self.published(record)}
         for step in recorded:
             if step not in on_disk:
-                self.store.commit([Write(keys.checkpoint(record.id, step), None, None)])
+                self.jobs.commit([Write(keys.checkpoint(record.id, step), None, None)])
         for step, path in sorted(on_disk.items()):
             if step in recorded:
                 continue

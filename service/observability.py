@@ -114,6 +114,11 @@ class ServiceObservability:
             buckets=_FAST_BUCKETS,
             registry=r,
         )
+        self.fenced_refusals = Counter(
+            "elastrain_fenced_writes_refused_total",
+            "Writes etcd refused because this instance's leader fence no longer held (a stale leader)",
+            registry=r,
+        )
         self.etcd_requests = Counter(
             "elastrain_etcd_requests_total", "Round trips to the state store", ["op", "outcome"], registry=r
         )

@@ -215,12 +215,8 @@ class Reconciler:
             record = first_step_done(record, progress.step, progress.time)  # a step after re-forming
         decision = reconcile(record, self._observe(record), self.policy)
         if decision.job != stored:
-            ok = self.jobs.store.commit(
-                [Write(keys.job(job_id), decision.job.to_json(), revision)], fence=fence
-            )
-            if not ok:
-                if not self.jobs.store.commit([], fence=fence):
-                    raise NotLeaderError("this service is no longer the leader")
+            # NotLeaderError when etcd refuses the fence (this instance was paused past its lease)
+            if not self.jobs.commit([Write(keys.job(job_id), decision.job.to_json(), revision)], fence=fence):
                 return stored  # lost a race with an API write: the next pass decides again
             self.jobs.on_change(job_id)
         for action in decision.actions:
@@ -231,8 +227,9 @@ class Reconciler:
         self.metrics.observe_job(decision.job, progress)
         if decision.job.state.terminal and not record.state.terminal:
             self._adopt_storage([decision.job])
-            for prefix in keys.job_prefixes(job_id):
-                self.jobs.store.delete_prefix(prefix)
+            self.jobs.commit(
+                [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
+            )
         return decision.job
 
     def _observe(self, record: JobRecord) -> Observation:

@@ -36,7 +36,7 @@ from service.jobs.service import JobService, ensure_worker_secret
 from service.observability import InstrumentedStore
 from service.reconciler import LaunchContext, Reconciler, Scheduler
 from service.settings import Settings, SettingsError
-from service.store import EtcdStore, LeaderElection, StoreUnavailableError
+from service.store import EtcdStore, Fence, LeaderElection, StoreUnavailableError
 
 log = logging.getLogger("elastrain.server")
 TOKEN_FILE_NAME = "api-token"
@@ -74,6 +74,15 @@ def holder_id(settings: Settings) -> str:
     """A stable leader id per host and data dir: a restarted service takes over at once."""
     where = f"{settings.data_dir.absolute()}:{settings.port}"
     return f"{socket.gethostname()}-{hashlib.sha1(where.encode()).hexdigest()[:8]}"
+
+
+def leader_fence(election: LeaderElection, *, wait_s: float) -> Fence | None:
+    """This instance's fence; while it has none, wait up to ``wait_s`` for the reconciler's
+    campaign (a restarted service takes its own stale leader key over within one pass)."""
+    deadline = time.monotonic() + wait_s
+    while election.fence is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return election.fence
 
 
 def build_scheduler(settings: Settings, endpoints: list[str]) -> Scheduler:
@@ -128,9 +137,15 @@ def build_app(
     token, where = resolve_api_token(settings)
     log.info("API token: %s", where)
     scheduler = scheduler if scheduler is not None else build_scheduler(settings, endpoints)
-    jobs = JobService(store, settings.checkpoint_root, ensure_worker_secret(store))
-    coordinator = CheckpointCoordinator(jobs, metrics=metrics)
     election = LeaderElection(store, holder_id(settings), ttl_s=settings.leader_ttl_s)
+    jobs = JobService(
+        store,
+        settings.checkpoint_root,
+        ensure_worker_secret(store),
+        fence_source=lambda: leader_fence(election, wait_s=2 * settings.reconcile_interval_s + 1),
+        on_fence_refused=metrics.obs.fenced_refusals.inc,
+    )
+    coordinator = CheckpointCoordinator(jobs, metrics=metrics)
     reconciler = Reconciler(
         jobs,
         scheduler,

@@ -49,12 +49,18 @@ class Entry:
 @dataclass(frozen=True, slots=True)
 class Write:
     """Put ``value`` (or delete when ``value`` is None) if the key's mod_revision equals
-    ``expected`` (0: the key must not exist; None: no condition)."""
+    ``expected`` (0: the key must not exist; None: no condition). ``prefix``: delete every key
+    under ``key`` (only with ``value`` None and ``expected`` None)."""
 
     key: str
     value: bytes | None
     expected: int | None = 0
     lease_id: int = 0
+    prefix: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix and (self.value is not None or self.expected is not None):
+            raise ValueError("a prefix Write deletes without a condition: value and expected must be None")
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +197,10 @@ def _compares(writes: Iterable[Write], fence: Fence | None) -> list[dict[str, An
 
 def _request(w: Write) -> dict[str, Any]:
     if w.value is None:
-        return {"request_delete_range": {"key": _b64(w.key)}}
+        deleted = {"key": _b64(w.key)}
+        if w.prefix:
+            deleted["range_end"] = _b64(prefix_end(w.key))
+        return {"request_delete_range": deleted}
     put: dict[str, Any] = {"key": _b64(w.key), "value": _b64(w.value)}
     if w.lease_id:
         put["lease"] = str(w.lease_id)
@@ -361,7 +370,10 @@ class MemoryStore:
             for w in writes:
                 if w.lease_id and w.lease_id not in self._leases:
                     raise StoreUnavailableError(f"lease {w.lease_id} not found")
-                if w.value is None:
+                if w.value is None and w.prefix:
+                    for key in [k for k in self._data if k.startswith(w.key)]:
+                        del self._data[key]
+                elif w.value is None:
                     self._data.pop(w.key, None)
                 else:
                     self._data[w.key] = (w.value, self._revision, w.lease_id)

@@ -17,6 +17,9 @@ Names used by the checkpoint engine, each named after the durable step it preced
 ``after_publish_rename`` (step directory renamed, parent not yet fsynced),
 ``before_latest_update``, ``after_latest_update``, ``before_retention_delete``,
 ``async_before_write`` (background writer, before any byte is written).
+
+In the service: ``service_before_scale_write`` (a scale request has read the job and holds the
+leader fence it will write with; used to pause a leader between its read and its write).
 """
 
 from __future__ import annotations

@@ -2,8 +2,16 @@
 
 Synchronous on purpose (etcd3gw is sync); the API calls it from a thread pool. Every change is
 ``update(job_id, change)``: read the record and its mod_revision, apply a pure ``change``, write
-it back only if the revision is unchanged (and, for the leader, only if its fence holds), retry
-on a lost race. Errors are :class:`ElastrainError` subclasses the API maps to HTTP statuses.
+it back only if the revision is unchanged, retry on a lost race. Errors are
+:class:`ElastrainError` subclasses the API maps to HTTP statuses.
+
+Fencing: with a ``fence_source`` (the server wires the leader election's), every write -- a new
+job, a scale, a cancel, a worker's event, heartbeat or progress, the coordinator's claims and
+registry -- goes to etcd in one transaction that also compares the leader key with this
+instance's holder id and lease. A leader that was paused past its lease (another instance leads
+now) has its writes refused by etcd itself, not by its own possibly stale view; a standby
+instance refuses writes before sending them. Both answer :class:`NotLeaderError` (HTTP 503,
+retry). Without a ``fence_source`` (unit tests, offline tools) writes are plain compare-and-set.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from service.jobs.paths import checkpoint_dir, resume_source
 from service.jobs.tokens import derive_worker_token, hash_token
 from service.store import Fence, KVStore, Write
 from worker.errors import ElastrainError
+from worker.failpoints import failpoint
 from worker.spec import JobSpec, parse_nodes, parse_spec, spec_json
 
 
@@ -64,6 +73,39 @@ class JobService:
     clock: Callable[[], float] = field(default=time.time)
     on_change: Callable[[str], None] = field(default=lambda job_id: None)
     """Called with the job id after every write to a job or its progress (cache invalidation)."""
+    fence_source: Callable[[], Fence | None] | None = None
+    """This instance's current leader fence (None while it does not lead); None: writes unfenced."""
+    on_fence_refused: Callable[[], None] = field(default=lambda: None)
+    """Called when etcd refused a write because the fence no longer holds (a stale leader)."""
+
+    # ------------------------------------------------------------------ fencing
+
+    def fence(self) -> Fence | None:
+        """The fence every write must carry; raises NotLeaderError on a standby instance."""
+        if self.fence_source is None:
+            return None
+        fence = self.fence_source()
+        if fence is None:
+            raise NotLeaderError(
+                "this service instance is not the leader (another instance holds the etcd lease, or "
+                "leadership is being taken over after a restart); send writes to the leader"
+            )
+        return fence
+
+    def commit(self, writes: list[Write], *, fence: Fence | None = None) -> bool:
+        """Apply ``writes`` atomically, fenced by ``fence`` (default: :meth:`fence`). False when a
+        compare-and-set lost a race; NotLeaderError when etcd refused the fence."""
+        fence = fence if fence is not None else self.fence()
+        if self.store.commit(writes, fence=fence):
+            return True
+        if fence is not None and not self.store.commit([], fence=fence):
+            self.on_fence_refused()
+            raise NotLeaderError("this service is no longer the leader; etcd refused its write (fenced)")
+        return False
+
+    def put(self, key: str, value: bytes) -> None:
+        """A last-writer-wins write (no revision condition), still fenced."""
+        self.commit([Write(key, value, None)])
 
     # ------------------------------------------------------------------ reads
 
@@ -110,6 +152,7 @@ class JobService:
         job (second value False). Raises SpecError (invalid spec) or ConflictError."""
         spec = parse_spec(body)
         spec_hash = hashlib.sha256(spec_json(spec).encode()).hexdigest()
+        fence = self.fence()  # taken before the reads the write depends on
         for _ in range(10):
             if idempotency_key is not None:
                 existing = self._by_idempotency(idempotency_key, spec_hash)
@@ -119,7 +162,7 @@ class JobService:
             writes = [Write(keys.job(record.id), record.to_json(), 0)]
             if idempotency_key is not None:
                 writes.append(Write(keys.idempotency(idempotency_key), record.id.encode(), 0))
-            if self.store.commit(writes):
+            if self.commit(writes, fence=fence):
                 self.on_change(record.id)
                 return record, True
         raise ConflictError("could not store the job after repeated races; retry the request")
@@ -167,21 +210,26 @@ class JobService:
         self, job_id: str, change: Callable[[JobRecord], JobRecord], *, fence: Fence | None = None
     ) -> JobRecord:
         """Apply ``change`` with compare-and-set, retrying lost races. A change that returns the
-        record unchanged writes nothing. Raises NotFoundError, NotLeaderError, ConflictError."""
+        record unchanged writes nothing. Raises NotFoundError, NotLeaderError, ConflictError.
+        The fence is taken before the first read: the write lands only if the leadership under
+        which the record was read still holds."""
+        fence = fence if fence is not None else self.fence()
         for _ in range(50):
             record, revision = self.get_versioned(job_id)
             changed = change(record)
             if changed == record:
                 return record
-            if self.store.commit([Write(keys.job(job_id), changed.to_json(), revision)], fence=fence):
+            if self.commit([Write(keys.job(job_id), changed.to_json(), revision)], fence=fence):
                 self.on_change(job_id)
                 return changed
-            if fence is not None and not self.store.commit([], fence=fence):
-                raise NotLeaderError("this service is no longer the leader; its write was refused")
         raise ConflictError(f"job {job_id} changed too often to update; retry the request")
 
     def scale(self, job_id: str, nodes: int) -> JobRecord:
-        return self.update(job_id, lambda r: request_scale(r, nodes, self.clock()))
+        def change(record: JobRecord) -> JobRecord:
+            failpoint("service_before_scale_write")  # between the read and the fenced write
+            return request_scale(record, nodes, self.clock())
+
+        return self.update(job_id, change)
 
     def cancel(self, job_id: str) -> JobRecord:
         """Idempotent: cancelling a finished or cancelling job returns it unchanged."""
@@ -190,14 +238,14 @@ class JobService:
     # ------------------------------------------------------------------ worker reports
 
     def report_progress(self, job: JobRecord, progress: Progress) -> None:
-        self.store.put(keys.progress(job.id), progress.model_dump_json().encode())
+        self.put(keys.progress(job.id), progress.model_dump_json().encode())
         self.on_change(job.id)
         if job.state in (JobState.RECOVERING, JobState.RESCALING) and progress.time > job.state_since:
             self.update(job.id, lambda r: first_step_done(r, progress.step, progress.time))
 
     def heartbeat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
         value = f'{{"time": {self.clock()!r}, "step": {step if step is not None else "null"}}}'
-        self.store.put(keys.heartbeat(job_id, launch_id, local_rank), value.encode())
+        self.put(keys.heartbeat(job_id, launch_id, local_rank), value.encode())
 
     def worker_event(self, job_id: str, event: WorkerEvent) -> JobRecord:
         return self.update(job_id, lambda r: apply_worker_event(r, event, self.clock()))

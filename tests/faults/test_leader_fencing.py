@@ -1,13 +1,20 @@
 """SIGSTOP the service leader past its lease, then SIGCONT (two real services on one etcd,
 sharing the file-backed fake scheduler; leader_ttl_s=3): the standby takes over and recovers a
 failed node once; the woken old leader's stale writes are refused by the fencing check -- it
-steps down, nothing is launched twice and the restart is counted once."""
+steps down, nothing is launched twice and the restart is counted once.
+
+The leader is stopped in the middle of a write: a scale request has read the job and taken the
+leader fence (failpoint ``service_before_scale_write`` holds it there), then SIGSTOP. After
+SIGCONT that request's write reaches etcd with the stale fence, and etcd's transaction refuses
+it: the client gets 503, the job keeps the new leader's state, and the old leader's
+``elastrain_fenced_writes_refused_total`` counts it (read through a scrape of its /metrics)."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,9 +33,19 @@ SPEC: dict[str, Any] = {
     "data": {"name": "synthetic"},
     "micro_batch_size": 8,
     "max_steps": 20,
-    "nodes": "1",
+    "nodes": "1:2",
+    "initial_nodes": 1,
     "max_restarts": 3,
 }
+REFUSED = "elastrain_fenced_writes_refused_total"
+
+
+def refused_writes(svc: ServiceProcess) -> float:
+    """The counter as Prometheus would scrape it."""
+    text = httpx.get(f"{svc.url}/metrics", timeout=5).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(REFUSED + " ")]
+    assert values, f"{REFUSED} is not exported"
+    return values[0]
 
 
 def leader(svc: ServiceProcess) -> bool:
@@ -38,6 +55,12 @@ def leader(svc: ServiceProcess) -> bool:
         return False
 
 
+def post_scale(svc: ServiceProcess, job_id: str) -> tuple[int, str]:
+    with svc.client() as client:
+        answer = client.post(f"/v1/jobs/{job_id}/scale", json={"nodes": 2}, timeout=120)
+    return answer.status_code, answer.text
+
+
 @seeded
 def test_sigstop_leader_past_lease_is_fenced(tmp_path: Path, seed: int) -> None:
     pause = random.Random(seed).uniform(6.0, 10.0)
@@ -45,7 +68,12 @@ def test_sigstop_leader_past_lease_is_fenced(tmp_path: Path, seed: int) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with EtcdServer(tmp_path / "etcd") as etcd:
-        a = ServiceProcess(tmp_path / "a", etcd=etcd.endpoint).start()
+        # sleep: long enough to SIGSTOP it inside, shorter than the pause (time runs on while stopped)
+        a = ServiceProcess(
+            tmp_path / "a",
+            etcd=etcd.endpoint,
+            env={"ELASTRAIN_FAILPOINTS": "service_before_scale_write=sleep:2#1"},
+        ).start()
         b = ServiceProcess(tmp_path / "b", etcd=etcd.endpoint)
         b.nodes_dir = a.nodes_dir
         b.start()
@@ -56,7 +84,11 @@ def test_sigstop_leader_past_lease_is_fenced(tmp_path: Path, seed: int) -> None:
                 wait_for(
                     lambda: client.get(f"/v1/jobs/{job_id}").json()["state"] == "RUNNING", what="RUNNING"
                 )
-            assert a.proc is not None
+            assert a.proc is not None and refused_writes(a) == 0
+            scale: dict[str, Any] = {}
+            writer = threading.Thread(target=lambda: scale.update(answer=post_scale(a, job_id)))
+            writer.start()
+            wait_for(lambda: "failpoint service_before_scale_write" in a.log_tail(), what="scale holds")
             os.kill(a.proc.pid, signal.SIGSTOP)
             try:
                 wait_for(lambda: leader(b), timeout_s=30, what=f"b takes over; {what}")
@@ -67,7 +99,10 @@ def test_sigstop_leader_past_lease_is_fenced(tmp_path: Path, seed: int) -> None:
                 time.sleep(max(0.0, pause - 3))
             finally:
                 os.kill(a.proc.pid, signal.SIGCONT)
-            time.sleep(3)  # the woken leader runs with its stale view
+            writer.join(timeout=60)
+            status, body = scale["answer"]
+            assert status == 503 and "etcd refused" in body, f"{what}: the stale write got {status} {body}"
+            assert refused_writes(a) >= 1, what
             wait_for(lambda: not leader(a), timeout_s=30, what=f"a steps down; {what}")
             with b.client() as client:
                 got = client.get(f"/v1/jobs/{job_id}").json()
@@ -77,5 +112,6 @@ def test_sigstop_leader_past_lease_is_fenced(tmp_path: Path, seed: int) -> None:
     launched = a.launches()
     assert sorted(launched) == [f"{job_id}-n0-a0", f"{job_id}-n0-a1"], f"{what}: {launched}"
     assert got["restarts"] == 1, f"{what}: {got}"
+    assert got["desired_nodes"] == 1, f"{what}: the refused scale changed the job: {got}"
     log = (tmp_path / "a" / "service.log").read_text()
     assert "lease lost" in log or "lost leadership" in log, f"{what}: the old leader never noticed"

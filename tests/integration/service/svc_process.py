@@ -23,8 +23,9 @@ LAUNCHER = Path(__file__).with_name("svc_launcher.py")
 class ServiceProcess:
     """``elastrain serve`` (with the fake scheduler) as a child process."""
 
-    def __init__(self, workdir: Path, *, etcd: str) -> None:
+    def __init__(self, workdir: Path, *, etcd: str, env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
+        self.extra_env = env or {}
         self.etcd = etcd
         self.port = free_port()
         self.data_dir = workdir / "data"
@@ -33,7 +34,7 @@ class ServiceProcess:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.extra_env}
         env.pop("ELASTRAIN_API_TOKEN", None)
         cmd = [sys.executable, str(LAUNCHER), "--port", str(self.port), "--data-dir", str(self.data_dir)]
         cmd += ["--etcd", self.etcd, "--nodes-dir", str(self.nodes_dir)]

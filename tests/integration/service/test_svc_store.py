@@ -3,11 +3,14 @@ mod_revision, all-or-nothing commits, leader fencing, leases, ordered prefix lis
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from service.jobs.service import JobService, NotLeaderError
 from service.store import (
     EtcdStore,
     Fence,
@@ -74,6 +77,83 @@ def test_stale_leader_is_fenced_out(store: KVStore, etcd_prefix: str) -> None:
     assert put_if(store, f"{etcd_prefix}/job", b"v2", current.mod_revision, fence=new.fence)
     forged = Fence("new", 12345, leader_key)  # right holder, wrong lease
     assert not store.commit([], fence=forged)
+
+
+def test_every_job_write_of_a_stale_leader_is_refused_by_the_store(
+    store: KVStore, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """The API's writes (submit, scale, cancel, heartbeat, progress cleanup) carry the fence: once
+    another instance leads, the old leader's writes fail in etcd's transaction itself, are counted,
+    and leave the job as the new leader last wrote it."""
+    leader_key = f"{etcd_prefix}/leader"
+    old = LeaderElection(store, "old", ttl_s=5, key=leader_key)
+    stale = old.campaign()
+    assert stale is not None
+    refused: list[int] = []
+    jobs = JobService(
+        store, tmp_path, b"k" * 32, fence_source=lambda: stale, on_fence_refused=lambda: refused.append(1)
+    )
+    spec = {
+        "name": "fenced",
+        "model": {"name": "mlp"},
+        "data": {"name": "synthetic"},
+        "nodes": "1:3",
+        "micro_batch_size": 4,
+        "max_steps": 5,
+    }
+    record, created = jobs.create(json.dumps(spec).encode())
+    assert created and jobs.scale(record.id, 2).desired_nodes == 2 and refused == []
+
+    store.lease_revoke(stale.lease_id)  # paused past its lease: etcd dropped the leader key
+    new = LeaderElection(store, "new", ttl_s=5, key=leader_key)
+    assert new.campaign() is not None
+    writes = {
+        "submit": lambda: jobs.create(json.dumps(spec | {"name": "again"}).encode()),
+        "scale": lambda: jobs.scale(record.id, 3),
+        "cancel": lambda: jobs.cancel(record.id),
+        "heartbeat": lambda: jobs.heartbeat(record.id, "l0", 0, 5),
+        "cleanup": lambda: jobs.commit([Write(f"{etcd_prefix}/j/", None, None, prefix=True)]),
+    }
+    for what, write in writes.items():
+        with pytest.raises(NotLeaderError, match="etcd refused"):
+            write()
+        assert len(refused) >= 1, what
+    after = jobs.get(record.id)
+    assert after.desired_nodes == 2 and not after.cancel_requested
+    assert [r.name for r in jobs.list()[0] if r.name == "again"] == []
+    assert len(refused) == len(writes)
+
+    leader = JobService(store, tmp_path, b"k" * 32, fence_source=lambda: new.fence)
+    assert leader.scale(record.id, 3).desired_nodes == 3
+
+
+def test_a_standby_refuses_writes_before_sending_them(store: KVStore, tmp_path: Path) -> None:
+    refused: list[int] = []
+    jobs = JobService(
+        store, tmp_path, b"k" * 32, fence_source=lambda: None, on_fence_refused=lambda: refused.append(1)
+    )
+    with pytest.raises(NotLeaderError, match="not the leader"):
+        jobs.create(
+            json.dumps(
+                {
+                    "name": "x",
+                    "model": {"name": "mlp"},
+                    "data": {"name": "synthetic"},
+                    "micro_batch_size": 4,
+                    "max_steps": 5,
+                }
+            ).encode()
+        )
+    assert refused == []  # nothing reached the store
+
+
+def test_prefix_delete_in_a_commit(store: KVStore, etcd_prefix: str) -> None:
+    for key in ("a/1", "a/2", "ab"):
+        store.put(f"{etcd_prefix}/{key}", b"v")
+    assert store.commit([Write(f"{etcd_prefix}/a/", None, None, prefix=True)])
+    assert [e.key for e in store.list_prefix(f"{etcd_prefix}/")] == [f"{etcd_prefix}/ab"]
+    with pytest.raises(ValueError, match="prefix"):
+        Write(f"{etcd_prefix}/a/", None, 0, prefix=True)
 
 
 def test_etcd_leader_lease_expires_without_keep_alive(etcd_endpoint: str, etcd_prefix: str) -> None:
