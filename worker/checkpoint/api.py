@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from worker.checkpoint import restore as _restore
-from worker.checkpoint.asyncsave import AsyncWriter
+from worker.checkpoint.asyncsave import AsyncWriter, Snapshot
 from worker.checkpoint.blocks import DEFAULT_BLOCK_SIZE
 from worker.checkpoint.coordinator import (
     Coordinator,
@@ -33,7 +34,7 @@ from worker.checkpoint.engine import SaveJob, json_copy, new_job, persist
 from worker.checkpoint.interval import auto_interval_seconds, observed_mtbf, policy_from_spec, should_save
 from worker.checkpoint.layout import collect_orphans, parse_staging_dir, remove_tree, staging_dir_name
 from worker.checkpoint.rng import capture_rng
-from worker.checkpoint.state import capture
+from worker.checkpoint.state import capture, optimizer_owned
 from worker.errors import CheckpointError
 from worker.spec import CheckpointSpec
 
@@ -108,6 +109,7 @@ class Checkpointer:
         self._store: KeyValueStore = MemoryStore()
         self._coordinator = coordinator
         self._writer = AsyncWriter()
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._seq = 0
         self._restores = 0
         self._last_step: int | None = None
@@ -172,8 +174,11 @@ class Checkpointer:
         metrics: dict[str, float],
     ) -> None:  # fmt: skip
         """Checkpoint ``step`` (collective). Sync: returns once published or aborted. Async:
-        returns after the snapshot; the previous async save is finished first. A failed save
-        is aborted, logged and counted; training goes on."""
+        finishes the previous async save first, captures progress, RNG, optimizer
+        hyper-parameters and module buffers, starts copying parameters and optimizer state on
+        the writer thread and returns; the caller must call :meth:`wait_snapshot` before
+        anything changes them (see :mod:`worker.checkpoint.asyncsave`). A failed save is
+        aborted, logged and counted; training goes on."""
         if not self.enabled or step == self._last_step:
             return
         t0 = time.perf_counter()
@@ -181,12 +186,36 @@ class Checkpointer:
         job = self._prepare(step, model, optimizer, progress, metrics)
         self._last_step, self._last_time = step, time.time()
         if self.cfg.async_save:
-            job.items = self._writer.buffers.snapshot(job.items)
+            self._guard(optimizer)
+            deferred = optimizer_owned(model, optimizer)
+            snap = Snapshot(self._writer.buffers, job.items, eager=lambda t: not deferred(t))
+            snap.copy_eager()
+            self._writer.submit(lambda: self._persist_snapshot(job, snap), snapshot=snap)
             self._blocked(time.perf_counter() - t0)
-            self._writer.submit(lambda: self._persist(job))
         else:
             self._persist(job)
             self._blocked(time.perf_counter() - t0)
+
+    def wait_snapshot(self) -> None:
+        """The fence of an async save: block until the parameters and optimizer state of the
+        save in flight are copied (call it before the optimizer step). A no-op, at once, when no
+        copy is pending (sync saves, or already fenced). The time blocked counts as blocking."""
+        waited = self._writer.wait_snapshot()
+        if waited:
+            self.stats.last_blocking_seconds += waited
+            self.stats.blocking_seconds_total += waited
+
+    def _guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fence before every ``optimizer.step()`` as well (a step pre-hook), so that a caller
+        that forgets :meth:`wait_snapshot` still cannot change tensors while they are copied."""
+        if optimizer not in self._hooks:
+            self._hooks[optimizer] = optimizer.register_step_pre_hook(
+                lambda _opt, _args, _kwargs: self.wait_snapshot()
+            )
+
+    def _persist_snapshot(self, job: SaveJob, snap: Snapshot) -> None:
+        job.items = snap.items
+        self._persist(job, error=snap.error)
 
     def _blocked(self, seconds: float) -> None:
         self.stats.last_blocking_seconds = seconds
@@ -222,9 +251,9 @@ class Checkpointer:
                 remove_tree(p)
                 self.stats.orphans_collected_total += 1
 
-    def _persist(self, job: SaveJob) -> None:
+    def _persist(self, job: SaveJob, error: Exception | None = None) -> None:
         assert self._coordinator is not None
-        outcome, nbytes, seconds = persist(job, self._coordinator, timeout=self.timeout_s)
+        outcome, nbytes, seconds = persist(job, self._coordinator, timeout=self.timeout_s, error=error)
         self.stats.persist_seconds_total += seconds
         self.stats.last_persist_seconds = seconds
         self.stats.bytes_written_total += nbytes
@@ -256,6 +285,7 @@ class Checkpointer:
         """Load per ``cfg.resume`` (collective); see :mod:`worker.checkpoint.restore`."""
         if not self.enabled or self.cfg.resume == "never":
             return None
+        self._writer.wait()
         self._restores += 1
         result = _restore.restore(self, model=model, optimizer=optimizer, attempt=self._restores)
         if result is not None:
@@ -266,7 +296,7 @@ class Checkpointer:
         return result
 
     def close(self) -> None:
-        """Wait for an in-flight async save to be published or aborted."""
+        """Wait for an in-flight async save to be published or aborted (its snapshot included)."""
         self._writer.wait()
 
     @property

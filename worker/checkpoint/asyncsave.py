@@ -1,18 +1,36 @@
-"""Async saves: snapshot into reusable, pre-touched CPU buffers, persist on a background thread.
+"""Async saves: a pipelined snapshot into reusable CPU buffers, then a background persist.
 
-Training blocks only for the snapshot (a memcpy of the rows this rank writes). At most one save
-is in flight: :meth:`AsyncWriter.submit` first waits for the previous one. The thread is not a
-daemon, so the interpreter cannot exit while a save is being published or aborted.
+The choice (CheckFreq's, Mohan et al., FAST'21): the snapshot is not taken while training
+waits. :meth:`Checkpointer.save` captures what is small or what the next forward pass could
+change (progress, RNG, loss scaler, LR and other optimizer hyper-parameters as JSON; module
+buffers such as norm running statistics, which a training-mode forward or DDP's buffer broadcast
+rewrites) synchronously, and hands the rest — parameters and optimizer state, which only the
+optimizer step changes — to the writer thread, which copies them into the snapshot buffers
+(``copy_`` releases the GIL) while training runs the next forward and backward. Before anything
+mutates the saved tensors again (the optimizer step, a restore, another save, close) the trainer
+calls the fence, :meth:`AsyncWriter.wait_snapshot`, which blocks until the copy is done; it is a
+no-op when no copy is pending. The time spent in ``save`` plus the time blocked in the fence is
+what the checkpointer reports as blocking. Gradients are not part of a checkpoint, so the
+backward pass writing them does not race with the copy. For FSDP the tensors copied are the
+local shards (``DTensor.to_local()``), which forward and backward only read.
 
-Why a thread and not a process: hashing (xxhash), writes and fsync all release the GIL, so the
-background work competes with training only for CPU and disk bandwidth, which a process would
-compete for too; ``benchmarks/checkpoint_async.py`` measures both.
+Buffers are keyed by (tensor, rows, dtype, shape) and reused across saves; a new one is
+zero-filled once (on the writer thread) so that its pages are resident before the copy.
+
+At most one save is in flight: :meth:`AsyncWriter.submit` first waits for the previous one. The
+thread is not a daemon, so the interpreter cannot exit while a save is being published or
+aborted.
+
+Why a thread and not a process: copying, hashing (xxhash), writes and fsync all release the GIL,
+so the background work competes with training only for CPU and disk bandwidth, which a process
+would compete for too; ``benchmarks/checkpoint_async.py`` measures both.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,6 +40,7 @@ from worker.checkpoint.saveplan import Assignment
 log = logging.getLogger("elastrain.checkpoint")
 
 _Key = tuple[str, int, int, torch.dtype, tuple[int, ...]]
+Items = list[tuple[Assignment, torch.Tensor]]
 
 
 class SnapshotBuffers:
@@ -30,11 +49,16 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[_Key, torch.Tensor] = {}
+        self._used: dict[_Key, torch.Tensor] = {}
         self.allocated_bytes = 0
 
-    def snapshot(self, items: list[tuple[Assignment, torch.Tensor]]) -> list[tuple[Assignment, torch.Tensor]]:
+    def begin(self) -> None:
+        """Start a snapshot: buffers not used by it are dropped at :meth:`end`."""
+        self._used = {}
+
+    def copy(self, items: Items) -> Items:
+        """Copies of ``items`` in their buffers (the copy is complete when this returns)."""
         pin = torch.cuda.is_available()
-        used: dict[_Key, torch.Tensor] = {}
         out = []
         for a, src in items:
             key = (a.name, a.start, a.stop, src.dtype, tuple(src.shape))
@@ -43,39 +67,113 @@ class SnapshotBuffers:
                 buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
                 buf.zero_()
                 self.allocated_bytes += buf.numel() * buf.element_size()
-            buf.copy_(src, non_blocking=pin)
-            used[key] = buf
+                self._buffers[key] = buf
+            buf.copy_(src, non_blocking=pin and src.device.type != "cpu")
+            self._used[key] = buf
             out.append((a, buf))
         if pin:
-            torch.cuda.synchronize()
-        self._buffers = used  # drop buffers for tensors that are gone
+            torch.cuda.current_stream().synchronize()
+        return out
+
+    def end(self) -> None:
+        self._buffers = self._used  # drop buffers for tensors that are gone
+
+    def snapshot(self, items: Items) -> Items:
+        """The whole snapshot at once (synchronous)."""
+        self.begin()
+        out = self.copy(items)
+        self.end()
         return out
 
 
+class Snapshot:
+    """One save's snapshot: ``eager`` items are copied by :meth:`copy_eager` (in ``save``), the
+    others by :meth:`finish` (on the writer thread). :attr:`items` keeps the original order."""
+
+    def __init__(
+        self, buffers: SnapshotBuffers, items: Items, *, eager: Callable[[torch.Tensor], bool]
+    ) -> None:
+        self._buffers = buffers
+        self._items = items
+        self._eager = [i for i, (_, t) in enumerate(items) if eager(t)]
+        self._done = threading.Event()
+        self.items: Items = []
+        self.error: Exception | None = None
+
+    def copy_eager(self) -> None:
+        self._buffers.begin()
+        self.items = list(self._items)
+        copies = self._buffers.copy([self._items[i] for i in self._eager])
+        for i, copied in zip(self._eager, copies, strict=True):
+            self.items[i] = copied
+
+    def finish(self) -> None:
+        """Copy the deferred items; whatever happens, the fence opens. A failure is kept in
+        :attr:`error` (the persist then reports it, so the save is aborted on every rank)."""
+        try:
+            eager = set(self._eager)
+            rest = [i for i in range(len(self._items)) if i not in eager]
+            copies = self._buffers.copy([self._items[i] for i in rest])
+            for i, copied in zip(rest, copies, strict=True):
+                self.items[i] = copied
+            self._buffers.end()
+        except Exception as exc:
+            log.exception("copying the checkpoint snapshot failed")
+            self.error = exc
+        finally:
+            self._items = []  # no reference to live tensors once copied
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+
 class AsyncWriter:
-    """Runs one background persist at a time."""
+    """Runs one background persist at a time, after the snapshot it copies."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
+        self._pending: Snapshot | None = None
         self.buffers = SnapshotBuffers()
 
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def snapshot_pending(self) -> bool:
+        return self._pending is not None
+
+    def wait_snapshot(self) -> float:
+        """The fence: block until the pending snapshot's copy is done; returns the seconds
+        blocked (0.0, at once, when none is pending)."""
+        pending = self._pending
+        if pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        pending.wait()
+        self._pending = None
+        return time.perf_counter() - t0
+
     def wait(self) -> None:
+        """Block until the save in flight (snapshot and persist) is finished."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._pending = None
 
-    def submit(self, work: Callable[[], None]) -> None:
+    def submit(self, work: Callable[[], None], *, snapshot: Snapshot | None = None) -> None:
+        """Run ``snapshot.finish()`` (if given), then ``work`` on the writer thread."""
         self.wait()
 
         def run() -> None:
             try:
+                if snapshot is not None:
+                    snapshot.finish()
                 work()
             except BaseException:  # a bug in the writer must not vanish with its thread
                 log.exception("background checkpoint writer failed")
 
+        self._pending = snapshot
         self._thread = threading.Thread(target=run, name="elastrain-checkpoint-writer", daemon=False)
         self._thread.start()

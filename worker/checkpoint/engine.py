@@ -124,10 +124,7 @@ def stage(job: SaveJob) -> Report:
         failpoint("after_shard_write")
         failpoint("before_report")
     except OSError as exc:
-        log.warning("rank %d could not stage step %d: %s", job.rank, job.step, exc)
-        return Report(
-            job.step, job.generation, job.rank, job.world_size, ok=False, error=f"{type(exc).__name__}: {exc}"
-        )
+        return failure_report(job, exc)
     return Report(
         job.step,
         job.generation,
@@ -143,10 +140,20 @@ def stage(job: SaveJob) -> Report:
     )
 
 
-def persist(job: SaveJob, coordinator: Coordinator, *, timeout: float) -> tuple[Outcome, int, float]:
-    """Stage, report, wait for the outcome. Returns (outcome, bytes written, seconds)."""
+def failure_report(job: SaveJob, exc: Exception) -> Report:
+    log.warning("rank %d could not stage step %d: %s", job.rank, job.step, exc)
+    return Report(
+        job.step, job.generation, job.rank, job.world_size, ok=False, error=f"{type(exc).__name__}: {exc}"
+    )
+
+
+def persist(
+    job: SaveJob, coordinator: Coordinator, *, timeout: float, error: Exception | None = None
+) -> tuple[Outcome, int, float]:
+    """Stage (or, given ``error``, report that this rank failed), report, wait for the outcome.
+    Returns (outcome, bytes written, seconds)."""
     t0 = time.perf_counter()
-    report = stage(job)
+    report = stage(job) if error is None else failure_report(job, error)
     coordinator.report(report, seq=job.seq)
     outcome = coordinator.outcome(job.step, job.generation, seq=job.seq, timeout=timeout)
     return outcome, report.bytes, time.perf_counter() - t0

@@ -11,6 +11,7 @@ extras.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,22 @@ def apply(
         model, optimizer, model_state_dict=live.model_sd, optim_state_dict=live.optim_sd, options=_OPTIONS
     )
     return notes
+
+
+def _storage(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return int(t.untyped_storage().data_ptr())
+
+
+def optimizer_owned(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor lives in the memory of a parameter or of optimizer state, which only the
+    optimizer step writes (a forward pass can rewrite buffers, e.g. norm running statistics)."""
+    ptrs = {_storage(p) for p in model.parameters()}
+    for per_param in optimizer.state.values():
+        ptrs.update(_storage(v) for v in per_param.values() if isinstance(v, torch.Tensor))
+    ptrs.discard(0)
+    return lambda t: int(t.untyped_storage().data_ptr()) in ptrs
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
