@@ -16,6 +16,7 @@ from service.api.limits import BodyLimit
 from service.api.metrics import Metrics, RequestMetrics
 from service.api.routes import health, workers
 from service.api.routes import jobs as job_routes
+from service.api.schemas import CheckpointReportRequest
 from service.jobs.service import JobService, ensure_worker_secret
 from service.jobs.tokens import hash_token
 from service.settings import Settings
@@ -50,6 +51,8 @@ def create_app(
         version="0.1.0",
         description="Fault-tolerant elastic training: jobs, scaling, checkpoints.",
         lifespan=lifespan,
+        # BodyLimit refuses these on any route, before routing: over the size limit, nested too deep.
+        responses=errors.error_responses(413, 422),
     )
     ctx = app.state.ctx = Context(
         settings=settings,
@@ -72,7 +75,8 @@ def create_app(
 
 
 def _document_spec(app: FastAPI) -> None:
-    """Put the JobSpec schema (the POST /v1/jobs body) into the OpenAPI components."""
+    """Put the bodies that routes validate themselves (see ``schemas.body_of``) into the OpenAPI
+    components: the JobSpec (POST /v1/jobs) and a rank's checkpoint report."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -80,10 +84,11 @@ def _document_spec(app: FastAPI) -> None:
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
-        spec = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components.update(spec.pop("$defs", {}))
-        components["JobSpec"] = spec
+        for model in (JobSpec, CheckpointReportRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
         bearer = {"type": "http", "scheme": "bearer"}
         schema["components"].setdefault("securitySchemes", {})["bearer"] = bearer
         schema["security"] = [{"bearer": []}]

@@ -3,7 +3,9 @@
     {"error": {"code": "not_found", "message": "<what is wrong and how to fix it>", "field": null}}
 
 Known errors map to 4xx (or 503 while etcd is unreachable); an unexpected exception is logged
-with its traceback, counted, and answered 500 without internals.
+with its traceback, counted, and answered 500 without internals. :class:`ErrorResponse` is that
+shape as a model: every route declares it (through :func:`error_responses`) for each error status
+it can answer, so the OpenAPI schema describes the bodies the service really sends.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.jobs.machine import IllegalTransitionError
@@ -37,7 +40,38 @@ class ApiError(Exception):
         self.field = field
 
 
+class ErrorDetail(BaseModel):
+    code: str = Field(description="A stable name for the kind of error, e.g. not_found, invalid_request.")
+    message: str = Field(description="What is wrong and how to fix it, for a person.")
+    field: str | None = Field(description="The offending field as a dotted path, when one is to blame.")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail
+
+
+_STATUS_TEXT = {
+    400: "Malformed request: the body is not valid JSON",
+    401: "Missing or wrong bearer token",
+    403: "The token is not allowed here (a worker token outside its own job's callbacks)",
+    404: "Unknown job",
+    409: "Conflicts with the job's state, or lost a race that retrying resolves",
+    413: "Request body over the size limit (ELASTRAIN_MAX_BODY_BYTES)",
+    422: "Invalid field, path, parameter, or a body nested too deep",
+    501: "Not supported by this service's scheduler or configuration",
+    503: "etcd is unreachable or this instance is not the leader; retry",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` entries for ``statuses``, each with the :class:`ErrorResponse` body."""
+    return {status: {"model": ErrorResponse, "description": _STATUS_TEXT[status]} for status in statuses}
+
+
 def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    """The JSON of an :class:`ErrorResponse` (built by hand: it is on every error path)."""
     return {"error": {"code": code, "message": message, "field": field}}
 
 

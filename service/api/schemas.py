@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress
+
+
+def body_of(component: str) -> dict[str, Any]:
+    """An OpenAPI ``requestBody`` for a route that reads and validates its body itself (so that
+    a client that omits ``Content-Type`` is still understood); ``component`` is one of the
+    models that app.py puts into the schema's components."""
+    ref = {"$ref": f"#/components/schemas/{component}"}
+    return {"content": {"application/json": {"schema": ref}}, "required": True}
 
 
 class _Request(BaseModel):
@@ -29,6 +37,52 @@ class ProgressRequest(_Request):
     samples_per_s: float | None = Field(default=None, ge=0)
     loss: float | None = None
     world_size: int | None = Field(default=None, ge=1)
+
+
+Count = Annotated[StrictInt, Field(ge=0)]
+FileReport = tuple[Count, StrictStr]
+"""A staged file: size in bytes, digest."""
+PieceReport = tuple[StrictStr, StrictStr, Count, Count, tuple[Count, Count], list[StrictStr]]
+"""A tensor piece: tensor name, file, offset, bytes, rows [start, stop), digests."""
+TensorReport = tuple[StrictStr, list[Count], StrictStr, Count | None]
+"""A tensor header: dtype, shape, kind, owner rank (or null)."""
+
+
+class ReportContext(BaseModel):
+    """What rank 0 adds for the manifest (other ranks send ``{}``); unknown keys pass through."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    job: StrictStr = ""
+    parallelism: StrictStr = "ddp"
+    block_size: Count = 0
+    meta: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    run_record: dict[str, Any] = Field(default_factory=dict)
+    parent_step: Count | None = None
+    spec_hash: StrictStr = ""
+    data_version: StrictStr = ""
+
+
+class CheckpointReportRequest(BaseModel):
+    """One rank's phase-1 report: the JSON of ``worker.checkpoint.commit.report_to_json``. The
+    shape is checked here so that nothing malformed reaches the coordinator; whether the report
+    is consistent (rank below world size, files on disk) is the coordinator's to judge."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: Count
+    generation: Count
+    rank: Count
+    world_size: Annotated[StrictInt, Field(ge=1)]
+    ok: StrictBool
+    error: StrictStr = ""
+    files: dict[str, FileReport] = Field(default_factory=dict)
+    pieces: list[PieceReport] = Field(default_factory=list)
+    tensors: dict[str, TensorReport] = Field(default_factory=dict)
+    meta_digest: StrictStr = ""
+    rank_meta: dict[str, Any] = Field(default_factory=dict)
+    context: ReportContext = Field(default_factory=ReportContext)
 
 
 class NodePublic(BaseModel):
@@ -86,6 +140,12 @@ class JobPublic(JobSummary):
 class JobList(BaseModel):
     jobs: list[JobSummary]
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last.")
+
+
+class JobLogs(BaseModel):
+    job: str
+    nodes: dict[str, list[str]] = Field(description="Launch id -> its last lines, each prefixed by file.")
+    note: str | None = Field(default=None, description="Nodes whose logs the service cannot read.")
 
 
 class Ack(BaseModel):

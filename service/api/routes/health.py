@@ -8,18 +8,23 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.deps import ContextDep
-from service.api.errors import ApiError
+from service.api.errors import ApiError, error_responses
 
 router = APIRouter(tags=["health"])
+_PUBLIC: dict[str, Any] = {"security": []}  # no token: probes and scrapers have none
+_PROMETHEUS = {
+    "description": "Prometheus text exposition format",
+    "content": {"text/plain": {"schema": {"type": "string"}}},
+}
 
 
-@router.get("/healthz")
+@router.get("/healthz", openapi_extra=_PUBLIC)
 def healthz() -> dict[str, str]:
     """The process serves requests."""
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "etcd has no quorum or cannot be reached"}})
+@router.get("/readyz", responses=error_responses(503), openapi_extra=_PUBLIC)
 def readyz(ctx: ContextDep) -> dict[str, Any]:
     """Ready while etcd answers a linearizable read (it has quorum)."""
     if not ctx.jobs.store.healthy():
@@ -30,6 +35,7 @@ def readyz(ctx: ContextDep) -> dict[str, Any]:
     return {"ready": True, "leader": bool(leader() if callable(leader) else False)}
 
 
-@router.get("/metrics", response_class=Response)
+@router.get("/metrics", response_class=Response, responses={200: _PROMETHEUS}, openapi_extra=_PUBLIC)
 def metrics(ctx: ContextDep) -> Response:
+    """The service's Prometheus metrics."""
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

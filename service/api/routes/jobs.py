@@ -11,36 +11,25 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import Context, ContextDep, require_api
-from service.api.errors import ApiError
-from service.api.schemas import JobList, JobPublic, ScaleRequest, public, summary
+from service.api.errors import ApiError, error_responses
+from service.api.schemas import JobList, JobLogs, JobPublic, ScaleRequest, body_of, public, summary
 from service.jobs.model import JobState
 
 router = APIRouter(prefix="/v1", tags=["jobs"], dependencies=[Depends(require_api)])
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"description": text}
-    for code, text in {
-        400: "Malformed request",
-        401: "Missing or wrong token",
-        403: "Token not allowed here",
-        404: "Unknown job",
-        409: "Conflicts with the job's state",
-        413: "Body too large",
-        422: "Invalid field",
-        503: "etcd unavailable",
-    }.items()
-}
-SPEC_BODY = {
-    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
-    "required": True,
-}
+# What each route can answer besides success (413 and a too-deep 422 are app-wide, see app.py).
+_AUTH = (401, 403, 503)
+_JOB = (*_AUTH, 404)
 
 
 @router.post(
     "/jobs",
     status_code=201,
     response_model=JobPublic,
-    responses={200: {"description": "Same Idempotency-Key: the existing job"}, **_ERRORS},
-    openapi_extra={"requestBody": SPEC_BODY},
+    responses={
+        200: {"description": "Same Idempotency-Key: the existing job", "model": JobPublic},
+        **error_responses(400, *_AUTH, 409, 422),
+    },
+    openapi_extra={"requestBody": body_of("JobSpec")},
 )
 async def submit_job(
     request: Request,
@@ -63,7 +52,7 @@ async def submit_job(
     return JSONResponse(view, status_code=201 if created else 200, headers=headers)
 
 
-@router.get("/jobs", response_model=JobList, responses=_ERRORS)
+@router.get("/jobs", response_model=JobList, responses=error_responses(*_AUTH, 422))
 def list_jobs(
     ctx: ContextDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state")] = None,
@@ -76,7 +65,7 @@ def list_jobs(
     return JobList(jobs=[summary(r) for r in records], next_cursor=next_cursor)
 
 
-@router.get("/jobs/{job_id}", response_model=JobPublic, responses=_ERRORS)
+@router.get("/jobs/{job_id}", response_model=JobPublic, responses=error_responses(*_JOB))
 async def get_job(job_id: str, ctx: ContextDep) -> Response:
     """State, world size, nodes, restarts, last published step, progress, recent events.
     Served from a short-lived cache that this instance's own writes invalidate."""
@@ -92,19 +81,26 @@ def _render(ctx: Context, job_id: str) -> bytes:
     return body
 
 
-@router.post("/jobs/{job_id}/scale", status_code=202, response_model=JobPublic, responses=_ERRORS)
+@router.post(
+    "/jobs/{job_id}/scale",
+    status_code=202,
+    response_model=JobPublic,
+    responses=error_responses(400, *_JOB, 409, 422),
+)
 def scale_job(job_id: str, body: ScaleRequest, ctx: ContextDep) -> JobPublic:
     """Set the desired node count within the job's ``nodes`` range; the reconciler acts on it."""
     return public(ctx.jobs.scale(job_id, body.nodes), ctx.jobs.progress(job_id))
 
 
-@router.delete("/jobs/{job_id}", status_code=202, response_model=JobPublic, responses=_ERRORS)
+@router.delete(
+    "/jobs/{job_id}", status_code=202, response_model=JobPublic, responses=error_responses(*_JOB, 409)
+)
 def cancel_job(job_id: str, ctx: ContextDep) -> JobPublic:
     """Cancel a job. Idempotent: cancelling a finished or cancelling job returns it unchanged."""
     return public(ctx.jobs.cancel(job_id), ctx.jobs.progress(job_id))
 
 
-@router.get("/jobs/{job_id}/checkpoints", responses=_ERRORS)
+@router.get("/jobs/{job_id}/checkpoints", responses=error_responses(*_JOB))
 def list_checkpoints(job_id: str, ctx: ContextDep) -> dict[str, Any]:
     """Published checkpoints, oldest first: step, world size, bytes, time, verified, directory."""
     record = ctx.jobs.get(job_id)
@@ -113,23 +109,34 @@ def list_checkpoints(job_id: str, ctx: ContextDep) -> dict[str, Any]:
     return {"job": job_id, "checkpoints": ctx.coordinator.published(record)}
 
 
-@router.get("/jobs/{job_id}/logs", responses={**_ERRORS, 501: {"description": "Scheduler has no logs"}})
+@router.get("/jobs/{job_id}/logs", response_model=JobLogs, responses=error_responses(*_JOB, 422))
 def job_logs(
     job_id: str,
     ctx: ContextDep,
     node: Annotated[int | None, Query(ge=0)] = None,
     tail: Annotated[int, Query(ge=1, le=10_000)] = 200,
-) -> dict[str, Any]:
-    """The last ``tail`` lines of each node's logs (or of ``node``), as the scheduler keeps them."""
+) -> JobLogs:
+    """The last ``tail`` lines of each node's logs (or of ``node``), as the scheduler keeps them.
+    A node whose logs the service cannot read (kubernetes keeps them in the cluster) is named
+    in ``note`` instead."""
     record = ctx.jobs.get(job_id)
     log_dir = getattr(ctx.scheduler, "log_dir", None)
-    if not callable(log_dir):
-        raise ApiError(501, "not_supported", "this scheduler keeps no logs the service can read")
     out: dict[str, list[str]] = {}
+    unreadable: list[str] = []
     for n in record.nodes:
         if n.handle and (node is None or n.index == node):
-            out[n.launch_id] = tail_lines(log_dir(n.handle), tail)
-    return {"job": job_id, "nodes": out}
+            directory = log_dir(n.handle) if callable(log_dir) else None
+            if directory is None:
+                unreadable.append(n.launch_id)
+            else:
+                out[n.launch_id] = tail_lines(directory, tail)
+    note = None
+    if unreadable:
+        note = (
+            f"the scheduler keeps no logs the service can read for {', '.join(unreadable)}; "
+            "read them where the nodes run (for kubernetes: kubectl logs)"
+        )
+    return JobLogs(job=job_id, nodes=out, note=note)
 
 
 def tail_lines(directory: Path | None, count: int) -> list[str]:

@@ -5,23 +5,22 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from service.api.auth import bearer
 from service.api.deps import Context, ContextDep, WorkerAuth
-from service.api.errors import ApiError
-from service.api.schemas import Ack, HeartbeatRequest, ProgressRequest
+from service.api.errors import ApiError, error_responses
+from service.api.schemas import Ack, CheckpointReportRequest, HeartbeatRequest, ProgressRequest, body_of
 from service.jobs.events import WorkerEvent
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.tokens import hash_token
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["workers"])
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"description": "Missing or wrong token"},
-    403: {"description": "Another job's worker token"},
-    404: {"description": "Unknown job"},
-    422: {"description": "Invalid field"},
-}
+# What each route can answer besides success (413 and a too-deep 422 are app-wide, see app.py).
+_READ = error_responses(401, 403, 404, 422, 503)
+_WRITE = error_responses(400, 401, 403, 404, 409, 422, 503)
 
 
 def _job(ctx: Context, job_id: str, principal: str, request: Request) -> JobRecord:
@@ -36,7 +35,7 @@ def _ack(record: JobRecord) -> Ack:
     return Ack(state=record.state, cancel_requested=record.cancel_requested)
 
 
-@router.post("/workers/heartbeat", response_model=Ack, responses=_ERRORS)
+@router.post("/workers/heartbeat", response_model=Ack, responses=_WRITE)
 def heartbeat(
     job_id: str, body: HeartbeatRequest, auth: WorkerAuth, ctx: ContextDep, request: Request
 ) -> Ack:
@@ -46,7 +45,7 @@ def heartbeat(
     return _ack(record)
 
 
-@router.post("/workers/progress", response_model=Ack, responses=_ERRORS)
+@router.post("/workers/progress", response_model=Ack, responses=_WRITE)
 def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
     """Newest training progress (rank 0): step, samples seen, samples/s, loss, world size."""
     record = _job(ctx, job_id, auth, request)
@@ -66,7 +65,7 @@ def _observe_recovery(ctx: Context, before: JobRecord, after: JobRecord) -> None
             ctx.metrics.obs.observe_recovery(before.id, after.recoveries[-1])
 
 
-@router.post("/workers/events", response_model=Ack, responses=_ERRORS)
+@router.post("/workers/events", response_model=Ack, responses=_WRITE)
 def event(job_id: str, body: WorkerEvent, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
     """group_formed (rank 0, once per formation), state_loaded, first_step, failed, finished, log."""
     before = _job(ctx, job_id, auth, request)
@@ -75,7 +74,11 @@ def event(job_id: str, body: WorkerEvent, auth: WorkerAuth, ctx: ContextDep, req
     return _ack(after)
 
 
-@router.post("/workers/checkpoints", responses=_ERRORS)
+@router.post(
+    "/workers/checkpoints",
+    responses={**_WRITE, **error_responses(501)},
+    openapi_extra={"requestBody": body_of("CheckpointReportRequest")},
+)
 async def checkpoint_report(
     job_id: str,
     auth: WorkerAuth,
@@ -88,13 +91,17 @@ async def checkpoint_report(
     ``worker.checkpoint.coordinator.Outcome`` plus ``status``). Idempotent per rank."""
     record = await run_in_threadpool(_job, ctx, job_id, auth, request)
     body = await request.body()
+    try:  # the shape only; the coordinator parses and stores the bytes exactly as sent
+        CheckpointReportRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
     if ctx.coordinator is None:
         raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
     result: dict[str, Any] = await run_in_threadpool(ctx.coordinator.report, record, body, seq=seq)
     return result
 
 
-@router.get("/workers/checkpoints/{step}", responses=_ERRORS)
+@router.get("/workers/checkpoints/{step}", responses={**_READ, **error_responses(501)})
 def checkpoint_outcome(
     job_id: str,
     step: int,
@@ -112,7 +119,7 @@ def checkpoint_outcome(
     return result
 
 
-@router.get("/resume", responses=_ERRORS)
+@router.get("/resume", responses=_READ)
 def resume(
     job_id: str,
     auth: WorkerAuth,
