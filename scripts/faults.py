@@ -29,6 +29,7 @@ ROWS: dict[str, str] = {
     "corrupt-shard": T + "test_worker_faults.py::test_corrupt_newest_shard_is_refused",
     "enospc-failpoint": T + "test_worker_faults.py::test_enospc_failpoint_during_a_save",
     "enospc-tmpfs": T + "test_worker_faults.py::test_enospc_on_a_real_small_tmpfs",
+    "rescale-during-save": T + "test_rescale_save.py::test_rescale_during_a_save",
     "sigstop-worker": T + "test_sigstop.py::test_sigstop_a_worker_then_sigcont",
     "sigstop-worker-past-timeout": T + "test_sigstop.py::test_sigstop_past_the_collective_timeout",
     "service-kill-submit": T + "test_service_faults.py::test_kill9_during_submit_with_idempotency_key",
