@@ -69,3 +69,20 @@ def test_unknown_tensor_or_rows_out_of_range() -> None:
         plan_reads(s.manifest, [Need("model.nope", 0, 1)])
     with pytest.raises(CheckpointError, match="outside"):
         plan_reads(s.manifest, [Need("model.a.bias", 0, 8)])
+
+
+@pytest.mark.parametrize("new_world", [3, 4])
+def test_resharding_fsdp_reads_little_beyond_what_a_rank_needs(new_world: int) -> None:
+    """A reshard reads whole blocks; at the default block size a rank of the new world reads at
+    most 1.2x the bytes it needs of a W=2 FSDP checkpoint of 1024x1024 fp32 tensors."""
+    from worker.checkpoint.blocks import DEFAULT_BLOCK_SIZE
+
+    s = synth(
+        {"optim.state.w.exp_avg": ("float32", (1024, 1024), "sharded")}, 2, block_size=DEFAULT_BLOCK_SIZE
+    )
+    for rank in range(new_world):
+        needs = needs_for_rank(s.manifest, rank=rank, world_size=new_world)
+        needed = sum((n.stop - n.start) * 4096 for n in needs)
+        assert bytes_read(plan_reads(s.manifest, needs)) <= 1.2 * needed, rank
+    got = execute(s, needs)
+    assert got[(needs[0].name, needs[0].start)] == s.logical[needs[0].name][needs[0].start * 4096 :]
