@@ -60,6 +60,7 @@ class SnapshotBuffers:
         """Copies of ``items`` in their buffers (the copy is complete when this returns)."""
         pin = torch.cuda.is_available()
         out = []
+        devices = {src.device for _, src in items if src.device.type == "cuda"}
         for a, src in items:
             key = (a.name, a.start, a.stop, src.dtype, tuple(src.shape))
             buf = self._buffers.get(key)
@@ -71,8 +72,8 @@ class SnapshotBuffers:
             buf.copy_(src, non_blocking=pin and src.device.type != "cpu")
             self._used[key] = buf
             out.append((a, buf))
-        if pin:
-            torch.cuda.current_stream().synchronize()
+        for device in devices:  # the writer thread's current device need not be the tensors'
+            torch.cuda.synchronize(device)
         return out
 
     def end(self) -> None:
