@@ -87,6 +87,10 @@ def launch_env(job: JobRecord, node: NodeRecord, ctx: LaunchContext, worker_toke
     }
 
 
+ADOPT_EVERY_S = 10.0
+"""How often a leader re-reconciles live jobs' checkpoint registries with storage."""
+
+
 class Reconciler:
     def __init__(
         self,
@@ -113,6 +117,7 @@ class Reconciler:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._adopted_term: int | None = None
+        self._adopted_at = float("-inf")
 
     @property
     def is_leader(self) -> bool:
@@ -127,17 +132,20 @@ class Reconciler:
         self.metrics.is_leader.set(1 if fence else 0)
         if fence is None:
             return False
-        records, _ = self.jobs.list(limit=100_000)
+        listed = self.jobs.all_versioned()
+        records = [record for record, _ in listed]
         if self._adopted_term != fence.lease_id:
             self._adopt_storage(records)  # finished jobs too, once per leadership term
             self._adopted_term = fence.lease_id
-        else:
+        elif self.clock() - self._adopted_at >= ADOPT_EVERY_S:
+            # Workers under the service publish through it; this catches what a crash left behind.
             self._adopt_storage([r for r in records if not r.state.terminal])
-        for record in records:
+            self._adopted_at = self.clock()
+        for record, revision in listed:
             if record.state.terminal and not any(n.phase == NodePhase.STOPPING for n in record.nodes):
                 continue
             try:
-                self.reconcile_job(record.id, fence)
+                self.reconcile_job(record.id, fence, known=(record, revision))
             except NotLeaderError:
                 log.warning("lost leadership during a pass; stopping it")
                 self.metrics.is_leader.set(0)
@@ -205,8 +213,12 @@ class Reconciler:
 
     # ------------------------------------------------------------------ one job
 
-    def reconcile_job(self, job_id: str, fence: Fence) -> JobRecord:
-        stored, revision = self.jobs.get_versioned(job_id)
+    def reconcile_job(
+        self, job_id: str, fence: Fence, *, known: tuple[JobRecord, int] | None = None
+    ) -> JobRecord:
+        """One job's pass. ``known``: the record and revision just listed (saves a read; a write
+        that raced in since makes the compare-and-set fail and the next pass decide again)."""
+        stored, revision = known if known is not None else self.jobs.get_versioned(job_id)
         record, progress = stored, self.jobs.progress(job_id)
         if progress is not None and progress.step != record.last_step:
             update = {"last_step": progress.step, "world_size": progress.world_size or record.world_size}
@@ -214,7 +226,9 @@ class Reconciler:
         if progress is not None and progress.time > record.state_since:
             record = first_step_done(record, progress.step, progress.time)  # a step after re-forming
         decision = reconcile(record, self._observe(record), self.policy)
-        if decision.job != stored:
+        # The step alone is not worth an etcd write each pass (GET reads it from the progress
+        # key); it is persisted with the next real change, and recoveries read it merged above.
+        if decision.job.model_copy(update={"last_step": stored.last_step}) != stored:
             # NotLeaderError when etcd refuses the fence (this instance was paused past its lease)
             if not self.jobs.commit([Write(keys.job(job_id), decision.job.to_json(), revision)], fence=fence):
                 return stored  # lost a race with an API write: the next pass decides again
@@ -226,6 +240,7 @@ class Reconciler:
                 self._cancel(action.node)
         self.metrics.observe_job(decision.job, progress)
         if decision.job.state.terminal and not record.state.terminal:
+            self.jobs.flush_progress(job_id)
             self._adopt_storage([decision.job])
             self.jobs.commit(
                 [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence

@@ -128,11 +128,21 @@ class LeaderElection:
     lease expired or the key changed); the caller must then stop acting as leader.
     """
 
-    def __init__(self, store: KVStore, holder: str, *, ttl_s: int = 10, key: str = LEADER_KEY) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        holder: str,
+        *,
+        ttl_s: int = 10,
+        key: str = LEADER_KEY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
         self.holder = holder
         self._ttl_s = ttl_s
         self._key = key
+        self._clock = clock
+        self._refreshed = float("-inf")
         self.fence: Fence | None = None
 
     @property
@@ -140,6 +150,10 @@ class LeaderElection:
         return self._ttl_s
 
     def campaign(self) -> Fence | None:
+        """Held leadership is re-confirmed with etcd at most every ttl/3 (each confirmation is a
+        lease refresh and a fenced read); a lease lost in between makes etcd refuse the writes."""
+        if self.fence is not None and self._clock() - self._refreshed < self._ttl_s / 3:
+            return self.fence
         if self.fence is not None and self.keep_alive():
             return self.fence
         current = self._store.get(self._key)
@@ -149,6 +163,7 @@ class LeaderElection:
         expected = current.mod_revision if current is not None else 0
         if self._store.commit([Write(self._key, self.holder.encode(), expected, lease_id)]):
             self.fence = Fence(self.holder, lease_id, self._key)
+            self._refreshed = self._clock()
             return self.fence
         self._store.lease_revoke(lease_id)
         return None
@@ -157,9 +172,12 @@ class LeaderElection:
         fence = self.fence
         if fence is None:
             return False
+        started = self._clock()
         held = self._store.lease_refresh(fence.lease_id) and self._store.commit([], fence=fence)
         if not held:
             self.fence = None
+        else:
+            self._refreshed = started
         return held
 
     def resign(self) -> None:

@@ -16,6 +16,7 @@ retry). Without a ``fence_source`` (unit tests, offline tools) writes are plain 
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import secrets
 import time
@@ -77,6 +78,11 @@ class JobService:
     """This instance's current leader fence (None while it does not lead); None: writes unfenced."""
     on_fence_refused: Callable[[], None] = field(default=lambda: None)
     """Called when etcd refused a write because the fence no longer holds (a stale leader)."""
+    progress_flush_s: float = 5.0
+    """A worker's progress (about once a second) reaches etcd at most this often per job; this
+    instance answers from the newest report it holds. Progress during a recovery goes at once."""
+    _progress: dict[str, tuple[Progress, bool]] = field(default_factory=dict, init=False, repr=False)
+    _progress_written: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ fencing
 
@@ -138,9 +144,25 @@ class JobService:
                 break
         return out, None
 
+    def all_versioned(self) -> builtins.list[tuple[JobRecord, int]]:
+        """Every job with its mod_revision, in id order (one range read per 1,000 jobs)."""
+        out: builtins.list[tuple[JobRecord, int]] = []
+        after: str | None = None
+        while True:
+            batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=1000)
+            out += [(JobRecord.from_json(e.value), e.mod_revision) for e in batch]
+            if len(batch) < 1000:
+                return out
+            after = batch[-1].key
+
     def progress(self, job_id: str) -> Progress | None:
+        """The newest progress: etcd's, or the newer one this instance holds but has not written."""
         found = self.store.get(keys.progress(job_id))
-        return Progress.model_validate_json(found.value) if found else None
+        stored = Progress.model_validate_json(found.value) if found else None
+        held = self._progress.get(job_id)
+        if held is not None and (stored is None or held[0].time > stored.time):
+            return held[0]
+        return stored
 
     def worker_token(self, job_id: str) -> str:
         return derive_worker_token(self.secret, job_id)
@@ -238,14 +260,35 @@ class JobService:
     # ------------------------------------------------------------------ worker reports
 
     def report_progress(self, job: JobRecord, progress: Progress) -> None:
-        self.put(keys.progress(job.id), progress.model_dump_json().encode())
+        recovering = job.state in (JobState.RECOVERING, JobState.RESCALING)
+        last = self._progress_written.get(job.id)
+        if recovering or last is None or self.clock() - last >= self.progress_flush_s:
+            self.put(keys.progress(job.id), progress.model_dump_json().encode())
+            self._progress_written[job.id] = self.clock()
+            self._progress[job.id] = (progress, True)
+        else:
+            self._progress[job.id] = (progress, False)
         self.on_change(job.id)
         if job.state in (JobState.RECOVERING, JobState.RESCALING) and progress.time > job.state_since:
             self.update(job.id, lambda r: first_step_done(r, progress.step, progress.time))
+
+    def flush_progress(self, job_id: str) -> None:
+        """Write the newest held progress if etcd lacks it, and forget it (the job finished)."""
+        held = self._progress.pop(job_id, None)
+        self._progress_written.pop(job_id, None)
+        if held is not None and not held[1]:
+            self.put(keys.progress(job_id), held[0].model_dump_json().encode())
 
     def heartbeat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
         value = f'{{"time": {self.clock()!r}, "step": {step if step is not None else "null"}}}'
         self.put(keys.heartbeat(job_id, launch_id, local_rank), value.encode())
 
     def worker_event(self, job_id: str, event: WorkerEvent) -> JobRecord:
-        return self.update(job_id, lambda r: apply_worker_event(r, event, self.clock()))
+        progress = self.progress(job_id)
+
+        def change(record: JobRecord) -> JobRecord:
+            if progress is not None and record.last_step != progress.step:
+                record = record.model_copy(update={"last_step": progress.step})  # see the reconciler
+            return apply_worker_event(record, event, self.clock())
+
+        return self.update(job_id, change)

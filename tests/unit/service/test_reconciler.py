@@ -36,7 +36,7 @@ class World:
         self.scheduler = FakeScheduler()
 
     def reconciler(self, holder: str = "a") -> Reconciler:
-        election = LeaderElection(self.store, holder, ttl_s=10)
+        election = LeaderElection(self.store, holder, ttl_s=10, clock=self.clock)
         ctx = LaunchContext(service_url="http://svc:8080", etcd_endpoints=("http://e:2379",))
         return Reconciler(self.jobs, self.scheduler, election, launch=ctx, clock=self.clock)
 
