@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from service.jobs.events import WorkerEvent
 from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress
 
 
@@ -31,6 +32,13 @@ class HeartbeatRequest(_Request):
     step: int | None = Field(default=None, ge=0)
 
 
+class WorkerEventRequest(WorkerEvent):
+    """A worker's event as the API takes it: :class:`WorkerEvent`, strictly typed (``false`` is
+    not a restart count, ``"3"`` is not a rank) and with no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
 class ProgressRequest(_Request):
     step: int = Field(ge=0)
     samples_seen: int | None = Field(default=None, ge=0)
@@ -39,6 +47,9 @@ class ProgressRequest(_Request):
     world_size: int | None = Field(default=None, ge=1)
 
 
+MAX_WORLD_SIZE = 100_000
+"""The largest world size the API takes (a report or a resume for more ranks is refused, 422):
+phase 2 enumerates the ranks of a round, so an unbounded one would exhaust memory."""
 Count = Annotated[StrictInt, Field(ge=0)]
 FileReport = tuple[Count, StrictStr]
 """A staged file: size in bytes, digest."""
@@ -73,8 +84,8 @@ class CheckpointReportRequest(BaseModel):
 
     step: Count
     generation: Count
-    rank: Count
-    world_size: Annotated[StrictInt, Field(ge=1)]
+    rank: Annotated[StrictInt, Field(ge=0, lt=MAX_WORLD_SIZE)]
+    world_size: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)]
     ok: StrictBool
     error: StrictStr = ""
     files: dict[str, FileReport] = Field(default_factory=dict)

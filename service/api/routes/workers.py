@@ -12,8 +12,15 @@ from starlette.concurrency import run_in_threadpool
 from service.api.auth import bearer
 from service.api.deps import Context, ContextDep, WorkerAuth
 from service.api.errors import ApiError, error_responses
-from service.api.schemas import Ack, CheckpointReportRequest, HeartbeatRequest, ProgressRequest, body_of
-from service.jobs.events import WorkerEvent
+from service.api.schemas import (
+    MAX_WORLD_SIZE,
+    Ack,
+    CheckpointReportRequest,
+    HeartbeatRequest,
+    ProgressRequest,
+    WorkerEventRequest,
+    body_of,
+)
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.tokens import hash_token
 
@@ -66,7 +73,7 @@ def _observe_recovery(ctx: Context, before: JobRecord, after: JobRecord) -> None
 
 
 @router.post("/workers/events", response_model=Ack, responses=_WRITE)
-def event(job_id: str, body: WorkerEvent, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
+def event(job_id: str, body: WorkerEventRequest, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
     """group_formed (rank 0, once per formation), state_loaded, first_step, failed, finished, log."""
     before = _job(ctx, job_id, auth, request)
     after = ctx.jobs.worker_event(job_id, body)
@@ -125,7 +132,7 @@ def resume(
     auth: WorkerAuth,
     ctx: ContextDep,
     request: Request,
-    world_size: Annotated[int | None, Query(ge=1, le=100_000)] = None,
+    world_size: Annotated[int | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
     rank: Annotated[int | None, Query(ge=0)] = None,
 ) -> dict[str, Any]:
     """The newest published, verified checkpoint and the load plan for ``world_size``."""
