@@ -28,7 +28,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -85,11 +85,8 @@ class Agents:
     endpoint: str
     spec_path: Path
     env: dict[str, str]
-    run_id: str = ""
-
-    def __post_init__(self) -> None:
-        self.run_id = f"rescale-{uuid.uuid4().hex[:8]}"
-        self.procs: list[subprocess.Popen[bytes]] = []
+    run_id: str = field(default_factory=lambda: f"rescale-{uuid.uuid4().hex[:8]}")
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self) -> subprocess.Popen[bytes]:
         index = len(self.procs)
@@ -110,7 +107,8 @@ class Agents:
 
     def logs(self) -> str:
         return "\n".join(
-            f"--- agent {i}\n{self.log(i).read_text(errors='replace')[-3000:]}" for i in range(2)
+            f"--- agent {i}\n{self.log(i).read_text(errors='replace')[-3000:]}"
+            for i in range(len(self.procs))
         )
 
     def wait_for_text(self, index: int, text: str, timeout: float) -> None:
