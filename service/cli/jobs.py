@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +49,27 @@ def _token(args: argparse.Namespace) -> str:
         ) from None
 
 
+RETRIES_503 = 5
+"""A 503 (a standby instance, leadership being taken over, etcd without quorum) is retried this
+often, after its Retry-After (default 1 s). Every call the CLI makes is safe to repeat: reads,
+cancel and scale are idempotent, and submit always sends an Idempotency-Key."""
+
+
 def request(args: argparse.Namespace, method: str, path: str, **kwargs: Any) -> Any:
     """One API call; returns the decoded JSON body or raises :class:`ClientError`."""
     url = args.url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {_token(args)}", **kwargs.pop("headers", {})}
-    try:
-        resp = httpx.request(method, url, headers=headers, timeout=args.timeout, **kwargs)
-    except httpx.HTTPError as exc:
-        raise ClientError(
-            f"cannot reach the service at {args.url}: {exc}; is `elastrain serve` running?"
-        ) from None
+    for attempt in range(RETRIES_503 + 1):
+        try:
+            resp = httpx.request(method, url, headers=headers, timeout=args.timeout, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ClientError(
+                f"cannot reach the service at {args.url}: {exc}; is `elastrain serve` running?"
+            ) from None
+        if resp.status_code != 503 or attempt == RETRIES_503:
+            break
+        retry_after = resp.headers.get("Retry-After", "1")
+        time.sleep(min(10.0, float(retry_after)) if retry_after.isdigit() else 1.0)
     try:
         body = resp.json()
     except ValueError:
@@ -93,8 +105,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ClientError(f"cannot read spec file {args.spec!r}: {exc.strerror}") from None
     headers = {"Content-Type": "application/json"}
-    if args.idempotency_key:
-        headers["Idempotency-Key"] = args.idempotency_key
+    # A key of our own when none is given: a retried submit (after a 503) cannot create two jobs.
+    headers["Idempotency-Key"] = args.idempotency_key or f"cli-{uuid.uuid4()}"
     job = request(args, "POST", "/v1/jobs", content=body, headers=headers)
     print(job["id"] if args.quiet else f"{job['id']}  {job['state']}  checkpoints in {job['checkpoint_dir']}")
     return 0

@@ -6,12 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 from svc_process import ROOT, ServiceProcess, wait_for
 
 from service.cli import main
+from service.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.integration
 
@@ -91,3 +94,48 @@ def test_errors_are_one_line_without_traceback(module_service: ServiceProcess, t
         [*cli, "jobs", "--url", "http://127.0.0.1:9"], env=env, capture_output=True, text=True, timeout=60
     )
     assert unreachable.returncode == 2 and "is `elastrain serve` running?" in unreachable.stderr
+
+
+def test_submit_to_a_standby_is_retried_until_a_leader_takes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two real services on one etcd: a submit sent to the standby gets 503 ("not the leader")
+    and the CLI retries it with the same Idempotency-Key; once the leader stops and the standby
+    takes over, the retry creates the job, once."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        a = ServiceProcess(tmp_path / "a", etcd=etcd.endpoint).start()
+        b = ServiceProcess(tmp_path / "b", etcd=etcd.endpoint).start()
+        try:
+            wait_for(lambda: httpx.get(f"{a.url}/readyz").json()["leader"], what="a leads")
+            monkeypatch.setenv("ELASTRAIN_API_TOKEN", b.token)
+            result: dict[str, tuple[int, str, str]] = {}
+            submit = threading.Thread(
+                target=lambda: result.update(r=run(b, capsys, "submit", str(spec), "-q"))
+            )
+            submit.start()
+            wait_for(lambda: refused_503(b) >= 1, timeout_s=60, what="the standby answers 503")
+            a.stop()  # resigns: b campaigns and wins on its next pass
+            submit.join(timeout=120)
+            code, out, err = result["r"]
+            assert code == 0, err
+            with b.client() as client:
+                jobs = client.get("/v1/jobs").json()["jobs"]
+            assert [j["id"] for j in jobs] == [out.strip()]
+        finally:
+            a.stop()
+            b.stop()
+
+
+def refused_503(svc: ServiceProcess) -> float:
+    text = httpx.get(f"{svc.url}/metrics", timeout=5).text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("elastrain_api_requests_total{")
+        and 'method="POST"' in line
+        and 'status="503"' in line
+    )
