@@ -208,10 +208,16 @@ class Checkpointer:
     def _guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Fence before every ``optimizer.step()`` as well (a step pre-hook), so that a caller
         that forgets :meth:`wait_snapshot` still cannot change tensors while they are copied."""
-        if optimizer not in self._hooks:
-            self._hooks[optimizer] = optimizer.register_step_pre_hook(
-                lambda _opt, _args, _kwargs: self.wait_snapshot()
-            )
+        if optimizer in self._hooks:
+            return
+        fence = weakref.WeakMethod(self.wait_snapshot)  # the optimizer must not keep this alive
+
+        def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            method = fence()
+            if method is not None:
+                method()
+
+        self._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
 
     def _persist_snapshot(self, job: SaveJob, snap: Snapshot) -> None:
         job.items = snap.items

@@ -5,6 +5,7 @@ from it is bit for bit, and the fence is a no-op when nothing is pending."""
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from torch import nn
 
 from tests.unit.checkpoint.helpers import checkpointer, model_and_optim, save, state_equal, train
 from worker import failpoints
-from worker.checkpoint.asyncsave import SnapshotBuffers
+from worker.checkpoint.asyncsave import SnapshotBuffers, lower_priority
 from worker.checkpoint.layout import read_latest
 from worker.checkpoint.verify import logical_digest
 
@@ -167,3 +168,21 @@ def test_a_failed_snapshot_copy_aborts_the_save(tmp_path: Path, monkeypatch: pyt
     save(ck, model, optim, 3)
     ck.close()
     assert ck.stats.saves_total == 2 and read_latest(tmp_path) == "step-00000003"
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priority is a Linux feature")
+def test_the_writer_lowers_only_its_own_priority() -> None:
+    seen: list[int] = []
+
+    def writer() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        lower_priority(10)
+        seen.extend([before, os.getpriority(os.PRIO_PROCESS, tid)])
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen[1] == min(19, seen[0] + 10)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # training's is unchanged
