@@ -224,7 +224,8 @@ class Reconciler:
             update = {"last_step": progress.step, "world_size": progress.world_size or record.world_size}
             record = record.model_copy(update=update)
         if progress is not None and progress.time > record.state_since:
-            record = first_step_done(record, progress.step, progress.time)  # a step after re-forming
+            # a step after re-forming
+            record = first_step_done(record, progress.step, progress.time, world_size=progress.world_size)
         decision = reconcile(record, self._observe(record), self.policy)
         # The step alone is not worth an etcd write each pass (GET reads it from the progress
         # key); it is persisted with the next real change, and recoveries read it merged above.

@@ -45,14 +45,22 @@ def apply_worker_event(job: JobRecord, event: WorkerEvent, now: float) -> JobRec
         job = _update_recovery(job, state_loaded_at=now, resumed_step=event.step)
         return job.with_event(now, "worker", f"state loaded at step {event.step}")
     if event.kind == "first_step":
-        return first_step_done(job, event.step, now)
+        return first_step_done(job, event.step, now, new_group=True)
     who = f"rank {event.rank}" if event.rank is not None else "worker"
     return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
 
 
-def first_step_done(job: JobRecord, step: int | None, now: float) -> JobRecord:
-    """A step finished after a (re-)formation: a recovery or rescale is over."""
+def first_step_done(
+    job: JobRecord, step: int | None, now: float, *, world_size: int | None = None, new_group: bool = False
+) -> JobRecord:
+    """A step finished after a (re-)formation: a recovery or rescale is over.
+
+    ``new_group``: the workers' own ``first_step`` event, sent by a group that just formed.
+    Otherwise (a progress report) a rescale is over only once the progress comes at the target
+    world size: until the new nodes join, the old group keeps training and reporting."""
     if job.state not in (S.RECOVERING, S.RESCALING):
+        return job
+    if job.state == S.RESCALING and not new_group and world_size != job.desired_nodes * job.nproc_per_node:
         return job
     recovery = job.current_recovery
     if job.state == S.RECOVERING and recovery is not None:

@@ -270,7 +270,10 @@ class JobService:
             self._progress[job.id] = (progress, False)
         self.on_change(job.id)
         if job.state in (JobState.RECOVERING, JobState.RESCALING) and progress.time > job.state_since:
-            self.update(job.id, lambda r: first_step_done(r, progress.step, progress.time))
+            self.update(
+                job.id,
+                lambda r: first_step_done(r, progress.step, progress.time, world_size=progress.world_size),
+            )
 
     def flush_progress(self, job_id: str) -> None:
         """Write the newest held progress if etcd lacks it, and forget it (the job finished)."""

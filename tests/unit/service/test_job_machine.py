@@ -281,3 +281,18 @@ def test_launch_ids_are_never_reused_after_old_nodes_are_pruned() -> None:
         record, _ = confirm_launch(decision.job, launches[0], f"h{attempt}", float(attempt))
     assert len(record.nodes) <= 17
     assert JobRecord.from_json(record.to_json()).next_attempt == {0: 30}
+
+
+def test_a_rescale_ends_at_the_target_world_size_or_a_new_groups_first_step() -> None:
+    """Until the new nodes join, the old group keeps training and reporting progress: that does
+    not end the rescale. Progress at the target world size, or the first step a newly formed
+    group reports, does."""
+    from service.jobs.events import first_step_done
+
+    scaling = job(S.RESCALING, desired=3).model_copy(update={"world_size": 2})
+    assert first_step_done(scaling, 40, 5.0, world_size=2).state == S.RESCALING
+    assert first_step_done(scaling, 60, 6.0, world_size=3).state == S.RUNNING
+    event = WorkerEvent(kind="first_step", rank=0, step=61)
+    assert apply_worker_event(scaling, event, 7.0).state == S.RUNNING
+    recovering = job(S.RECOVERING, desired=3)
+    assert first_step_done(recovering, 10, 5.0, world_size=2).state == S.RUNNING  # a recovery: any step
