@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.deps import ContextDep
 from service.api.errors import ApiError, error_responses
+from service.api.schemas import Health, Readiness
 
 router = APIRouter(tags=["health"])
 _PUBLIC: dict[str, Any] = {"security": []}  # no token: probes and scrapers have none
@@ -18,13 +19,13 @@ _PROMETHEUS = {
 }
 
 
-@router.get("/healthz", openapi_extra=_PUBLIC)
+@router.get("/healthz", response_model=Health, openapi_extra=_PUBLIC)
 def healthz() -> dict[str, str]:
     """The process serves requests."""
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses=error_responses(503), openapi_extra=_PUBLIC)
+@router.get("/readyz", response_model=Readiness, responses=error_responses(503), openapi_extra=_PUBLIC)
 def readyz(ctx: ContextDep) -> dict[str, Any]:
     """Ready while etcd answers a linearizable read (it has quorum)."""
     if not ctx.jobs.store.healthy():

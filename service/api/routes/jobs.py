@@ -12,7 +12,16 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import Context, ContextDep, require_api
 from service.api.errors import ApiError, error_responses
-from service.api.schemas import JobList, JobLogs, JobPublic, ScaleRequest, body_of, public, summary
+from service.api.schemas import (
+    CheckpointList,
+    JobList,
+    JobLogs,
+    JobPublic,
+    ScaleRequest,
+    body_of,
+    public,
+    summary,
+)
 from service.jobs.model import JobState
 
 router = APIRouter(prefix="/v1", tags=["jobs"], dependencies=[Depends(require_api)])
@@ -100,7 +109,7 @@ def cancel_job(job_id: str, ctx: ContextDep) -> JobPublic:
     return public(ctx.jobs.cancel(job_id), ctx.jobs.progress(job_id))
 
 
-@router.get("/jobs/{job_id}/checkpoints", responses=error_responses(*_JOB))
+@router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointList, responses=error_responses(*_JOB))
 def list_checkpoints(job_id: str, ctx: ContextDep) -> dict[str, Any]:
     """Published checkpoints, oldest first: step, world size, bytes, time, verified, directory."""
     record = ctx.jobs.get(job_id)

@@ -5,19 +5,20 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from service.api.auth import bearer
 from service.api.deps import Context, ContextDep, WorkerAuth
-from service.api.errors import ApiError, error_responses
+from service.api.errors import ApiError, error_responses, from_validation
 from service.api.schemas import (
     MAX_WORLD_SIZE,
     Ack,
+    CheckpointOutcome,
     CheckpointReportRequest,
     HeartbeatRequest,
     ProgressRequest,
+    ResumeAnswer,
     WorkerEventRequest,
     body_of,
 )
@@ -83,6 +84,7 @@ def event(job_id: str, body: WorkerEventRequest, auth: WorkerAuth, ctx: ContextD
 
 @router.post(
     "/workers/checkpoints",
+    response_model=CheckpointOutcome,
     responses={**_WRITE, **error_responses(501)},
     openapi_extra={"requestBody": body_of("CheckpointReportRequest")},
 )
@@ -101,14 +103,20 @@ async def checkpoint_report(
     try:  # the shape only; the coordinator parses and stores the bytes exactly as sent
         CheckpointReportRequest.model_validate_json(body)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
+        err = from_validation(list(exc.errors(include_url=False)))
+        hint = "send a rank's checkpoint report (the JSON of worker.checkpoint.commit.report_to_json)"
+        raise ApiError(err.status, err.code, f"{err.message}; {hint}", field=err.field) from None
     if ctx.coordinator is None:
         raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
     result: dict[str, Any] = await run_in_threadpool(ctx.coordinator.report, record, body, seq=seq)
     return result
 
 
-@router.get("/workers/checkpoints/{step}", responses={**_READ, **error_responses(501)})
+@router.get(
+    "/workers/checkpoints/{step}",
+    response_model=CheckpointOutcome,
+    responses={**_READ, **error_responses(501)},
+)
 def checkpoint_outcome(
     job_id: str,
     step: int,
@@ -126,7 +134,7 @@ def checkpoint_outcome(
     return result
 
 
-@router.get("/resume", responses=_READ)
+@router.get("/resume", response_model=ResumeAnswer, responses=_READ)
 def resume(
     job_id: str,
     auth: WorkerAuth,
