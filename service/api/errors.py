@@ -138,6 +138,18 @@ def from_validation(errors: list[Any]) -> ApiError:
     return ApiError(422, "invalid_request", "; ".join(parts), field=first_field)
 
 
+def from_http(status: int, detail: str) -> ApiError:
+    """Starlette's and FastAPI's own HTTP errors, in our words (pure)."""
+    if status == 404:
+        return ApiError(404, "not_found", "no such route; see /openapi.json")
+    if status == 405:
+        return ApiError(405, "method_not_allowed", f"{detail}; see /openapi.json for the methods")
+    if status == 400:  # FastAPI could not decode the body (e.g. bytes that are not UTF-8)
+        message = "the request body is not valid JSON in UTF-8; fix its encoding"
+        return ApiError(400, "malformed_json", message)
+    return ApiError(status, "http_error", detail)
+
+
 def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
     """Register the handlers; ``on_error(code)`` counts every error response."""
 
@@ -159,9 +171,7 @@ def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
 
     async def http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        message = "no such route; see /openapi.json" if exc.status_code == 404 else str(exc.detail)
-        return respond(ApiError(exc.status_code, code, message))
+        return respond(from_http(exc.status_code, str(exc.detail)))
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
