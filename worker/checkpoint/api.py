@@ -36,6 +36,7 @@ from worker.checkpoint.layout import collect_orphans, parse_staging_dir, remove_
 from worker.checkpoint.rng import capture_rng
 from worker.checkpoint.state import capture, optimizer_owned
 from worker.errors import CheckpointError
+from worker.failpoints import failpoint
 from worker.spec import CheckpointSpec
 
 log = logging.getLogger("elastrain.checkpoint")
@@ -220,8 +221,15 @@ class Checkpointer:
         self._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
 
     def _persist_snapshot(self, job: SaveJob, snap: Snapshot) -> None:
+        """The writer thread, once the snapshot is copied. A failure (of the copy, or a failpoint
+        raising here) is reported, so every rank learns that the save is aborted."""
         job.items = snap.items
-        self._persist(job, error=snap.error)
+        error = snap.error
+        try:
+            failpoint("async_before_write")
+        except OSError as exc:
+            error = error or exc
+        self._persist(job, error=error)
 
     def _blocked(self, seconds: float) -> None:
         self.stats.last_blocking_seconds = seconds

@@ -186,3 +186,18 @@ def test_the_writer_lowers_only_its_own_priority() -> None:
     thread.join()
     assert seen[1] == min(19, seen[0] + 10)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # training's is unchanged
+
+
+def test_failpoint_before_the_background_write_aborts_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optim = model_and_optim()
+    ck = checkpointer(tmp_path, async_save=True)
+    save(ck, model, optim, 1)
+    ck.close()
+    monkeypatch.setenv(failpoints.ENV, "async_before_write=enospc")
+    train(model, optim, 1)
+    save(ck, model, optim, 2)
+    ck.close()
+    assert ck.stats.aborts_total == 1 and read_latest(tmp_path) == "step-00000001"
+    assert not list(tmp_path.glob(".staging-*"))
