@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -132,6 +134,34 @@ async def hammer(
     return latencies
 
 
+def wrk(url: str, token: str, seconds: float, connections: int, rate: float, workdir: Path) -> str | None:
+    """The same GETs from ``wrk`` (C, one thread: far less client CPU on the shared cores), when
+    it is installed (Debian: ``apt-get install wrk``; ``make bench`` does). Paced runs use its
+    ``delay()`` hook: each connection waits ``connections / rate`` between requests, so the rate is
+    at most ``rate`` (a closed loop with think time; latency excludes the wait)."""
+    binary = shutil.which("wrk")
+    if binary is None:
+        return None
+    script = workdir / f"wrk-{rate:.0f}.lua"
+    lines = [f'wrk.headers["Authorization"] = "Bearer {token}"']
+    if rate:
+        lines.append(f"function delay() return {1000.0 * connections / rate:.3f} end")
+    script.write_text("\n".join(lines) + "\n")
+    cmd = [binary, "-t1", f"-c{connections}", f"-d{seconds:.0f}s", "--latency", "-s", str(script), url]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+    found = {m.group(1): m.group(2) for m in re.finditer(r"^\s+(50|99)%\s+(\S+)$", out, re.M)}
+    rps = re.search(r"^Requests/sec:\s+(\S+)$", out, re.M)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if not (found and rps):
+        return f"wrk gave no result: {out[-300:]}"
+    how = f"paced at {rate:,.0f}/s" if rate else "as fast as possible"
+    extra = f", {errors.group(1)} non-2xx" if errors else ""
+    return (
+        f"wrk: GET /v1/jobs/{{id}} {how}: {float(rps.group(1)):,.0f} req/s, p50 {found['50']}, "
+        f"p99 {found['99']} ({connections} connections{extra})"
+    )
+
+
 async def idempotent_submits(url: str, token: str, n: int) -> tuple[int, int]:
     headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": f"bench-{time.time_ns()}"}
     async with httpx.AsyncClient(headers=headers, timeout=60) as client:
@@ -170,6 +200,9 @@ def main() -> int:
                     f"  vs target (>= 1000 req/s, p99 < 50 ms): "
                     f"{achieved / 1000:.2f}x rate, {p99 / 50:.2f}x p99"
                 )
+            for rate in (0.0, args.rate):
+                line = wrk(target, token, args.seconds, args.concurrency, rate, Path(tmp))
+                print(line or "wrk is not installed (apt-get install wrk): only the asyncio client ran")
             jobs, created = asyncio.run(idempotent_submits(url, token, 100))
             print(f"100 concurrent submissions, one Idempotency-Key: {jobs} job(s), {created} answered 201")
         finally:
