@@ -26,8 +26,8 @@ from service.jobs.model import JobState
 
 router = APIRouter(prefix="/v1", tags=["jobs"], dependencies=[Depends(require_api)])
 # What each route can answer besides success (413 and a too-deep 422 are app-wide, see app.py).
-_AUTH = (401, 403, 503)
-_JOB = (*_AUTH, 404)
+_V1 = (401, 403, 503)  # the token is refused; etcd is unreachable or this instance is not the leader
+_JOB = (*_V1, 404)
 
 
 @router.post(
@@ -36,7 +36,7 @@ _JOB = (*_AUTH, 404)
     response_model=JobPublic,
     responses={
         200: {"description": "Same Idempotency-Key: the existing job", "model": JobPublic},
-        **error_responses(400, *_AUTH, 409, 422),
+        **error_responses(400, *_V1, 409, 422),
     },
     openapi_extra={"requestBody": body_of("JobSpec")},
 )
@@ -61,7 +61,7 @@ async def submit_job(
     return JSONResponse(view, status_code=201 if created else 200, headers=headers)
 
 
-@router.get("/jobs", response_model=JobList, responses=error_responses(*_AUTH, 422))
+@router.get("/jobs", response_model=JobList, responses=error_responses(*_V1, 422))
 def list_jobs(
     ctx: ContextDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state")] = None,
