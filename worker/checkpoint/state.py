@@ -86,6 +86,16 @@ def _json_extra(name: str, value: Any) -> Any:
         ) from None
 
 
+def _json_extras(extra: dict[str, Any]) -> dict[str, Any]:
+    """A JSON copy of all extras at once (one per value only to name one that is not JSON-able;
+    a save is on the training thread's clock, and there is one extra per parameter and key)."""
+    try:
+        copied: dict[str, Any] = json.loads(json.dumps(extra))
+        return copied
+    except (TypeError, ValueError):
+        return {name: _json_extra(name, value) for name, value in extra.items()}
+
+
 def capture(model: nn.Module, optimizer: torch.optim.Optimizer) -> LiveState:
     """This rank's view of the model and optimizer state (tensors share memory with the live
     state; nothing is copied). Initialises optimizer state if the optimizer has not stepped."""
@@ -98,8 +108,8 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer) -> LiveState:
             if isinstance(value, torch.Tensor):
                 tensors[name] = _describe(name, value)
             else:
-                extra[name] = _json_extra(name, value)
-    return LiveState(tensors=tensors, extra=extra, model_sd=model_sd, optim_sd=optim_sd)
+                extra[name] = value
+    return LiveState(tensors=tensors, extra=_json_extras(extra), model_sd=model_sd, optim_sd=optim_sd)
 
 
 def apply(
