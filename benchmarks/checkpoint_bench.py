@@ -187,7 +187,7 @@ def _async(model: Any, opt: Any, root: Path, rank: int, world: int, reps: int) -
     ck = _checkpointer(root / "ours-async", rank=rank, world=world, async_save=True)
     x = torch.randn(ASYNC_BATCH, model[0].in_features)
     blocked, fence, fwd_bwd = [], [], []
-    for step in range(1, reps + 2):  # the first save allocates the buffers
+    for step in range(1, max(reps, 5) + 2):  # the first save allocates the buffers; saves are short
         dist.barrier()
         ck.save(step=step, model=model, optimizer=opt, progress={"samples_seen": 0}, metrics={})
         t0 = time.perf_counter()
