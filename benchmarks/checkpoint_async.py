@@ -131,7 +131,7 @@ def measure_blocking(
 
 
 def measure_throughput(
-    mb: int, repeats: int, root: Path, big: nn.Module, opt: torch.optim.Optimizer
+    big: nn.Module, opt: torch.optim.Optimizer, repeats: int, root: Path
 ) -> dict[str, float]:
     """Steps per second of a small net while a save of ``big`` persists, as ratios to idle."""
     import torch.distributed.checkpoint as dcp
@@ -180,7 +180,7 @@ def main() -> None:
     big, opt = _model(args.mb)
     with tempfile.TemporaryDirectory(prefix="elastrain-async-bench-") as root:
         b = measure_blocking(big, opt, args.repeats, Path(root))
-        m = measure_throughput(args.mb, args.repeats, Path(root), big, opt)
+        m = measure_throughput(big, opt, args.repeats, Path(root))
     dist.destroy_process_group()
     print(f"state {args.mb} MiB, {args.repeats} saves each (medians)")
     print("training blocked per save / synchronous save of the same state (target <= 0.06):")
