@@ -136,7 +136,11 @@ class Trainer:
     def _resume(self) -> None:
         if self.checkpointer is None:
             return
-        restored = self.checkpointer.restore(model=self.model, optimizer=self.optimizer)
+        try:
+            restored = self.checkpointer.restore(model=self.model, optimizer=self.optimizer)
+        finally:  # a refusal is visible at once, not at the next save (nor never, if nothing verifies)
+            if self.metrics is not None:
+                self.metrics.checkpoint(self.checkpointer.stats.as_metrics())
         if restored is None:
             return
         raw = restored.progress
