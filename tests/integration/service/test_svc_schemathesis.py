@@ -19,7 +19,8 @@ takes about 2 minutes on 2 shared cores; 300 about 3); ``make faults`` should ru
 seed is ``ELASTRAIN_SCHEMATHESIS_SEED`` (random by default) and every failure names it.
 Shrinking is off to bound the runtime; each failure carries a curl line that reproduces it.
 The service is killed if it grows past 1 GiB (a runaway request would take the shared machine
-with it) and the test then fails.
+with it) and the test then fails. A 503 ``unavailable`` (the documented "retry in a few
+seconds") is retried up to 5 times a second apart before it is judged, and the count is printed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +60,7 @@ EXAMPLES = int(os.environ.get("ELASTRAIN_SCHEMATHESIS_EXAMPLES", "200"))
 SEED = int(os.environ.get("ELASTRAIN_SCHEMATHESIS_SEED", str(random.randrange(2**32))))
 TOKEN_EXAMPLES = 5
 RSS_LIMIT = 1 << 30
+RETRIES = 5
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -172,9 +175,31 @@ def _run(
         if mode == GenerationMode.NEGATIVE and not _has_constrained_input(operation):
             raise NothingToNegate(operation.label) from None
         return f"{mode.value} {operation.label} (seed {SEED}): no case could be generated"
-    except Exception as exc:  # a failure of any kind is reported, then the next operation runs
+    except (Exception, BaseExceptionGroup) as exc:  # any failure is reported, then the next runs
         return f"{mode.value} {operation.label} (seed {SEED}):\n{exc}"
     return None
+
+
+def _send(case: Any, headers: dict[str, str] | None, checks: list[Any], retried: list[int]) -> Any:
+    """Send ``case`` and judge the answer with ``checks``. A 503 ``unavailable`` is the service's
+    documented "retry in a few seconds" (etcd slow, or leadership changing hands on a starved
+    machine); it is retried up to RETRIES times, counted in ``retried``, and judged if it lasts."""
+    for attempt in range(RETRIES + 1):
+        response = case.call(headers=headers, timeout=30)
+        if response.status_code != 503 or attempt == RETRIES or _code(response) != "unavailable":
+            break
+        retried[0] += 1
+        time.sleep(1.0)
+    case.validate_response(response, checks=checks, headers=headers)
+    return response
+
+
+def _code(response: Any) -> str | None:
+    try:
+        code: str = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code
 
 
 def _submit(client: httpx.Client) -> str:
@@ -191,11 +216,12 @@ def test_every_answer_is_on_schema_and_never_a_server_error(
     auth = {"Authorization": f"Bearer {service.token}"}
     checks = CHECKS + ([negative_data_rejection] if mode == GenerationMode.NEGATIVE else [])
     sent: dict[str, int] = {}
+    retried = [0]
 
     def call(operation: Any) -> Callable[[Any], None]:
         def send(case: Any) -> None:
             sent[operation.label] = sent.get(operation.label, 0) + 1
-            case.call_and_validate(headers=auth, checks=checks, timeout=30)
+            _send(case, auth, checks, retried)
 
         return send
 
@@ -215,7 +241,8 @@ def test_every_answer_is_on_schema_and_never_a_server_error(
     assert sum(sent.values()) >= EXAMPLES * len(sent) // 2, sent  # the run really sent requests
     print(
         f"\n{mode.value}: {EXAMPLES} examples per operation, {sum(sent.values())} requests, seed {SEED}, "
-        f"service peak {peak[0] >> 20} MiB; no negative case exists for {unnegatable}"
+        f"service peak {peak[0] >> 20} MiB, {retried[0]} retried 503s; "
+        f"no negative case exists for {unnegatable}"
     )
 
 
@@ -236,7 +263,7 @@ def test_without_the_right_token_every_v1_route_refuses(
         def send(case: Any) -> None:
             case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
             extra = {"Authorization": f"Bearer {token}"} if token else None
-            response = case.call_and_validate(headers=extra, checks=CHECKS, timeout=30)
+            response = _send(case, extra, CHECKS, [0])
             if operation.path not in PUBLIC:
                 assert (response.status_code, response.json()["error"]["code"]) == expected, response.text
 
