@@ -48,6 +48,7 @@ bench: $(STAMP)
 TRIALS ?= 1
 faults: $(STAMP)
 	$(PY) -m scripts.faults --trials $(TRIALS)
+	ELASTRAIN_SCHEMATHESIS_EXAMPLES=500 $(PY) -m pytest -q -p no:cacheprovider tests/integration/service/test_svc_schemathesis.py
 
 # Copy deploy/prometheus and deploy/grafana into the chart and re-render deploy/k8s.
 deploy-sync: $(STAMP)

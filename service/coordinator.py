@@ -73,6 +73,8 @@ def _sizes_match(step_dir: Path, manifest: Manifest) -> bool:
 
 
 # A publish claim older than this, held by another service instance, belongs to a dead publisher.
+PLAN_ALL_RANKS_UP_TO = 1024
+"""``/resume`` without ``rank`` plans every rank only up to this world size."""
 STALE_CLAIM_S = 10.0
 
 
@@ -314,6 +316,11 @@ class CheckpointCoordinator:
             "reshard": world_size is not None and world_size != manifest.world_size,
         }
         plan = None
+        if world_size is not None and rank is None and world_size > PLAN_ALL_RANKS_UP_TO:
+            raise InvalidRequestError(
+                f"a load plan for all {world_size} ranks is too large to send; ask per rank with "
+                f"rank= (or give world_size <= {PLAN_ALL_RANKS_UP_TO})"
+            )
         if world_size is not None:
             ranks = [rank] if rank is not None else list(range(world_size))
             if any(r >= world_size for r in ranks):

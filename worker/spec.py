@@ -19,6 +19,9 @@ from worker.errors import SpecError
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
 
+MAX_NODES = 10_000
+"""The most nodes a job may ask for (the scale route's cap too)."""
+
 Scalar = str | int | float | bool
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -36,6 +39,13 @@ def _check_factory(value: str | None) -> str | None:
 class ModelSpec(_Frozen):
     """Which network to train: a built-in by ``name`` or user code by ``factory``."""
 
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        json_schema_extra={"oneOf": [{"required": ["name"]}, {"required": ["factory"]}]},
+    )
+
     name: Literal["mlp", "tiny-gpt"] | None = None
     factory: str | None = None
     kwargs: dict[str, Scalar] = Field(default_factory=dict)
@@ -51,6 +61,13 @@ class ModelSpec(_Frozen):
 
 class DataSpec(_Frozen):
     """Which data: a built-in generated set by ``name`` or user code by ``factory``."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        json_schema_extra={"oneOf": [{"required": ["name"]}, {"required": ["factory"]}]},
+    )
 
     name: Literal["synthetic", "tokens"] | None = None
     factory: str | None = None
@@ -170,10 +187,10 @@ class JobSpec(_Frozen):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     log_every_steps: PositiveInt = 10
     # Fields for the control plane; a bare torchrun worker ignores them.
-    nodes: str = "1"
-    initial_nodes: int | None = Field(default=None, gt=0)
-    nproc_per_node: PositiveInt = 1
-    max_restarts: int = Field(default=3, ge=0)
+    nodes: str = Field(default="1", json_schema_extra={"pattern": r"^[0-9]+(:[0-9]+)?$"})
+    initial_nodes: int | None = Field(default=None, gt=0, le=MAX_NODES)
+    nproc_per_node: int = Field(default=1, gt=0, le=1024)
+    max_restarts: int = Field(default=3, ge=0, le=10_000)
     resources: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("nodes")
@@ -182,6 +199,8 @@ class JobSpec(_Frozen):
         lo, hi = parse_nodes(value)
         if lo < 1 or hi < lo:
             raise ValueError(f"{value!r} must be N or MIN:MAX with 1 <= MIN <= MAX")
+        if hi > MAX_NODES:
+            raise ValueError(f"{value!r} asks for more than {MAX_NODES} nodes; give a smaller MAX")
         return value
 
     @model_validator(mode="after")

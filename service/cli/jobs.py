@@ -228,6 +228,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
         print(f"==> {launch_id} <==")
         for line in lines:
             print(line)
+    if body.get("note"):
+        print(f"note: {body['note']}")
     return 0
 
 

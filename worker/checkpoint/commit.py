@@ -9,6 +9,7 @@ the pieces tile every tensor exactly.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,8 +103,12 @@ def decide(
     bad = sorted({k for k in ranks if not 0 <= k < expected.world_size or ranks.count(k) > 1})
     if bad:
         return Decision("abort", f"duplicate or out-of-range reports from ranks {bad}")
-    missing = sorted(set(range(expected.world_size)) - set(ranks))
-    if missing:
+    if len(ranks) < expected.world_size:  # ranks are distinct and in range (checked above)
+        present = set(ranks)
+        # The first few missing ranks lie within the first len(ranks) + 10: bounded for any world size.
+        first = list(itertools.islice((k for k in range(expected.world_size) if k not in present), 10))
+        more = expected.world_size - len(ranks) - len(first)
+        missing = f"{first}{f' and {more} more' if more else ''}"
         if deadline_passed:
             return Decision("abort", f"no report from ranks {missing} before the deadline")
         return Decision("wait", f"waiting for ranks {missing}")
@@ -231,5 +236,5 @@ def report_from_json(text: str | bytes) -> Report:
             rank_meta=dict(raw.get("rank_meta", {})),
             context=dict(raw.get("context", {})),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
         raise ValueError(f"malformed checkpoint report: {exc!r}") from None

@@ -99,3 +99,24 @@ def test_size_on_disk_must_match_report() -> None:
 def test_report_json_round_trip() -> None:
     for r in _reports():
         assert report_from_json(report_to_json(r)) == r
+
+
+def test_a_huge_world_size_is_answered_without_enumerating_it() -> None:
+    """A (forged) report claiming world size 10**18 names the first missing ranks and a count; it
+    never builds the set of all ranks (that grew the service past 8 GB)."""
+    reports = [dataclasses.replace(r, world_size=10**18) for r in _reports()]
+    d = decide(Expected(step=10, generation=0, world_size=10**18), reports, deadline_passed=False)
+    assert d.action == "wait" and "[3, 4, 5, 6, 7, 8, 9, 10, 11, 12] and 999999999999999987 more" in d.reason
+
+
+def test_malformed_report_shapes_are_value_errors() -> None:
+    import json
+
+    good = json.loads(report_to_json(_reports()[0]))
+    for bad in ({"files": ["x"]}, {"pieces": [["t", "f", 0, 4, [], []]]}, {"world_size": 1e999}):
+        try:
+            report_from_json(json.dumps(good | bad))
+        except ValueError as exc:
+            assert "malformed checkpoint report" in str(exc)
+        else:
+            raise AssertionError(f"{bad} was accepted")

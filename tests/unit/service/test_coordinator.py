@@ -122,6 +122,9 @@ def test_resume_answers_newest_and_a_load_plan_for_a_new_world_size(world: World
     assert one["load_plan"]["1"]["ops"] and one["checkpoint"]["reshard"] is False
     with pytest.raises(InvalidRequestError):
         world.coord.resume(world.record, world_size=2, rank=2)
+    with pytest.raises(InvalidRequestError, match="ask per rank with rank="):
+        world.coord.resume(world.record, world_size=100_000, rank=None)  # not 100,000 plans
+    assert world.coord.resume(world.record, world_size=100_000, rank=99_999)["load_plan"]["99999"]
 
 
 def test_resume_skips_a_checkpoint_whose_shard_was_truncated(world: World) -> None:
