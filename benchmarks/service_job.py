@@ -97,6 +97,7 @@ def recovery(svc: Service, tmp: Path) -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved bare/service pairs")
+    parser.add_argument("--steps", type=int, default=1000, help="steps per throughput run (~20 s)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
@@ -105,9 +106,11 @@ def main() -> int:
         svc.start()
         ratios = []
         try:
+            bare(tmp, spec(max_steps=20))  # warm-up of both paths (page cache, first TorchX launch)
+            under_service(svc, spec(max_steps=20))
             for i in range(args.rounds):  # interleaved, so drift on a shared machine hits both
-                bare_rate = rate(bare(tmp, spec()))
-                job = under_service(svc, spec())
+                bare_rate = rate(bare(tmp, spec(max_steps=args.steps)))
+                job = under_service(svc, spec(max_steps=args.steps))
                 svc_rate = rate(events_of(Path(job["checkpoint_dir"]) / "events.jsonl"))
                 ratios.append(svc_rate / bare_rate)
                 print(f"  round {i + 1}: bare {bare_rate:,.0f} samples/s, service {svc_rate:,.0f}: "

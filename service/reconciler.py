@@ -33,7 +33,7 @@ from service.jobs.machine import (
     launch_failed,
     reconcile,
 )
-from service.jobs.model import JobRecord, NodePhase, NodeRecord
+from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
 from service.jobs.service import JobService, NotFoundError, NotLeaderError
 from service.store import Fence, LeaderElection, StoreUnavailableError, Write
 from worker.errors import ElastrainError
@@ -102,6 +102,7 @@ class Reconciler:
         metrics: Metrics | None = None,
         policy: Policy | None = None,
         interval_s: float = 1.0,
+        idle_interval_s: float = 5.0,
         coordinator: object = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -112,6 +113,10 @@ class Reconciler:
         self.metrics = metrics or Metrics()
         self.policy = policy or Policy()
         self.interval_s = interval_s
+        self.idle_interval_s = max(interval_s, idle_interval_s)
+        self.busy = True
+        """Whether the last pass saw a job in motion (not RUNNING or terminal) or acted."""
+        self._wake = threading.Event()
         self.coordinator = coordinator
         self.clock = clock
         self._stop = threading.Event()
@@ -134,6 +139,7 @@ class Reconciler:
             return False
         listed = self.jobs.all_versioned()
         records = [record for record, _ in listed]
+        self.busy = any(not r.state.terminal and r.state != JobState.RUNNING for r in records)
         if self._adopted_term != fence.lease_id:
             self._adopt_storage(records)  # finished jobs too, once per leadership term
             self._adopted_term = fence.lease_id
@@ -168,6 +174,7 @@ class Reconciler:
 
     def stop(self, *, resign: bool = True) -> None:
         self._stop.set()
+        self._wake.set()
         for thread in self._threads:
             thread.join(timeout=30)
         self._threads.clear()
@@ -177,7 +184,14 @@ class Reconciler:
             except StoreUnavailableError as exc:
                 log.warning("could not resign leadership: %s", exc)
 
+    def wake(self) -> None:
+        """Run the next pass now (a job was written: a submit, scale, cancel or worker event)."""
+        self._wake.set()
+
     def _loop(self) -> None:
+        """Passes every ``interval_s`` while a job is in motion; every ``idle_interval_s`` while all
+        are steadily RUNNING (each pass wakes the machine's cores: on a node shared with
+        training that costs more than its CPU time), and at once after a job write."""
         while not self._stop.is_set():
             try:
                 self.run_once()
@@ -187,7 +201,8 @@ class Reconciler:
             except Exception:
                 self.metrics.pass_errors.labels("unexpected").inc()
                 log.exception("reconciler pass failed")
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s if self.busy else self.idle_interval_s)
+            self._wake.clear()
 
     def _keepalive(self) -> None:
         period = max(0.5, self.election.ttl_s / 3)
@@ -231,8 +246,10 @@ class Reconciler:
         # key); it is persisted with the next real change, and recoveries read it merged above.
         if decision.job.model_copy(update={"last_step": stored.last_step}) != stored:
             # NotLeaderError when etcd refuses the fence (this instance was paused past its lease)
+            self.busy = True
             if not self.jobs.commit([Write(keys.job(job_id), decision.job.to_json(), revision)], fence=fence):
                 return stored  # lost a race with an API write: the next pass decides again
+            self.jobs.forget_recent(job_id)
             self.jobs.on_change(job_id)
         for action in decision.actions:
             if isinstance(action, Launch):

@@ -156,8 +156,10 @@ def build_app(
             heartbeat_timeout_s=settings.heartbeat_timeout_s, startup_timeout_s=settings.startup_timeout_s
         ),
         interval_s=settings.reconcile_interval_s,
+        idle_interval_s=settings.reconcile_idle_interval_s,
         coordinator=coordinator,
     )
+    jobs.on_job_write = lambda job_id: reconciler.wake()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

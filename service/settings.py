@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     advertise_url: str = ""
     """URL workers use to reach this service; default http://HOST:PORT (loopback for 0.0.0.0)."""
     reconcile_interval_s: float = Field(default=1.0, gt=0, le=60)
+    reconcile_idle_interval_s: float = Field(default=5.0, gt=0, le=300)
+    """Between passes while every job runs steadily (a job write wakes the reconciler at once)."""
     leader_ttl_s: int = Field(default=10, ge=2, le=300)
     heartbeat_timeout_s: float = Field(default=60.0, gt=0)
     startup_timeout_s: float = Field(default=300.0, gt=0)

@@ -56,7 +56,7 @@ class ServiceClient:
     """Fire-and-forget callbacks plus the blocking checkpoint calls."""
 
     def __init__(
-        self, cfg: ServiceConfig, *, heartbeat_s: float = 5.0, progress_s: float = 1.0, timeout_s: float = 5.0
+        self, cfg: ServiceConfig, *, heartbeat_s: float = 5.0, progress_s: float = 2.0, timeout_s: float = 5.0
     ) -> None:
         self.cfg = cfg
         self.base = f"{cfg.url}/v1/jobs/{cfg.job_id}"

@@ -74,6 +74,8 @@ class JobService:
     clock: Callable[[], float] = field(default=time.time)
     on_change: Callable[[str], None] = field(default=lambda job_id: None)
     """Called with the job id after every write to a job or its progress (cache invalidation)."""
+    on_job_write: Callable[[str], None] = field(default=lambda job_id: None)
+    """Called with the job id after a write of the job record itself (wakes the reconciler)."""
     fence_source: Callable[[], Fence | None] | None = None
     """This instance's current leader fence (None while it does not lead); None: writes unfenced."""
     on_fence_refused: Callable[[], None] = field(default=lambda: None)
@@ -81,6 +83,10 @@ class JobService:
     progress_flush_s: float = 5.0
     """A worker's progress (about once a second) reaches etcd at most this often per job; this
     instance answers from the newest report it holds. Progress during a recovery goes at once."""
+    record_cache_s: float = 2.0
+    """How long :meth:`get_recent` may answer a job record from memory (this instance's own
+    writes replace it at once; only the leader writes, so it is stale only across a failover)."""
+    _recent: dict[str, tuple[float, JobRecord]] = field(default_factory=dict, init=False, repr=False)
     _progress: dict[str, tuple[Progress, bool]] = field(default_factory=dict, init=False, repr=False)
     _progress_written: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
@@ -123,6 +129,21 @@ class JobService:
 
     def get(self, job_id: str) -> JobRecord:
         return self.get_versioned(job_id)[0]
+
+    def forget_recent(self, job_id: str) -> None:
+        """The record was written outside :meth:`update` (the reconciler's own commit)."""
+        self._recent.pop(job_id, None)
+
+    def get_recent(self, job_id: str) -> JobRecord:
+        """The job record, read from etcd at most every ``record_cache_s`` (for the workers'
+        frequent callbacks: each etcd read wakes the cores that training shares)."""
+        now = time.monotonic()
+        cached = self._recent.get(job_id)
+        if cached is not None and now - cached[0] < self.record_cache_s:
+            return cached[1]
+        record = self.get(job_id)
+        self._recent[job_id] = (now, record)
+        return record
 
     def list(
         self, *, state: JobState | None = None, limit: int = 50, cursor: str | None = None
@@ -186,6 +207,7 @@ class JobService:
                 writes.append(Write(keys.idempotency(idempotency_key), record.id.encode(), 0))
             if self.commit(writes, fence=fence):
                 self.on_change(record.id)
+                self.on_job_write(record.id)
                 return record, True
         raise ConflictError("could not store the job after repeated races; retry the request")
 
@@ -242,7 +264,9 @@ class JobService:
             if changed == record:
                 return record
             if self.commit([Write(keys.job(job_id), changed.to_json(), revision)], fence=fence):
+                self._recent.pop(job_id, None)
                 self.on_change(job_id)
+                self.on_job_write(job_id)
                 return changed
         raise ConflictError(f"job {job_id} changed too often to update; retry the request")
 

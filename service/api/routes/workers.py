@@ -31,8 +31,10 @@ _READ = error_responses(401, 403, 404, 422, 503)
 _WRITE = error_responses(400, 401, 403, 404, 409, 422, 503)
 
 
-def _job(ctx: Context, job_id: str, principal: str, request: Request) -> JobRecord:
-    record = ctx.jobs.get(job_id)
+def _job(ctx: Context, job_id: str, principal: str, request: Request, *, recent: bool = False) -> JobRecord:
+    """The job, and the caller may act on it. ``recent``: a record up to ~2 s old will do (the
+    frequent heartbeats and progress reports; this instance's own writes are seen at once)."""
+    record = ctx.jobs.get_recent(job_id) if recent else ctx.jobs.get(job_id)
     token = bearer(request.headers.get("authorization")) or ""
     if principal == "worker" and hash_token(token) != record.worker_token_hash:
         raise ApiError(403, "forbidden", f"this worker token does not belong to job {job_id!r}")
@@ -48,7 +50,7 @@ def heartbeat(
     job_id: str, body: HeartbeatRequest, auth: WorkerAuth, ctx: ContextDep, request: Request
 ) -> Ack:
     """A rank is alive. The answer says whether the job is being cancelled."""
-    record = _job(ctx, job_id, auth, request)
+    record = _job(ctx, job_id, auth, request, recent=True)
     ctx.jobs.heartbeat(job_id, body.launch_id, body.local_rank, body.step)
     return _ack(record)
 
@@ -56,7 +58,7 @@ def heartbeat(
 @router.post("/workers/progress", response_model=Ack, responses=_WRITE)
 def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
     """Newest training progress (rank 0): step, samples seen, samples/s, loss, world size."""
-    record = _job(ctx, job_id, auth, request)
+    record = _job(ctx, job_id, auth, request, recent=True)
     report = Progress(**body.model_dump(), time=ctx.jobs.clock())
     ctx.jobs.report_progress(record, report)
     ctx.metrics.observe_job(record, report)

@@ -197,3 +197,22 @@ def test_followers_do_nothing(world: World) -> None:
     assert leader.run_once()
     assert not follower.run_once()
     assert len(world.scheduler.launches) == 1
+
+
+def test_passes_slow_down_while_every_job_runs_steadily_and_a_write_wakes_them(world: World) -> None:
+    """Steadily RUNNING jobs need a pass only every idle interval; a job in motion, or any write
+    of a job record (a submit, scale, cancel, worker event), brings the next pass forward."""
+    job_id = world.submit(nodes="1:3", initial_nodes=1)
+    r = world.reconciler()
+    woken: list[str] = []
+    world.jobs.on_job_write = woken.append
+    r.run_once()  # launches: in motion
+    assert r.busy
+    r.run_once()  # the node runs: RUNNING, nothing to do
+    r.run_once()
+    assert not r.busy and world.jobs.get(job_id).state == JobState.RUNNING
+    woken.clear()
+    world.jobs.scale(job_id, 2)
+    assert woken == [job_id]
+    r.run_once()
+    assert r.busy and world.jobs.get(job_id).state == JobState.RESCALING
