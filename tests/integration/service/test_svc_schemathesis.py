@@ -52,8 +52,6 @@ from schemathesis.checks import (
 )
 from svc_process import ServiceProcess, wait_for
 
-from service.etcd_server import EtcdServer
-
 pytestmark = pytest.mark.integration
 
 EXAMPLES = int(os.environ.get("ELASTRAIN_SCHEMATHESIS_EXAMPLES", "200"))
@@ -84,14 +82,9 @@ class NothingToNegate(Exception):
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    workdir = tmp_path_factory.mktemp("schemathesis")
-    with EtcdServer(workdir / "etcd") as etcd:
-        svc = ServiceProcess(workdir, etcd=etcd.endpoint).start()
-        try:
-            yield svc
-        finally:
-            svc.stop()
+def service(module_service: ServiceProcess) -> ServiceProcess:
+    """The module's service from conftest (real uvicorn on its own real etcd)."""
+    return module_service
 
 
 @pytest.fixture(scope="module")
