@@ -72,9 +72,9 @@ def _sizes_match(step_dir: Path, manifest: Manifest) -> bool:
     )
 
 
-# A publish claim older than this, held by another service instance, belongs to a dead publisher.
 PLAN_ALL_RANKS_UP_TO = 1024
 """``/resume`` without ``rank`` plans every rank only up to this world size."""
+# A publish claim older than this, held by another service instance, belongs to a dead publisher.
 STALE_CLAIM_S = 10.0
 
 

@@ -247,10 +247,8 @@ class Reconciler:
         if decision.job.model_copy(update={"last_step": stored.last_step}) != stored:
             # NotLeaderError when etcd refuses the fence (this instance was paused past its lease)
             self.busy = True
-            if not self.jobs.commit([Write(keys.job(job_id), decision.job.to_json(), revision)], fence=fence):
+            if not self.jobs.write_record(decision.job, revision, fence=fence, wake=False):
                 return stored  # lost a race with an API write: the next pass decides again
-            self.jobs.forget_recent(job_id)
-            self.jobs.on_change(job_id)
         for action in decision.actions:
             if isinstance(action, Launch):
                 self._launch(decision.job, action.node, fence)

@@ -52,6 +52,15 @@ class NotLeaderError(ElastrainError):
     """This service instance lost leadership; its fenced write was refused."""
 
 
+@dataclass(frozen=True, slots=True)
+class _HeldProgress:
+    """The newest progress report of a job, whether it is in etcd, and when etcd last got one."""
+
+    progress: Progress
+    written: bool
+    written_at: float
+
+
 def ensure_worker_secret(store: KVStore) -> bytes:
     """The service-wide secret worker tokens derive from, created once (first writer wins)."""
     for _ in range(5):
@@ -87,8 +96,7 @@ class JobService:
     """How long :meth:`get_recent` may answer a job record from memory (this instance's own
     writes replace it at once; only the leader writes, so it is stale only across a failover)."""
     _recent: dict[str, tuple[float, JobRecord]] = field(default_factory=dict, init=False, repr=False)
-    _progress: dict[str, tuple[Progress, bool]] = field(default_factory=dict, init=False, repr=False)
-    _progress_written: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _progress: dict[str, _HeldProgress] = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ fencing
 
@@ -129,10 +137,6 @@ class JobService:
 
     def get(self, job_id: str) -> JobRecord:
         return self.get_versioned(job_id)[0]
-
-    def forget_recent(self, job_id: str) -> None:
-        """The record was written outside :meth:`update` (the reconciler's own commit)."""
-        self._recent.pop(job_id, None)
 
     def get_recent(self, job_id: str) -> JobRecord:
         """The job record, read from etcd at most every ``record_cache_s`` (for the workers'
@@ -181,8 +185,8 @@ class JobService:
         found = self.store.get(keys.progress(job_id))
         stored = Progress.model_validate_json(found.value) if found else None
         held = self._progress.get(job_id)
-        if held is not None and (stored is None or held[0].time > stored.time):
-            return held[0]
+        if held is not None and (stored is None or held.progress.time > stored.time):
+            return held.progress
         return stored
 
     def worker_token(self, job_id: str) -> str:
@@ -263,12 +267,22 @@ class JobService:
             changed = change(record)
             if changed == record:
                 return record
-            if self.commit([Write(keys.job(job_id), changed.to_json(), revision)], fence=fence):
-                self._recent.pop(job_id, None)
-                self.on_change(job_id)
-                self.on_job_write(job_id)
+            if self.write_record(changed, revision, fence=fence):
                 return changed
         raise ConflictError(f"job {job_id} changed too often to update; retry the request")
+
+    def write_record(
+        self, record: JobRecord, revision: int, *, fence: Fence | None = None, wake: bool = True
+    ) -> bool:
+        """Compare-and-set the job record (fenced); on success drop what this instance cached of
+        it and tell the listeners (``wake``: the reconciler too). False when the revision moved."""
+        if not self.commit([Write(keys.job(record.id), record.to_json(), revision)], fence=fence):
+            return False
+        self._recent.pop(record.id, None)
+        self.on_change(record.id)
+        if wake:
+            self.on_job_write(record.id)
+        return True
 
     def scale(self, job_id: str, nodes: int) -> JobRecord:
         def change(record: JobRecord) -> JobRecord:
@@ -285,15 +299,14 @@ class JobService:
 
     def report_progress(self, job: JobRecord, progress: Progress) -> None:
         recovering = job.state in (JobState.RECOVERING, JobState.RESCALING)
-        last = self._progress_written.get(job.id)
-        if recovering or last is None or self.clock() - last >= self.progress_flush_s:
+        held = self._progress.get(job.id)
+        if recovering or held is None or self.clock() - held.written_at >= self.progress_flush_s:
             self.put(keys.progress(job.id), progress.model_dump_json().encode())
-            self._progress_written[job.id] = self.clock()
-            self._progress[job.id] = (progress, True)
+            self._progress[job.id] = _HeldProgress(progress, written=True, written_at=self.clock())
         else:
-            self._progress[job.id] = (progress, False)
+            self._progress[job.id] = _HeldProgress(progress, written=False, written_at=held.written_at)
         self.on_change(job.id)
-        if job.state in (JobState.RECOVERING, JobState.RESCALING) and progress.time > job.state_since:
+        if recovering and progress.time > job.state_since:
             self.update(
                 job.id,
                 lambda r: first_step_done(r, progress.step, progress.time, world_size=progress.world_size),
@@ -302,9 +315,8 @@ class JobService:
     def flush_progress(self, job_id: str) -> None:
         """Write the newest held progress if etcd lacks it, and forget it (the job finished)."""
         held = self._progress.pop(job_id, None)
-        self._progress_written.pop(job_id, None)
-        if held is not None and not held[1]:
-            self.put(keys.progress(job_id), held[0].model_dump_json().encode())
+        if held is not None and not held.written:
+            self.put(keys.progress(job_id), held.progress.model_dump_json().encode())
 
     def heartbeat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
         value = f'{{"time": {self.clock()!r}, "step": {step if step is not None else "null"}}}'
