@@ -206,9 +206,6 @@ class InstrumentedStore:
     def put(self, key: str, value: bytes, *, lease_id: int = 0) -> None:
         self._call("put", key, value, lease_id=lease_id)
 
-    def delete_prefix(self, prefix: str) -> None:
-        self._call("delete_prefix", prefix)
-
     def lease_grant(self, ttl_s: int) -> int:
         return int(self._call("lease_grant", ttl_s))
 

@@ -90,8 +90,6 @@ class KVStore(Protocol):
         """Unconditional write, for last-writer-wins data (heartbeats, progress)."""
         ...
 
-    def delete_prefix(self, prefix: str) -> None: ...
-
     def lease_grant(self, ttl_s: int) -> int: ...
 
     def lease_refresh(self, lease_id: int) -> bool:
@@ -295,9 +293,6 @@ class EtcdStore:
     def put(self, key: str, value: bytes, *, lease_id: int = 0) -> None:
         self._post("kv/put", _request(Write(key, value, None, lease_id))["request_put"])
 
-    def delete_prefix(self, prefix: str) -> None:
-        self._post("kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
-
     def lease_grant(self, ttl_s: int) -> int:
         return int(self._post("lease/grant", {"TTL": ttl_s, "ID": 0})["ID"])
 
@@ -399,13 +394,6 @@ class MemoryStore:
 
     def put(self, key: str, value: bytes, *, lease_id: int = 0) -> None:
         self.commit([Write(key, value, None, lease_id)])
-
-    def delete_prefix(self, prefix: str) -> None:
-        with self._lock:
-            self._check()
-            for key in [k for k in self._data if k.startswith(prefix)]:
-                del self._data[key]
-            self._revision += 1
 
     def lease_grant(self, ttl_s: int) -> int:
         with self._lock:
