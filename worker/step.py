@@ -78,12 +78,8 @@ def optimizer_step(
     clip: float | None,
     sharded: bool = False,
     on_norms: Callable[[list[torch.Tensor | None]], None] | None = None,
-    before_update: Callable[[], None] | None = None,
 ) -> bool:
     """Unscale, agree across ranks on non-finite gradients, clip, step. Returns True if skipped.
-
-    ``before_update`` runs right before the parameters and optimizer state change (the async
-    checkpoint's fence: its snapshot may still be copying them).
 
     One pass over the gradients computes every gradient's norm; it serves the non-finite check,
     the underflow watch and clipping alike. With ``sharded`` (FSDP) each rank holds a slice of
@@ -106,8 +102,6 @@ def optimizer_step(
         on_norms([None if p.grad is None else next(it) for p in params])
     if clip is not None and grads:
         _clip(grads, norms, clip, sharded=sharded)
-    if before_update is not None:
-        before_update()
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()

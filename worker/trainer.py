@@ -242,15 +242,9 @@ class Trainer:
             clip=self.spec.optimizer.grad_clip_norm,
             sharded=self.wrapped.fsdp,
             on_norms=self._observe_grads,
-            before_update=self._fence,
         )
         self.local_samples = local_samples
         return skipped, local_loss
-
-    def _fence(self) -> None:
-        """An async save's snapshot must be copied before the optimizer step changes its tensors."""
-        if self.checkpointer is not None:
-            self.checkpointer.wait_snapshot()
 
     def _observe_step(self, seconds: float, skipped: bool) -> None:
         """Feed the rank's Prometheus exporter (worker.metrics) after every window."""

@@ -177,8 +177,9 @@ class Checkpointer:
         """Checkpoint ``step`` (collective). Sync: returns once published or aborted. Async:
         finishes the previous async save first, captures progress, RNG, optimizer
         hyper-parameters and module buffers, starts copying parameters and optimizer state on
-        the writer thread and returns; the caller must call :meth:`wait_snapshot` before
-        anything changes them (see :mod:`worker.checkpoint.asyncsave`). A failed save is
+        the writer thread and returns; ``optimizer.step()`` waits for that copy (a step
+        pre-hook), and a caller that changes those tensors otherwise must call
+        :meth:`wait_snapshot` first (see :mod:`worker.checkpoint.asyncsave`). A failed save is
         aborted, logged and counted; training goes on."""
         if not self.enabled or step == self._last_step:
             return
@@ -199,16 +200,16 @@ class Checkpointer:
 
     def wait_snapshot(self) -> None:
         """The fence of an async save: block until the parameters and optimizer state of the
-        save in flight are copied (call it before the optimizer step). A no-op, at once, when no
-        copy is pending (sync saves, or already fenced). The time blocked counts as blocking."""
+        save in flight are copied (the optimizer step pre-hook calls it). A no-op, at once, when
+        no copy is pending (sync saves, or already fenced). The time blocked counts as blocking."""
         waited = self._writer.wait_snapshot()
         if waited:
             self.stats.last_blocking_seconds += waited
             self.stats.blocking_seconds_total += waited
 
     def _guard(self, optimizer: torch.optim.Optimizer) -> None:
-        """Fence before every ``optimizer.step()`` as well (a step pre-hook), so that a caller
-        that forgets :meth:`wait_snapshot` still cannot change tensors while they are copied."""
+        """Fence before every ``optimizer.step()`` (a step pre-hook): the step cannot change
+        tensors while they are copied, whoever calls it."""
         if optimizer in self._hooks:
             return
         fence = weakref.WeakMethod(self.wait_snapshot)  # the optimizer must not keep this alive

@@ -7,8 +7,9 @@ buffers such as norm running statistics, which a training-mode forward or DDP's 
 rewrites) synchronously, and hands the rest — parameters and optimizer state, which only the
 optimizer step changes — to the writer thread, which copies them into the snapshot buffers
 (``copy_`` releases the GIL) while training runs the next forward and backward. Before anything
-mutates the saved tensors again (the optimizer step, a restore, another save, close) the trainer
-calls the fence, :meth:`AsyncWriter.wait_snapshot`, which blocks until the copy is done; it is a
+mutates the saved tensors again the fence, :meth:`AsyncWriter.wait_snapshot`, blocks until the
+copy is done: an optimizer step pre-hook the checkpointer registers runs it before every
+``optimizer.step()``, and a restore, another save and close wait for the whole save. It is a
 no-op when no copy is pending. The time spent in ``save`` plus the time blocked in the fence is
 what the checkpointer reports as blocking. Gradients are not part of a checkpoint, so the
 backward pass writing them does not race with the copy. For FSDP the tensors copied are the
@@ -85,13 +86,6 @@ class SnapshotBuffers:
 
     def end(self) -> None:
         self._buffers = self._used  # drop buffers for tensors that are gone
-
-    def snapshot(self, items: Items) -> Items:
-        """The whole snapshot at once (synchronous)."""
-        self.begin()
-        out = self.copy(items)
-        self.end()
-        return out
 
 
 class Snapshot:

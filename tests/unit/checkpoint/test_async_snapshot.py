@@ -93,7 +93,7 @@ def test_training_after_save_does_not_leak_into_the_checkpoint(
     forward_backward(model)  # changes the norm's running statistics (copied in save) and grads
     blocked_in_save = ck.stats.last_blocking_seconds
     threading.Timer(0.05, release.set).start()
-    ck.wait_snapshot()  # the fence, as the trainer calls it before the optimizer step
+    ck.wait_snapshot()  # the fence, called explicitly (the optimizer step's pre-hook calls it too)
     order.append("fenced")
     optim.step()
     with torch.no_grad():
