@@ -57,11 +57,19 @@ class ServiceClient:
     """Fire-and-forget callbacks plus the blocking checkpoint calls."""
 
     def __init__(
-        self, cfg: ServiceConfig, *, heartbeat_s: float = 5.0, progress_s: float = 2.0, timeout_s: float = 5.0
+        self,
+        cfg: ServiceConfig,
+        *,
+        heartbeat_s: float = 5.0,
+        progress_s: float = 2.0,
+        timeout_s: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.cfg = cfg
         self.base = f"{cfg.url}/v1/jobs/{cfg.job_id}"
-        self.http = httpx.Client(headers={"Authorization": f"Bearer {cfg.token}"}, timeout=timeout_s)
+        self.http = httpx.Client(
+            headers={"Authorization": f"Bearer {cfg.token}"}, timeout=timeout_s, transport=transport
+        )
         self.dropped = 0
         self.cancel_requested = False
         self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(maxsize=256)
@@ -94,8 +102,10 @@ class ServiceClient:
     def progress(
         self, *, step: int, samples_seen: int, samples_per_s: float, loss: float | None, world_size: int
     ) -> None:
+        """Hold the newest numbers; the thread posts them every ``progress_s`` (and at close).
+        The trainer reports every ``log_every_steps``, many times a second on a small model."""
         body = {"step": step, "samples_seen": samples_seen, "samples_per_s": max(0.0, samples_per_s)}
-        self.send("/workers/progress", body | {"loss": loss, "world_size": world_size})
+        self._progress = body | {"loss": loss, "world_size": world_size}
 
     def _run(self) -> None:
         next_beat = next_progress = 0.0
