@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -92,11 +93,15 @@ class JobService:
     progress_flush_s: float = 5.0
     """A worker's progress (about once a second) reaches etcd at most this often per job; this
     instance answers from the newest report it holds. Progress during a recovery goes at once."""
+    heartbeat_write_s: float = 15.0
+    """A rank's heartbeat (every few seconds) reaches etcd at most this often; the server sets a
+    quarter of the reconciler's heartbeat timeout, so a live rank is never seen as silent."""
     record_cache_s: float = 2.0
     """How long :meth:`get_recent` may answer a job record from memory (this instance's own
     writes replace it at once; only the leader writes, so it is stale only across a failover)."""
     _recent: dict[str, tuple[float, JobRecord]] = field(default_factory=dict, init=False, repr=False)
     _progress: dict[str, _HeldProgress] = field(default_factory=dict, init=False, repr=False)
+    _beats_written: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ fencing
 
@@ -319,8 +324,19 @@ class JobService:
             self.put(keys.progress(job_id), held.progress.model_dump_json().encode())
 
     def heartbeat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
-        value = f'{{"time": {self.clock()!r}, "step": {step if step is not None else "null"}}}'
-        self.put(keys.heartbeat(job_id, launch_id, local_rank), value.encode())
+        """Record that a rank is alive: written to etcd when its stored beat is older than
+        :attr:`heartbeat_write_s` (each etcd write is a WAL fsync on the training machine)."""
+        now = self.clock()
+        key = keys.heartbeat(job_id, launch_id, local_rank)
+        if now - self._beats_written.get(key, -math.inf) < self.heartbeat_write_s:
+            return
+        value = f'{{"time": {now!r}, "step": {step if step is not None else "null"}}}'
+        self.put(key, value.encode())
+        if len(self._beats_written) > 4096:  # forget ranks of ended launches
+            self._beats_written = {
+                k: t for k, t in self._beats_written.items() if now - t < 4 * self.heartbeat_write_s
+            }
+        self._beats_written[key] = now
 
     def worker_event(self, job_id: str, event: WorkerEvent) -> JobRecord:
         progress = self.progress(job_id)

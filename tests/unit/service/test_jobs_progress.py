@@ -64,3 +64,24 @@ def test_recovering_progress_is_written_at_once_and_finished_jobs_flush(tmp_path
     assert stored_step(store, job_id) == 3
     fresh = JobService(store, tmp_path, b"k" * 32)  # another instance, or this one restarted
     assert fresh.progress(job_id) == Progress(step=3, time=clock.now)
+
+
+def test_heartbeats_reach_etcd_at_most_every_write_interval_per_rank(tmp_path: Path) -> None:
+    jobs, store, clock, job_id = setup(tmp_path)
+    jobs.heartbeat_write_s = 15.0
+
+    def stored(rank: int) -> float | None:
+        found = store.get(keys.heartbeat(job_id, "launch-a", rank))
+        return json.loads(found.value)["time"] if found else None
+
+    start = clock.now
+    for _ in range(3):  # a beat every 5 s from two ranks
+        jobs.heartbeat(job_id, "launch-a", 0, step=1)
+        jobs.heartbeat(job_id, "launch-a", 1, step=1)
+        clock.now += 5
+    assert stored(0) == stored(1) == start  # the beats at +5 s and +10 s were held back
+    jobs.heartbeat(job_id, "launch-a", 0, step=2)  # at +15 s: due, written
+    assert stored(0) == start + 15
+    assert stored(1) == start
+    jobs.heartbeat(job_id, "launch-b", 0, step=0)  # a new launch's first beat goes at once
+    assert store.get(keys.heartbeat(job_id, "launch-b", 0)) is not None
