@@ -15,6 +15,7 @@ idempotent: launching the same id again returns the first handle and starts noth
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchx import specs
-from torchx.runner import Runner, get_runner
+from torchx.runner import Runner
+from torchx.schedulers import get_scheduler_factories, local_scheduler
 
 import service
 from service.scheduler import (
@@ -106,7 +108,7 @@ class TorchXScheduler:
     ) -> None:
         self._settings = settings
         self._cancel_grace_s = cancel_grace_s
-        self._runner = runner or get_runner()
+        self._runner = runner or quiet_runner()
         self._torchx: dict[str, str] = {}
         if settings.scheduler == "local_cwd":
             _create_keeping_signal_handlers(self._runner, "local_cwd")
@@ -271,6 +273,32 @@ class TorchXScheduler:
         if not handle.startswith(LOCAL_PREFIX):
             return None
         return Path(handle.removeprefix(LOCAL_PREFIX)) / "logs"
+
+
+class _CWDWithoutCombinedLog(local_scheduler.CWDImageProvider):
+    """TorchX's ``local_cwd`` image provider, minus the combined stdout+stderr log: TorchX fills
+    it from a thread that polls both files ten times a second in the service for as long as the
+    node runs, a wake-up that lands on the training cores (nothing here reads that file; the
+    node's stdout.log and stderr.log stay)."""
+
+    def get_replica_param(
+        self,
+        img_root: str,
+        role: specs.Role,
+        stdout: str | None = None,
+        stderr: str | None = None,
+        combined: str | None = None,
+    ) -> local_scheduler.ReplicaParam:
+        return super().get_replica_param(img_root, role, stdout, stderr, None)
+
+
+def quiet_runner() -> Runner:
+    """A TorchX runner whose ``local_cwd`` scheduler starts no log-combining thread."""
+    factories = dict(get_scheduler_factories())
+    factories["local_cwd"] = functools.partial(
+        local_scheduler.create_scheduler, image_provider_class=_CWDWithoutCombinedLog
+    )
+    return Runner("torchx", factories)
 
 
 def _create_keeping_signal_handlers(runner: Runner, scheduler: str) -> None:
