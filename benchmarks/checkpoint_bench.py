@@ -13,7 +13,10 @@ at W' = 2, 3 and 1 interleaved, round after round, and prints:
   (ours: ``save()`` + the fence after the next step's forward/backward; ``dcp.async_save``: the
   call);
 * load at W'=3 and W'=1 vs the same-W load (ours and DCP), medians over the rounds and the ratio
-  of the fastest rounds, and the bytes and CPU time of the busiest rank;
+  of the fastest rounds, and the bytes and CPU time of the busiest rank; and the floor of those
+  ratios for replicated (DDP) state, where every rank must end up holding every byte: plain reads
+  of all the shard bytes by each of W' ranks (on a 2-core machine, 3 ranks that each copy N
+  bytes take about 1.5x as long as 2 that do, whatever the engine);
 * cold load vs a cold sequential read (page cache dropped with POSIX_FADV_DONTNEED; on a VM whose
   host caches the disk, "cold" is not really cold: the numbers say so).
 
@@ -230,19 +233,24 @@ def worker_loads(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root)
     model, opt = _state(args.mb)
     last = sorted((root / "ours").glob("step-*"))[-1]
-    times: dict[str, list[float]] = {f"{who}_w{w}": [] for who in ("ours", "dcp") for w in LOAD_WORLDS}
+    sides = ("ours", "dcp", "raw")
+    times: dict[str, list[float]] = {f"{who}_w{w}": [] for who in sides for w in LOAD_WORLDS}
+    shards = sorted(last.glob("*.bin"))
+    floor_buf = memoryview(bytearray(sum(p.stat().st_size for p in shards)))
     read: dict[str, float] = {}
     cpu: dict[str, list[float]] = {f"w{w}": [] for w in LOAD_WORLDS}
     for rnd in range(args.load_rounds + 1):
         shift = rnd % len(LOAD_WORLDS)
         for w in LOAD_WORLDS[shift:] + LOAD_WORLDS[:shift]:
-            for who in ("ours", "dcp"):
+            for who in sides:
                 dist.barrier()
                 t0, c0, nbytes = time.perf_counter(), time.process_time(), 0
                 if rank < w and who == "ours":
                     nbytes = _load(root / "scratch", last, model, opt, world=w, job=f"load-{rnd}-{w}")
-                elif rank < w:
+                elif rank < w and who == "dcp":
                     _dcp_load(model, opt, root / "dcp" / "s0", groups[w])
+                elif rank < w:
+                    _raw_read(shards, floor_buf)
                 busy = rank < w
                 stats = torch.tensor([time.perf_counter() - t0 if busy else 0.0, float(nbytes),
                                       time.process_time() - c0 if busy else 0.0])  # fmt: skip
@@ -253,6 +261,16 @@ def worker_loads(args: argparse.Namespace) -> dict[str, Any]:
                     read[f"w{w}"] = float(stats[1])
                     cpu[f"w{w}"] += [float(stats[2])] if rnd else []
     return {"times": times, "max_bytes_read_per_rank": read, "max_cpu_s_per_rank": cpu}
+
+
+def _raw_read(files: list[Path], into: memoryview) -> None:
+    """The floor of a replicated (DDP) load: copy every byte of the checkpoint's shards into this
+    rank's memory with plain reads; no manifest, no digests, no placement into tensors."""
+    pos = 0
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while got := f.readinto(into[pos : pos + (16 << 20)]):
+                pos += got
 
 
 def _launch(nproc: int, phase: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -277,13 +295,14 @@ def _load_rows(loads: dict[str, Any]) -> list[tuple[str, float, str, str]]:
     t = loads["times"]
     rows = []
     for w, target, dcp_note in ((3, "<= 1.2", "; DCP ~1.69"), (1, "<= 1.1", "; DCP ~1.24")):
-        for who in ("ours", "dcp"):
+        for who in ("ours", "dcp", "raw"):
             new, same = t[f"{who}_w{w}"], t[f"{who}_w2"]
             ratio = statistics.median(new) / statistics.median(same)
             paired = statistics.median(a / b for a, b in zip(new, same, strict=True))
             note = f"per round {paired:.3f}, min/min {min(new) / min(same):.3f}, {len(new)} rounds"
+            extra = {"dcp": dcp_note, "raw": "; the floor: plain reads of all shard bytes"}.get(who, "")
             rows.append((f"load W'={w} / same-W load ({who}, median)", ratio, target if who == "ours" else "",
-                         note + (dcp_note if who == "dcp" else "")))  # fmt: skip
+                         note + extra))  # fmt: skip
     return rows
 
 
