@@ -204,7 +204,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+            with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing to wake
+                self._loop.call_soon_threadsafe(self._wake.set)
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
