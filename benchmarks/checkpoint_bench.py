@@ -16,7 +16,10 @@ at W' = 2, 3 and 1 interleaved, round after round, and prints:
   of the fastest rounds, and the bytes and CPU time of the busiest rank; and the floor of those
   ratios for replicated (DDP) state, where every rank must end up holding every byte: plain reads
   of all the shard bytes by each of W' ranks (on a 2-core machine, 3 ranks that each copy N
-  bytes take about 1.5x as long as 2 that do, whatever the engine);
+  bytes take about 1.5x as long as 2 that do, whatever the engine); and the same W'=3 ratio for
+  FSDP (sharded) state, from alternating launches of 2 and 3 ranks (``--fsdp-rounds``): each rank
+  reads fewer bytes at W'=3, but its fixed work (manifest, plan, state-dict capture and apply,
+  about 30 ms at 200 MiB) does not shrink, so three ranks on two cores still pay it 1.5 times;
 * cold load vs a cold sequential read (page cache dropped with POSIX_FADV_DONTNEED; on a VM whose
   host caches the disk, "cold" is not really cold: the numbers say so).
 
@@ -82,7 +85,14 @@ def _state(mb: int) -> tuple[Any, Any]:
 
 
 def _checkpointer(
-    root: Path, *, rank: int, world: int, resume: str = "auto", async_save: bool = False, job: str = "bench"
+    root: Path,
+    *,
+    rank: int,
+    world: int,
+    resume: str = "auto",
+    async_save: bool = False,
+    job: str = "bench",
+    parallelism: str = "ddp",
 ) -> Any:
     from worker.checkpoint import Checkpointer
     from worker.spec import CheckpointSpec, RetentionSpec
@@ -91,7 +101,7 @@ def _checkpointer(
         dir=str(root), resume=resume, async_save=async_save, retention=RetentionSpec(keep_latest=99)
     )
     return Checkpointer(cfg, job=job, spec_hash="b", data_version="1", rank=rank, world_size=world,
-                        generation=0, parallelism="ddp", seed=0, run_record={})  # fmt: skip
+                        generation=0, parallelism=parallelism, seed=0, run_record={})  # fmt: skip
 
 
 def _load(
@@ -263,6 +273,76 @@ def worker_loads(args: argparse.Namespace) -> dict[str, Any]:
     return {"times": times, "max_bytes_read_per_rank": read, "max_cpu_s_per_rank": cpu}
 
 
+def _fsdp_state(mb: int) -> tuple[Any, Any]:
+    """The same state as :func:`_state`, sharded with FSDP2 ``fully_shard`` over all ranks."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    width = 1024
+    layers = max(1, round(mb * (1 << 20) / (3 * 4 * width * width)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, width)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def worker_fsdp(args: argparse.Namespace) -> dict[str, Any]:
+    """FSDP (sharded state): save once at W=2 (``--fsdp-save``), or load that checkpoint
+    ``--repeats`` times at this launch's world size; a load's time is its slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = Path(args.root) / "fsdp"
+    model, opt = _fsdp_state(args.mb)
+    if args.fsdp_save:
+        ck = _checkpointer(root, rank=rank, world=world, parallelism="fsdp")
+        ck.save(step=1, model=model, optimizer=opt, progress={"samples_seen": 0}, metrics={})
+        ck.close()
+        return {}
+    last = sorted(root.glob("step-*"))[-1]
+    times, nbytes = [], 0.0
+    for i in range(args.repeats + 1):  # the first load warms up
+        ck = _checkpointer(Path(args.root) / "fsdp-scratch", rank=rank, world=world, resume=str(last),
+                           job=f"fsdp-{world}-{i}", parallelism="fsdp")  # fmt: skip
+        dist.barrier()
+        t0 = time.perf_counter()
+        ck.restore(model=model, optimizer=opt)
+        stats = torch.tensor([time.perf_counter() - t0, float(ck.stats.bytes_read_total)])
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        if i:
+            times.append(float(stats[0]))
+        nbytes = float(stats[1])
+    return {"load_s": statistics.median(times), "max_bytes_read_per_rank": nbytes}
+
+
+def _fsdp_rows(args: argparse.Namespace) -> list[tuple[str, float, str, str]]:
+    """Launches alternating W'=2 and W'=3 FSDP loads of a W=2 FSDP checkpoint, ``--fsdp-rounds``
+    times; the ratio of the medians."""
+    _launch(2, "fsdp", args, extra=["--fsdp-save"])
+    by_world: dict[int, list[float]] = {2: [], 3: []}
+    read: dict[int, float] = {}
+    for rnd in range(args.fsdp_rounds):
+        for w in (2, 3) if rnd % 2 == 0 else (3, 2):
+            res = _launch(w, "fsdp", args)
+            by_world[w].append(res["load_s"])
+            read[w] = res["max_bytes_read_per_rank"]
+    ratio = statistics.median(by_world[3]) / statistics.median(by_world[2])
+    note = (f"FSDP (sharded); busiest rank read {read[2] / (1 << 20):.0f} MiB at W'=2, "
+            f"{read[3] / (1 << 20):.0f} MiB at W'=3; {args.fsdp_rounds} alternating launches")  # fmt: skip
+    return [("load W'=3 / same-W load (ours, fsdp)", ratio, "<= 1.2", note)]
+
+
 def _raw_read(files: list[Path], into: memoryview) -> None:
     """The floor of a replicated (DDP) load: copy every byte of the checkpoint's shards into this
     rank's memory with plain reads; no manifest, no digests, no placement into tensors."""
@@ -273,7 +353,9 @@ def _raw_read(files: list[Path], into: memoryview) -> None:
                 pos += got
 
 
-def _launch(nproc: int, phase: str, args: argparse.Namespace) -> dict[str, Any]:
+def _launch(
+    nproc: int, phase: str, args: argparse.Namespace, extra: list[str] | None = None
+) -> dict[str, Any]:
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -283,7 +365,8 @@ def _launch(nproc: int, phase: str, args: argparse.Namespace) -> dict[str, Any]:
     result = Path(args.root) / f"result-{phase}-{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            __file__, "--worker", phase, "--root", args.root, "--mb", str(args.mb), "--repeats",
-           str(args.repeats), "--load-rounds", str(args.load_rounds), "--result", str(result)]  # fmt: skip
+           str(args.repeats), "--load-rounds", str(args.load_rounds), "--result", str(result),
+           *(extra or [])]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
     return dict(json.loads(result.read_text()))
 
@@ -306,7 +389,7 @@ def _load_rows(loads: dict[str, Any]) -> list[tuple[str, float, str, str]]:
     return rows
 
 
-def _report(w2: dict[str, float], loads: dict[str, Any]) -> None:
+def _report(w2: dict[str, float], loads: dict[str, Any], fsdp: list[tuple[str, float, str, str]]) -> None:
     mb = w2["bytes_total"] / (1 << 20)
     rows = [
         ("state size (MiB)", mb, "", ""),
@@ -320,6 +403,7 @@ def _report(w2: dict[str, float], loads: dict[str, Any]) -> None:
         ("async blocked / sync save (dcp.async_save)", w2["dcp_async_blocked_s"] / w2["dcp_save_s"], "",
          "DCP ~0.28"),
         *_load_rows(loads),
+        *fsdp,
         ("cold load throughput / cold sequential read", w2["cold_sequential_read_s"] / w2["ours_cold_load_s"],
          ">= 0.6", "see docstring"),
     ]  # fmt: skip
@@ -340,7 +424,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--load-rounds", type=int, default=7)
     parser.add_argument("--root", default="")
-    parser.add_argument("--worker", choices=["save", "loads"])
+    parser.add_argument("--fsdp-rounds", type=int, default=4, help="alternating W'=2/3 FSDP load launches")
+    parser.add_argument("--fsdp-save", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["save", "loads", "fsdp"])
     parser.add_argument("--result", default="")
     args = parser.parse_args()
     if args.worker:
@@ -349,7 +435,8 @@ def main() -> None:
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
-        res = worker_save(args) if args.worker == "save" else worker_loads(args)
+        work = {"save": worker_save, "loads": worker_loads, "fsdp": worker_fsdp}[args.worker]
+        res = work(args)
         if dist.get_rank() == 0:
             Path(args.result).write_text(json.dumps(res))
         dist.destroy_process_group()
@@ -359,7 +446,8 @@ def main() -> None:
     try:
         w2 = _launch(2, "save", args)
         loads = _launch(max(LOAD_WORLDS), "loads", args)
-        _report(w2, loads)
+        fsdp = _fsdp_rows(args) if args.fsdp_rounds else []
+        _report(w2, loads, fsdp)
     finally:
         if owned:
             shutil.rmtree(args.root, ignore_errors=True)
