@@ -24,9 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from scripts.demo import worker_pids
 from tests.integration.launch import REPO, worker_env
 from tests.integration.worker.test_service_e2e import Service, until
+from worker.metrics import DEFAULT_TARGETS_DIR
 
 
 def spec(**over: Any) -> dict[str, Any]:
@@ -64,20 +67,37 @@ def bare(tmp: Path, body: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def scrape(svc: Service, job_id: str) -> int:
+    """What a Prometheus on this machine scrapes: the service and the job's worker exporters
+    (their file_sd target files, see worker.metrics). Returns how many worker endpoints."""
+    svc.http.get("/metrics").raise_for_status()
+    scraped = 0
+    for target_file in Path(DEFAULT_TARGETS_DIR).glob(f"{job_id}-*.json"):
+        try:
+            groups = json.loads(target_file.read_text())
+        except (OSError, ValueError):
+            continue  # the exporter is replacing it
+        for address in (a for g in groups for a in g["targets"]):
+            httpx.get(f"http://{address}/metrics", timeout=5).raise_for_status()
+            scraped += 1
+    return scraped
+
+
 def under_service(svc: Service, body: dict[str, Any]) -> dict[str, Any]:
     """Run a job under the service, watched as a user would: ``GET /v1/jobs/{id}`` once a second
-    (``elastrain status --watch``'s default) and ``/metrics`` every 15 s (Prometheus' default
-    scrape interval). The test helper's 0.3 s poll would add its own load to one side only."""
+    (``elastrain status --watch``'s default) and the service's and workers' ``/metrics`` every
+    15 s (Prometheus' default scrape interval). The test helper's 0.3 s poll would add its own
+    load to one side only."""
     job_id = svc.submit(body)
     deadline = time.monotonic() + 900
-    next_scrape = time.monotonic() + 15
+    next_scrape, endpoints = time.monotonic() + 5, 0
     while time.monotonic() < deadline:
         job = svc.job(job_id)
         if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
             assert job["state"] == "SUCCEEDED", job
-            return job
+            return job | {"worker_endpoints_scraped": endpoints}
         if time.monotonic() >= next_scrape:
-            svc.http.get("/metrics").raise_for_status()
+            endpoints = max(endpoints, scrape(svc, job_id))
             next_scrape += 15
         time.sleep(1.0)
     raise AssertionError(f"job {job_id} did not finish in 900 s")
@@ -131,7 +151,8 @@ def main() -> int:
                         svc_rate = rate(events_of(Path(job["checkpoint_dir"]) / "events.jsonl"))
                 ratios.append(svc_rate / bare_rate)
                 print(f"  round {i + 1}: bare {bare_rate:,.0f} samples/s, service {svc_rate:,.0f}: "
-                      f"{ratios[-1]:.3f}", flush=True)  # fmt: skip
+                      f"{ratios[-1]:.3f} (worker endpoints scraped: {job['worker_endpoints_scraped']})",
+                      flush=True)  # fmt: skip
             measured, floor = recovery(svc, tmp)
         finally:
             svc.stop()
