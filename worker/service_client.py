@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,11 @@ class ServiceConfig:
         )
 
 
+EVENT_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+"""Waits between attempts to deliver a lifecycle event: about 30 s, longer than a leader's lease
+takes to pass to a standby."""
+
+
 class ServiceClient:
     """Fire-and-forget callbacks plus the blocking checkpoint calls."""
 
@@ -63,6 +68,7 @@ class ServiceClient:
         heartbeat_s: float = 5.0,
         progress_s: float = 2.0,
         timeout_s: float = 5.0,
+        event_retry_s: Sequence[float] = EVENT_RETRY_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.cfg = cfg
@@ -76,6 +82,7 @@ class ServiceClient:
         self._stop = threading.Event()
         self._heartbeat_s = heartbeat_s
         self._progress_s = progress_s
+        self._event_retry_s = tuple(event_retry_s)
         self._beat: dict[str, Any] | None = None
         self._progress: dict[str, Any] | None = None
         self._thread = threading.Thread(target=self._run, name="elastrain-service", daemon=True)
@@ -124,28 +131,50 @@ class ServiceClient:
                 path, body = self._queue.get(timeout=max(0.05, due - time.monotonic()))
             except queue.Empty:
                 continue
-            if path:
-                self._post(path, body)
+            try:
+                if path:
+                    self._post(path, body, retry=True)
+            finally:
+                self._queue.task_done()
 
     def _send_progress(self) -> None:
         body, self._progress = self._progress, None
         if body is not None:
             self._post("/workers/progress", body)
 
-    def _post(self, path: str, body: dict[str, Any]) -> None:
-        try:
-            answer = self.http.post(self.base + path, json=body)
-            if answer.status_code == 200:
-                self.cancel_requested = bool(answer.json().get("cancel_requested", False))
+    def _post(self, path: str, body: dict[str, Any], *, retry: bool = False) -> None:
+        """POST once; with ``retry`` (lifecycle events, which come only once) again after each
+        delay of ``event_retry_s`` while the service answers 503 (a standby, or a failover in
+        progress) or cannot be connected to: in both cases it did not apply the event. Heartbeats
+        and progress are not retried: the next one supersedes them."""
+        delays = iter(self._event_retry_s if retry else ())
+        while True:
+            try:
+                answer = self.http.post(self.base + path, json=body)
+            except httpx.ConnectError as exc:
+                failure = f"service unreachable: {exc}"
+            except httpx.HTTPError as exc:  # sent, perhaps applied: not repeated
+                log.warning("service unreachable for %s: %s", path, exc)
+                return
             else:
-                log.warning("service answered %s to %s: %s", answer.status_code, path, answer.text[:300])
-        except httpx.HTTPError as exc:
-            log.warning("service unreachable for %s: %s", path, exc)
+                if answer.status_code == 200:
+                    self.cancel_requested = bool(answer.json().get("cancel_requested", False))
+                    return
+                failure = f"service answered {answer.status_code}: {answer.text[:300]}"
+                if answer.status_code != 503:
+                    log.warning("%s to %s", failure, path)
+                    return
+            delay = next(delays, None)
+            if delay is None or self._stop.wait(delay):
+                if retry:
+                    self.dropped += 1
+                log.warning("%s to %s; given up", failure, path)
+                return
 
     def close(self, *, drain_s: float = 5.0) -> None:
-        """Send what is queued (for at most ``drain_s``), then stop."""
+        """Send what is queued, retries included (for at most ``drain_s``), then stop."""
         deadline = time.monotonic() + drain_s
-        while not self._queue.empty() and time.monotonic() < deadline:
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.05)
         self._stop.set()
         with contextlib.suppress(queue.Full):

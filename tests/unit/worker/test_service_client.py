@@ -67,3 +67,42 @@ def test_held_progress_goes_out_when_due() -> None:
         "/v1/jobs/job-1/workers/progress",
         {"step": 7, "samples_seen": 56, "samples_per_s": 10.0, "loss": None, "world_size": 1},
     )
+
+
+def test_an_event_is_retried_through_a_failover_and_a_rejected_one_is_not() -> None:
+    answers = {"first_step": [503, 503, 200], "finished": [422]}
+    seen = Recorder()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen(request)
+        status = answers[json.loads(request.content)["kind"]].pop(0)
+        return httpx.Response(status, json={"error": "not the leader"} if status != 200 else {})
+
+    client = ServiceClient(
+        CFG, heartbeat_s=3600, progress_s=3600, event_retry_s=(0.01, 0.01, 0.01),
+        transport=httpx.MockTransport(handler),
+    )  # fmt: skip
+    client.event("first_step", rank=0, step=1)  # a standby answers 503 twice, then the new leader
+    client.event("finished", rank=0, step=1, message="done")  # 422: a bad request is not repeated
+    client.close()
+    kinds = [body["kind"] for _, body in seen.posts]
+    assert kinds == ["first_step", "first_step", "first_step", "finished"]
+    assert answers == {"first_step": [], "finished": []}
+    assert client.dropped == 0
+
+
+def test_an_event_is_dropped_and_counted_after_the_last_retry() -> None:
+    seen = Recorder()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen(request)
+        return httpx.Response(503, json={"error": "not the leader"})
+
+    client = ServiceClient(
+        CFG, heartbeat_s=3600, progress_s=3600, event_retry_s=(0.01, 0.01),
+        transport=httpx.MockTransport(handler),
+    )  # fmt: skip
+    client.event("first_step", rank=0, step=1)
+    client.close()
+    assert len(seen.posts) == 3  # the first attempt and two retries
+    assert client.dropped == 1
