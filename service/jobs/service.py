@@ -91,7 +91,7 @@ class JobService:
     on_fence_refused: Callable[[], None] = field(default=lambda: None)
     """Called when etcd refused a write because the fence no longer holds (a stale leader)."""
     progress_flush_s: float = 5.0
-    """A worker's progress (about once a second) reaches etcd at most this often per job; this
+    """A worker's progress (every 2 s) reaches etcd at most this often per job; this
     instance answers from the newest report it holds. Progress during a recovery goes at once."""
     heartbeat_write_s: float = 15.0
     """A rank's heartbeat (every few seconds) reaches etcd at most this often; the server sets a
