@@ -78,7 +78,10 @@ def scrape(svc: Service, job_id: str) -> int:
         except (OSError, ValueError):
             continue  # the exporter is replacing it
         for address in (a for g in groups for a in g["targets"]):
-            httpx.get(f"http://{address}/metrics", timeout=5).raise_for_status()
+            try:
+                httpx.get(f"http://{address}/metrics", timeout=5).raise_for_status()
+            except httpx.HTTPError:
+                continue  # a worker exiting (Prometheus counts a failed scrape and goes on)
             scraped += 1
     return scraped
 
