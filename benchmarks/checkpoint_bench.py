@@ -69,7 +69,9 @@ def _files(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file())
 
 
-def _state(mb: int) -> tuple[Any, Any]:
+def _state(mb: int, *, fsdp: bool = False) -> tuple[Any, Any]:
+    """An AdamW state of about ``mb`` megabytes; with ``fsdp`` sharded with FSDP2 ``fully_shard``
+    over all ranks."""
     import torch
     from torch import nn
 
@@ -77,6 +79,15 @@ def _state(mb: int) -> tuple[Any, Any]:
     layers = max(1, round(mb * (1 << 20) / (3 * 4 * width * width)))
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    if fsdp:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(8, width)).sum().backward()
     opt.step()
@@ -273,29 +284,6 @@ def worker_loads(args: argparse.Namespace) -> dict[str, Any]:
     return {"times": times, "max_bytes_read_per_rank": read, "max_cpu_s_per_rank": cpu}
 
 
-def _fsdp_state(mb: int) -> tuple[Any, Any]:
-    """The same state as :func:`_state`, sharded with FSDP2 ``fully_shard`` over all ranks."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    width = 1024
-    layers = max(1, round(mb * (1 << 20) / (3 * 4 * width * width)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(8, width)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    return model, opt
-
-
 def worker_fsdp(args: argparse.Namespace) -> dict[str, Any]:
     """FSDP (sharded state): save once at W=2 (``--fsdp-save``), or load that checkpoint
     ``--repeats`` times at this launch's world size; a load's time is its slowest rank's."""
@@ -304,7 +292,7 @@ def worker_fsdp(args: argparse.Namespace) -> dict[str, Any]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(args.root) / "fsdp"
-    model, opt = _fsdp_state(args.mb)
+    model, opt = _state(args.mb, fsdp=True)
     if args.fsdp_save:
         ck = _checkpointer(root, rank=rank, world=world, parallelism="fsdp")
         ck.save(step=1, model=model, optimizer=opt, progress={"samples_seen": 0}, metrics={})
