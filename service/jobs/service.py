@@ -102,6 +102,7 @@ class JobService:
     _recent: dict[str, tuple[float, JobRecord]] = field(default_factory=dict, init=False, repr=False)
     _progress: dict[str, _HeldProgress] = field(default_factory=dict, init=False, repr=False)
     _beats_written: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _beats_pruned_at: float = field(default=-math.inf, init=False, repr=False)
 
     # ------------------------------------------------------------------ fencing
 
@@ -332,10 +333,11 @@ class JobService:
             return
         value = f'{{"time": {now!r}, "step": {step if step is not None else "null"}}}'
         self.put(key, value.encode())
-        if len(self._beats_written) > 4096:  # forget ranks of ended launches
+        if now - self._beats_pruned_at >= 4 * self.heartbeat_write_s:  # forget ranks of ended launches
             self._beats_written = {
                 k: t for k, t in self._beats_written.items() if now - t < 4 * self.heartbeat_write_s
             }
+            self._beats_pruned_at = now
         self._beats_written[key] = now
 
     def worker_event(self, job_id: str, event: WorkerEvent) -> JobRecord:
