@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from service.etcd_server import EtcdServer
+from service.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "integration" / "rendezvous" / "rdzv_worker.py"
@@ -144,12 +144,6 @@ def state_latency(endpoint: str, n: int = 200) -> tuple[float, float]:
         _, token, _ = backend.set_state(b"y" * 2048, token) or (b"", token, False)
     t2 = time.perf_counter()
     return (t1 - t0) / n * 1e3, (t2 - t1) / n * 1e3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def serve(port: int, data_dir: str) -> int:
 
 
 def start_service(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    from service.etcd_server import free_port
+    from service.ports import free_port
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from service.ports import free_port
 
 WORKDIR = Path(".elastrain/demo")
 SPEC: dict[str, Any] = {
@@ -40,12 +41,6 @@ SPEC: dict[str, Any] = {
     "nproc_per_node": 1,
     "max_restarts": 5,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def say(text: str) -> None:

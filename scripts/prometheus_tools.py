@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from service.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = REPO_ROOT / "deploy" / "prometheus"
@@ -98,13 +99,6 @@ def ensure_tools(*, say: Callable[[str], None] = print) -> PrometheusTools:
             f"apt-get installed {APT_PACKAGE} but prometheus/promtool are still not on PATH"
         )
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class PrometheusServer:

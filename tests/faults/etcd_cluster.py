@@ -4,6 +4,7 @@ kill and restart one by one."""
 from __future__ import annotations
 
 import ctypes
+import shutil
 import signal
 import subprocess
 import time
@@ -12,7 +13,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from service.etcd_server import find_etcd_binary, free_port
+from service.etcd_server import find_etcd_binary
+from service.ports import free_port
 
 
 def _die_with_parent() -> None:
@@ -79,10 +81,36 @@ class EtcdCluster:
                 raise AssertionError(f"etcd members {members} not healthy in {timeout_s}s: {logs}")
             time.sleep(0.2)
 
-    def __enter__(self) -> EtcdCluster:
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _lost_port(self) -> bool:
+        """A member exited because its port was taken between picking and listening."""
+        return any(
+            proc is not None
+            and proc.poll() is not None
+            and b"address already in use" in (self.root / f"m{i}.log").read_bytes()
+            for i, proc in enumerate(self.procs)
+        )
+
+    def _start_all(self) -> None:
         for i in range(self.size):
             self.start_member(i)
+        deadline = time.monotonic() + 60
+        while not all(self.healthy(i) for i in range(self.size)):
+            if self._lost_port() or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+
+    def __enter__(self) -> EtcdCluster:
+        # The members' ports are fixed in each one's --initial-cluster, so a member that lost its
+        # port to another process takes the whole cluster down to a fresh start on new ports.
+        for attempt in range(3):
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._start_all()
+            if not self._lost_port() or attempt == 2:
+                break
+            self.__exit__(None, None, None)
+            shutil.rmtree(self.root)
+            self.client = [f"http://127.0.0.1:{free_port()}" for _ in range(self.size)]
+            self.peer = [f"http://127.0.0.1:{free_port()}" for _ in range(self.size)]
         self.wait_healthy(list(range(self.size)))
         return self
 

@@ -14,7 +14,8 @@ import httpx
 import pytest
 import uvicorn
 
-from scripts.prometheus_tools import PROMETHEUS_DIR, PrometheusTools, check_all, check_config, free_port
+from scripts.prometheus_tools import PROMETHEUS_DIR, PrometheusTools, check_all, check_config
+from service.ports import free_port
 from service.api.app import create_app
 from service.api.metrics import Metrics
 from service.jobs.model import Recovery

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from service.etcd_server import free_port
+from service.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 LAUNCHER = Path(__file__).with_name("svc_launcher.py")

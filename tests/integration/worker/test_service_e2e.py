@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.demo import free_port, worker_pids
+from scripts.demo import worker_pids
+from service.ports import free_port
 from service.cli import main as elastrain
 from tests.integration.launch import REPO, run_worker, worker_env, write_spec
 
