@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from scripts.demo import worker_pids
-from service.ports import free_port
 from service.cli import main as elastrain
+from service.ports import free_port
 from tests.integration.launch import REPO, run_worker, worker_env, write_spec
 
 pytestmark = pytest.mark.integration
