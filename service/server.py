@@ -29,6 +29,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from service.api.app import create_app
+from service.api.forward import LeaderLookup
 from service.api.metrics import Metrics
 from service.coordinator import CheckpointCoordinator
 from service.etcd_server import EtcdServer
@@ -37,7 +38,7 @@ from service.jobs.service import JobService, ensure_worker_secret
 from service.observability import InstrumentedStore
 from service.reconciler import LaunchContext, Reconciler, Scheduler
 from service.settings import Settings, SettingsError
-from service.store import EtcdStore, Fence, LeaderElection, StoreUnavailableError
+from service.store import EtcdStore, Fence, LeaderElection, StoreUnavailableError, leader_address
 
 log = logging.getLogger("elastrain.server")
 TOKEN_FILE_NAME = "api-token"
@@ -138,7 +139,9 @@ def build_app(
     token, where = resolve_api_token(settings)
     log.info("API token: %s", where)
     scheduler = scheduler if scheduler is not None else build_scheduler(settings, endpoints)
-    election = LeaderElection(store, holder_id(settings), ttl_s=settings.leader_ttl_s)
+    election = LeaderElection(
+        store, holder_id(settings), ttl_s=settings.leader_ttl_s, address=settings.instance_address
+    )
     jobs = JobService(
         store,
         settings.checkpoint_root,
@@ -180,6 +183,8 @@ def build_app(
         coordinator=coordinator,
         metrics=metrics,
         leader=lambda: reconciler.is_leader,
+        forward=LeaderLookup(lambda: leader_address(store)),
+        holder=election.holder,
         lifespan=lifespan,
     )
     return app, reconciler

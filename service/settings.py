@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
     advertise_url: str = ""
     """URL workers use to reach this service; default http://HOST:PORT (loopback for 0.0.0.0)."""
+    instance_url: str = ""
+    """URL the other service instances use to reach this one (a standby forwards writes to the
+    leader there); default: the advertise URL. On Kubernetes the chart sets the pod's IP."""
     reconcile_interval_s: float = Field(default=1.0, gt=0, le=60)
     reconcile_idle_interval_s: float = Field(default=5.0, gt=0, le=300)
     """Between passes while every job runs steadily (a job write wakes the reconciler at once)."""
@@ -57,7 +60,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"etcd endpoint {url!r} must look like http://HOST:PORT")
         return value
 
-    @field_validator("advertise_url")
+    @field_validator("advertise_url", "instance_url")
     @classmethod
     def _advertise(cls, value: str) -> str:
         if value and urlparse(value).scheme not in ("http", "https"):
@@ -94,6 +97,10 @@ class Settings(BaseSettings):
     @property
     def checkpoint_root(self) -> Path:
         return (self.storage_root or self.data_dir / "checkpoints").absolute()
+
+    @property
+    def instance_address(self) -> str:
+        return self.instance_url or self.service_url
 
     @property
     def service_url(self) -> str:

@@ -118,6 +118,18 @@ def prefix_end(prefix: str) -> str:
     return raw.decode()
 
 
+def address_key(leader_key: str = LEADER_KEY) -> str:
+    """The key holding the leader's address, written with the leader key on the same lease (it
+    goes when the leadership does)."""
+    return f"{leader_key}-address"
+
+
+def leader_address(store: KVStore, leader_key: str = LEADER_KEY) -> str | None:
+    """The address the current leader published, or None (no leader, or it published none)."""
+    found = store.get(address_key(leader_key))
+    return found.value.decode() if found is not None and found.value else None
+
+
 class LeaderElection:
     """One leader at a time: the holder of ``LEADER_KEY`` on its own lease.
 
@@ -133,10 +145,13 @@ class LeaderElection:
         *,
         ttl_s: int = 10,
         key: str = LEADER_KEY,
+        address: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self.holder = holder
+        self.address = address
+        """Where the other instances reach this one: published with the leader key, on its lease."""
         self._ttl_s = ttl_s
         self._key = key
         self._clock = clock
@@ -159,7 +174,10 @@ class LeaderElection:
             return None
         lease_id = self._store.lease_grant(self._ttl_s)
         expected = current.mod_revision if current is not None else 0
-        if self._store.commit([Write(self._key, self.holder.encode(), expected, lease_id)]):
+        writes = [Write(self._key, self.holder.encode(), expected, lease_id)]
+        if self.address:
+            writes.append(Write(address_key(self._key), self.address.encode(), None, lease_id))
+        if self._store.commit(writes):
             self.fence = Fence(self.holder, lease_id, self._key)
             self._refreshed = self._clock()
             return self.fence

@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 
 from service.api import errors
 from service.api.deps import Context
+from service.api.forward import ForwardToLeader, LeaderLookup
 from service.api.limits import BodyLimit
 from service.api.metrics import Metrics, RequestMetrics
 from service.api.routes import health, workers
@@ -38,10 +39,13 @@ def create_app(
     secret: bytes | None = None,
     clock: Callable[[], float] = time.time,
     leader: Callable[[], bool] | None = None,
+    forward: LeaderLookup | None = None,
+    holder: str = "",
     lifespan: Lifespan | None = None,
 ) -> FastAPI:
     """Build the app. ``store`` must be reachable (the worker-token secret is read from it)
-    unless ``jobs`` (a JobService on the same store) is given."""
+    unless ``jobs`` (a JobService on the same store) is given. With ``forward`` (and ``leader``)
+    a standby passes writes to the leader's published address (:mod:`service.api.forward`)."""
     metrics = metrics or Metrics()
     service = jobs or JobService(
         store, settings.checkpoint_root, secret or ensure_worker_secret(store), clock
@@ -68,7 +72,16 @@ def create_app(
     app.include_router(job_routes.router)
     app.include_router(workers.router)
     app.include_router(health.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if forward is not None and leader is not None:
+        app.add_middleware(
+            ForwardToLeader,
+            leading=leader,
+            lookup=forward,
+            own_url=settings.instance_address,
+            holder=holder,
+            on_forward=lambda outcome: metrics.forwarded.labels(outcome).inc(),
+        )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outside: bounds what is forwarded
     app.add_middleware(RequestMetrics, metrics=metrics)
     _document_spec(app)
     return app

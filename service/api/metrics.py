@@ -29,6 +29,12 @@ class Metrics:
             registry=r,
         )
         self.errors = Counter("elastrain_api_errors_total", "Error responses by code", ["code"], registry=r)
+        self.forwarded = Counter(
+            "elastrain_api_forwarded_total",
+            "Writes a standby passed to the leader, by outcome (forwarded, unreachable)",
+            ["outcome"],
+            registry=r,
+        )
         self.jobs = Gauge("elastrain_jobs", "Jobs by state", ["state"], registry=r)
         self.is_leader = Gauge("elastrain_reconciler_is_leader", "1 while this instance leads", registry=r)
         self.passes = Counter("elastrain_reconciler_passes_total", "Reconciler passes", registry=r)

@@ -39,6 +39,7 @@ INTERNET = Address("93.184.216.34")
 def _cast(objects: list[Obj]) -> dict[str, Pod]:
     cast = {
         "service": Pod(NS, _labels(objects, "Deployment", "elastrain"), ip="10.1.2.1"),
+        "service1": Pod(NS, _labels(objects, "Deployment", "elastrain"), ip="10.1.2.2"),  # a replica
         "worker0": _worker(0),
         "worker1": _worker(1),
     }
@@ -60,7 +61,7 @@ def test_every_chart_pod_and_worker_is_isolated_both_ways(render: Renderer) -> N
         # An unknown pod in the namespace reaches nothing on an unlisted port, and vice versa.
         assert not allowed(_policies(objects), CLIENT, pod, 31337), name
         assert not allowed(_policies(objects), pod, INTERNET, 8443), name
-        if name != "service":  # the API server is not a pod: see the next test
+        if not name.startswith("service"):  # the API server is not a pod: see the next test
             assert not allowed(_policies(objects), pod, INTERNET, 443), name
 
 
@@ -80,6 +81,7 @@ def test_required_flows_get_through(render: Renderer) -> None:
     p, c = _policies(objects), _cast(objects)
     must: list[tuple[Endpoint, Endpoint, int, str]] = [
         (CLIENT, c["service"], 8080, "clients -> REST API"),
+        (c["service1"], c["service"], 8080, "standby -> leader (forwarded writes)"),
         (c["worker0"], c["service"], 8080, "workers -> service (resume, shard reports)"),
         (c["service"], c["etcd0"], 2379, "service -> etcd"),
         (c["worker1"], c["etcd1"], 2379, "workers -> etcd (rendezvous)"),
@@ -110,6 +112,7 @@ def test_everything_else_is_denied(render: Renderer) -> None:
         (c["worker0"], INTERNET, 443, "workers -> internet"),
         (c["worker0"], c["etcd0"], 2380, "workers -> etcd peer port"),
         (c["service"], c["worker0"], 29500, "service -> workers"),
+        (c["service1"], c["service"], 9400, "standby -> leader, off the API port"),
         (c["service"], INTERNET, 80, "service -> internet"),
         (c["etcd0"], c["service"], 8080, "etcd -> service"),
         (c["etcd0"], INTERNET, 443, "etcd -> internet"),

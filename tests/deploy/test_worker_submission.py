@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -17,6 +18,8 @@ from tests.deploy.helpers import NAMESPACE, SCENARIOS, Obj, Renderer, chart_valu
 from tests.deploy.netpol import selector_matches
 from tests.deploy.pss import restricted_violations
 from worker.spec import JobSpec, parse_spec
+
+POD_IP = "10.1.2.3"
 
 SPEC: JobSpec = parse_spec(
     {
@@ -35,10 +38,12 @@ def _service_env(objects: list[Obj]) -> dict[str, str]:
     container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     env: dict[str, str] = {}
     for item in container["env"]:
-        if "value" in item:
-            env[item["name"]] = item["value"]
+        if "value" in item:  # $(NAME) of a variable defined above is expanded, as the kubelet does
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), item["value"])
         elif item["valueFrom"].get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
             env[item["name"]] = NAMESPACE
+        elif item["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[item["name"]] = POD_IP
         elif "secretKeyRef" in item["valueFrom"]:
             env[item["name"]] = "t" * 40
         else:
@@ -71,6 +76,8 @@ def test_every_chart_variable_is_a_setting(render: Renderer, monkeypatch: pytest
     settings = _settings(render(), monkeypatch)
     assert settings.scheduler == "kubernetes"
     assert settings.service_url == "http://elastrain:8080"  # the chart's Service, reachable by workers
+    # where the other replicas reach this one (a standby forwards writes to the leader): the pod
+    assert settings.instance_address == f"http://{POD_IP}:8080"
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

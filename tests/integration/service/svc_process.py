@@ -23,8 +23,13 @@ LAUNCHER = Path(__file__).with_name("svc_launcher.py")
 class ServiceProcess:
     """``elastrain serve`` (with the fake scheduler) as a child process."""
 
-    def __init__(self, workdir: Path, *, etcd: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, *, etcd: str, env: dict[str, str] | None = None, token: str | None = None
+    ) -> None:
+        """``token``: the API token (as replicas share one through ELASTRAIN_API_TOKEN); default,
+        the one the service generates in its data dir."""
         self.workdir = workdir
+        self.api_token = token
         self.extra_env = env or {}
         self.etcd = etcd
         self.port = free_port()
@@ -36,6 +41,8 @@ class ServiceProcess:
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.extra_env}
         env.pop("ELASTRAIN_API_TOKEN", None)
+        if self.api_token is not None:
+            env["ELASTRAIN_API_TOKEN"] = self.api_token
         cmd = [sys.executable, str(LAUNCHER), "--port", str(self.port), "--data-dir", str(self.data_dir)]
         cmd += ["--etcd", self.etcd, "--nodes-dir", str(self.nodes_dir)]
         log = open(self.workdir / "service.log", "ab")  # noqa: SIM115 - the child owns it
@@ -58,7 +65,7 @@ class ServiceProcess:
 
     @property
     def token(self) -> str:
-        return (self.data_dir / "api-token").read_text().strip()
+        return self.api_token or (self.data_dir / "api-token").read_text().strip()
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=30)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -96,29 +98,32 @@ def test_errors_are_one_line_without_traceback(module_service: ServiceProcess, t
     assert unreachable.returncode == 2 and "is `elastrain serve` running?" in unreachable.stderr
 
 
-def test_submit_to_a_standby_is_retried_until_a_leader_takes_it(
+def test_submit_is_retried_while_the_leader_does_not_answer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two real services on one etcd: a submit sent to the standby gets 503 ("not the leader")
-    and the CLI retries it with the same Idempotency-Key; once the leader stops and the standby
-    takes over, the retry creates the job, once."""
+    """Two real services on one etcd sharing one API token. The leader is SIGSTOPped: the
+    standby forwards the submit to it, gets no answer and replies 503; the CLI retries with the
+    same Idempotency-Key; once the leader's lease runs out the standby takes over and the retry
+    creates the job, once (the paused leader, woken, is fenced off)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
+    token = secrets.token_urlsafe(24)
     with EtcdServer(tmp_path / "etcd") as etcd:
-        a = ServiceProcess(tmp_path / "a", etcd=etcd.endpoint).start()
-        b = ServiceProcess(tmp_path / "b", etcd=etcd.endpoint).start()
+        a = ServiceProcess(tmp_path / "a", etcd=etcd.endpoint, token=token).start()
+        b = ServiceProcess(tmp_path / "b", etcd=etcd.endpoint, token=token).start()
         try:
             wait_for(lambda: httpx.get(f"{a.url}/readyz").json()["leader"], what="a leads")
-            monkeypatch.setenv("ELASTRAIN_API_TOKEN", b.token)
+            monkeypatch.setenv("ELASTRAIN_API_TOKEN", token)
+            assert a.proc is not None
+            a.proc.send_signal(signal.SIGSTOP)
             result: dict[str, tuple[int, str, str]] = {}
             submit = threading.Thread(
                 target=lambda: result.update(r=run(b, capsys, "submit", str(spec), "-q"))
             )
             submit.start()
             wait_for(lambda: refused_503(b) >= 1, timeout_s=60, what="the standby answers 503")
-            a.stop()  # resigns: b campaigns and wins on its next pass
             submit.join(timeout=120)
             code, out, err = result["r"]
             assert code == 0, err
@@ -126,6 +131,8 @@ def test_submit_to_a_standby_is_retried_until_a_leader_takes_it(
                 jobs = client.get("/v1/jobs").json()["jobs"]
             assert [j["id"] for j in jobs] == [out.strip()]
         finally:
+            if a.proc is not None:
+                a.proc.send_signal(signal.SIGCONT)
             a.stop()
             b.stop()
 
