@@ -48,6 +48,8 @@ _DROP = frozenset(
         "proxy-connection",
     }
 )
+# uvicorn adds its own date and server; httpx has already decoded the body.
+_DROP_ANSWER = _DROP | {"date", "server", "content-encoding"}
 
 
 def wants_forward(method: str, path: str, headers: Iterable[tuple[bytes, bytes]], *, leading: bool) -> bool:
@@ -143,7 +145,7 @@ class ForwardToLeader:
         out = [
             (k.encode("latin-1"), v.encode("latin-1"))
             for k, v in answer.headers.multi_items()
-            if k.lower() not in _DROP
+            if k.lower() not in _DROP_ANSWER
         ]
         out.append((b"content-length", str(len(answer.content)).encode()))
         await send({"type": "http.response.start", "status": answer.status_code, "headers": out})

@@ -54,6 +54,7 @@ def test_a_standby_forwards_writes_to_the_leader(tmp_path: Path) -> None:
             with a.client() as on_a, b.client() as on_b:
                 created = on_b.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": "k1"})
                 assert created.status_code == 201, created.text
+                assert len(created.headers.get_list("date")) == 1  # the relay's own, not both
                 job = created.json()["id"]
                 again = on_a.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": "k1"})
                 assert again.json()["id"] == job  # the leader applied it: one job
