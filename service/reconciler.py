@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 
 from service.api.metrics import Metrics
 from service.jobs import keys
-from service.jobs.events import first_step_done
+from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
     Cancel,
     Launch,
@@ -234,10 +234,8 @@ class Reconciler:
         """One job's pass. ``known``: the record and revision just listed (saves a read; a write
         that raced in since makes the compare-and-set fail and the next pass decide again)."""
         stored, revision = known if known is not None else self.jobs.get_versioned(job_id)
-        record, progress = stored, self.jobs.progress(job_id)
-        if progress is not None and progress.step != record.last_step:
-            update = {"last_step": progress.step, "world_size": progress.world_size or record.world_size}
-            record = record.model_copy(update=update)
+        progress = self.jobs.progress(job_id)
+        record = merge_progress(stored, progress)
         if progress is not None and progress.time > record.state_since:
             # a step after re-forming
             record = first_step_done(record, progress.step, progress.time, world_size=progress.world_size)

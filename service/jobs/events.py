@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.jobs.machine import move
-from service.jobs.model import MAX_RECOVERIES, JobRecord, JobState, Recovery
+from service.jobs.model import MAX_RECOVERIES, JobRecord, JobState, Progress, Recovery
 
 S = JobState
 WorkerEventKind = Literal["group_formed", "state_loaded", "first_step", "failed", "finished", "log"]
@@ -48,6 +48,17 @@ def apply_worker_event(job: JobRecord, event: WorkerEvent, now: float) -> JobRec
         return first_step_done(job, event.step, now, new_group=True)
     who = f"rank {event.rank}" if event.rank is not None else "worker"
     return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
+
+
+def merge_progress(job: JobRecord, progress: Progress | None) -> JobRecord:
+    """The newest progress report's step (and world size) in the record. Progress lives under its
+    own key (written far more often than the record); a recovery counts the steps it lost from the
+    record's ``last_step``, so every writer of the record merges the newest step first."""
+    if progress is None or progress.step == job.last_step:
+        return job
+    return job.model_copy(
+        update={"last_step": progress.step, "world_size": progress.world_size or job.world_size}
+    )
 
 
 def first_step_done(

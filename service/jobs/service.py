@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.jobs import keys
-from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done
+from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done, merge_progress
 from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.paths import checkpoint_dir, resume_source
@@ -344,8 +344,6 @@ class JobService:
         progress = self.progress(job_id)
 
         def change(record: JobRecord) -> JobRecord:
-            if progress is not None and record.last_step != progress.step:
-                record = record.model_copy(update={"last_step": progress.step})  # see the reconciler
-            return apply_worker_event(record, event, self.clock())
+            return apply_worker_event(merge_progress(record, progress), event, self.clock())
 
         return self.update(job_id, change)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from service.jobs.events import WorkerEvent, apply_worker_event
+from service.jobs.events import WorkerEvent, apply_worker_event, merge_progress
 from service.jobs.machine import (
     ALLOWED,
     Cancel,
@@ -22,7 +22,7 @@ from service.jobs.machine import (
     request_cancel,
     request_scale,
 )
-from service.jobs.model import JobRecord, JobState, NodePhase
+from service.jobs.model import JobRecord, JobState, NodePhase, Progress
 
 S = JobState
 
@@ -242,6 +242,21 @@ def test_worker_restart_opens_and_first_step_closes_a_recovery() -> None:
     assert record.state == S.RUNNING
     recovery = record.recoveries[-1]
     assert recovery.seconds == 4.0 and recovery.steps_lost == 10 and recovery.state_loaded_at == 12.0
+
+
+def test_merged_progress_sets_the_step_a_recovery_counts_from() -> None:
+    record = launched(job())
+    record = apply_worker_event(record, WorkerEvent(kind="group_formed", group_id="g1", world_size=2), 2.0)
+    assert merge_progress(record, None) is record
+    progress = Progress(step=40, world_size=2, time=5.0)
+    merged = merge_progress(record, progress)
+    assert merged.last_step == 40 and merged.world_size == 2
+    assert merge_progress(merged, progress) is merged  # nothing new: the same record, no write
+    assert merge_progress(merged, Progress(step=41, time=6.0)).world_size == 2  # kept when unreported
+    formed = WorkerEvent(kind="group_formed", group_id="g2", world_size=2)
+    recovering = apply_worker_event(merged, formed, 10.0)
+    recovering = apply_worker_event(recovering, WorkerEvent(kind="first_step", step=31), 14.0)
+    assert recovering.recoveries[-1].steps_lost == 10  # 40 reached, resumed at 30
 
 
 def test_rescale_ends_on_first_step_without_counting_a_restart() -> None:
