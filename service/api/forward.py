@@ -127,12 +127,12 @@ class ForwardToLeader:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         headers = [(k, v) for k, v in headers if k.lower() not in _DROP]
         headers.append((FORWARDED_HEADER, self.holder))
-        url = target + scope.get("root_path", "") + scope["path"]
-        query = scope.get("query_string", b"").decode("latin-1")
+        # The path as the client sent it (still percent-encoded): the leader decodes it once.
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"")
+        url = httpx.URL(target).copy_with(raw_path=raw_path + (b"?" + query if query else b""))
         try:
-            answer = await self.client.request(
-                scope["method"], url + (f"?{query}" if query else ""), content=body, headers=headers
-            )
+            answer = await self.client.request(scope["method"], url, content=body, headers=headers)
         except httpx.HTTPError as exc:
             self.lookup.forget()
             self.on_forward("unreachable")
