@@ -6,14 +6,16 @@ submissions with one Idempotency-Key.
 free port, submits one job, then drives GET requests over keep-alive connections: once as fast
 as possible (the ceiling), once paced at ``--rate`` (the target: sustained >= 1000 req/s with
 p99 < 50 ms). Prints requests/s, p50/p99 latency and ratios to the target, then the result of
-100 concurrent submissions with one Idempotency-Key. The client shares the machine's cores with
-the service, so the numbers are a floor. Asserts nothing.
+100 concurrent submissions with one Idempotency-Key, and last a worker's heartbeat POSTed to the
+leader directly and through a standby instance that forwards it (the cost of the extra hop). The
+client shares the machine's cores with the service, so the numbers are a floor. Asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -57,20 +59,27 @@ class IdleScheduler:
         return None
 
 
-def serve(port: int, data_dir: str) -> int:
+def serve(port: int, data_dir: str, etcd: str = "") -> int:
     from service.server import serve as run
     from service.settings import load_settings
 
-    return run(load_settings(port=port, data_dir=data_dir), scheduler=IdleScheduler())
+    return run(load_settings(port=port, data_dir=data_dir, etcd=etcd), scheduler=IdleScheduler())
 
 
-def start_service(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_service(
+    workdir: Path, *, etcd: str = "", token: str | None = None
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    """``elastrain serve`` in a child process: on its own embedded etcd, or on ``etcd`` (then
+    with the API token ``token``, as replicas share one)."""
     from service.ports import free_port
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("ELASTRAIN_API_TOKEN", None)
+    if token is not None:
+        env["ELASTRAIN_API_TOKEN"] = token
     cmd = [sys.executable, "-m", "benchmarks.service_api", "--serve", str(port), "--data-dir", str(workdir)]
+    cmd += ["--etcd", etcd] if etcd else []
     log = open(workdir / "service.log", "wb")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -79,7 +88,7 @@ def start_service(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url, (workdir / "api-token").read_text().strip()
+                return proc, url, token or (workdir / "api-token").read_text().strip()
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
@@ -162,12 +171,50 @@ def wrk(url: str, token: str, seconds: float, connections: int, rate: float, wor
     )
 
 
+def forwarded_writes(leader: str, standby: str, token: str, job_id: str, n: int, rounds: int) -> str:
+    """A rank's heartbeat POSTed to the leader directly and through the standby, which forwards
+    it; alternating rounds of ``n`` sequential requests (one keep-alive connection each)."""
+    headers = {"Authorization": f"Bearer {token}"}
+    beat = {"launch_id": f"{job_id}-n0-a0", "local_rank": 0, "step": 1}
+    lat: dict[str, list[float]] = {"leader": [], "standby": []}
+    with (
+        httpx.Client(headers=headers, timeout=30) as direct,
+        httpx.Client(headers=headers, timeout=30) as via,
+    ):
+        for index in range(2 * rounds):
+            side = ("leader", "standby")[(index + index // 2) % 2]  # ABBA
+            client, url = (direct, leader) if side == "leader" else (via, standby)
+            for _ in range(n):
+                t0 = time.perf_counter()
+                answer = client.post(f"{url}/v1/jobs/{job_id}/workers/heartbeat", json=beat)
+                lat[side].append(time.perf_counter() - t0)
+                if answer.status_code != 200:
+                    return f"forwarded writes: {side} answered {answer.status_code}: {answer.text[:200]}"
+    p50 = {k: statistics.median(v) * 1e3 for k, v in lat.items()}
+    p99 = {k: statistics.quantiles(v, n=100)[98] * 1e3 for k, v in lat.items()}
+    return (
+        f"POST heartbeat, {n * rounds} each: to the leader p50 {p50['leader']:.2f} ms, p99 "
+        f"{p99['leader']:.2f} ms; through the standby p50 {p50['standby']:.2f} ms, p99 "
+        f"{p99['standby']:.2f} ms (x{p50['standby'] / p50['leader']:.2f} p50: one more hop)"
+    )
+
+
 async def idempotent_submits(url: str, token: str, n: int) -> tuple[int, int]:
     headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": f"bench-{time.time_ns()}"}
     async with httpx.AsyncClient(headers=headers, timeout=60) as client:
         responses = await asyncio.gather(*(client.post(f"{url}/v1/jobs", json=SPEC) for _ in range(n)))
     ids = {r.json()["id"] for r in responses if r.status_code in (200, 201)}
     return len(ids), sum(r.status_code == 201 for r in responses)
+
+
+def start_standby(workdir: Path, token: str) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A second instance on the first one's embedded etcd: it stands by while the first leads."""
+    ports = json.loads((workdir / "etcd" / "ports.json").read_text())
+    (workdir / "standby").mkdir()
+    standby = start_service(workdir / "standby", etcd=f"http://127.0.0.1:{ports['client_port']}", token=token)
+    if httpx.get(f"{standby[1]}/readyz", timeout=5).json().get("leader"):
+        raise SystemExit("the second instance leads: the first lost its lease")
+    return standby
 
 
 def main() -> int:
@@ -177,9 +224,11 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=1000.0, help="paced run: requests per second")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--etcd", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--forward-rounds", type=int, default=4, help="rounds of forwarded writes (0: skip)")
     args = parser.parse_args()
     if args.serve:
-        return serve(args.serve, args.data_dir)
+        return serve(args.serve, args.data_dir, args.etcd)
     with tempfile.TemporaryDirectory(prefix="elastrain-bench-") as tmp:
         proc, url, token = start_service(Path(tmp))
         try:
@@ -205,6 +254,13 @@ def main() -> int:
                 print(line or "wrk is not installed (apt-get install wrk): only the asyncio client ran")
             jobs, created = asyncio.run(idempotent_submits(url, token, 100))
             print(f"100 concurrent submissions, one Idempotency-Key: {jobs} job(s), {created} answered 201")
+            if args.forward_rounds:
+                standby = start_standby(Path(tmp), token)
+                try:
+                    print(forwarded_writes(url, standby[1], token, job["id"], 250, args.forward_rounds))
+                finally:
+                    standby[0].terminate()
+                    standby[0].wait(timeout=30)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
