@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from svc_process import ServiceProcess
+from svc_process import ServiceProcess, job_spec
 
 from service.etcd_server import EtcdServer
 from tests.faults.conftest import Reference, seeded
@@ -37,14 +37,7 @@ from tests.integration.launch import REPO, run_worker, write_spec
 from tests.integration.worker.test_resume import spec
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-SPEC: dict[str, Any] = {
-    "name": "badinput",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1",
-}
+SPEC: dict[str, Any] = job_spec("badinput", "1")
 PIECES = ["..", ".", "%2e%2e", "%2E.", ".%2e", "..%2f", "a", "b", "~", "out-link", "..\\..", "\x00", "a\x00b"]
 
 

@@ -12,20 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
-from svc_process import ServiceProcess, wait_for
+from svc_process import ServiceProcess, job_spec, wait_for
 
 from tests.faults.conftest import seeded
 from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-SPEC: dict[str, Any] = {
-    "name": "quorum",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1",
-}
+SPEC: dict[str, Any] = job_spec("quorum", "1")
 
 
 def ready(svc: ServiceProcess) -> int:

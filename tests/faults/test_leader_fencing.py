@@ -21,31 +21,14 @@ from typing import Any
 
 import httpx
 import pytest
-from svc_process import ServiceProcess, wait_for
+from svc_process import ServiceProcess, job_spec, wait_for
 
 from service.etcd_server import EtcdServer
 from tests.faults.conftest import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-SPEC: dict[str, Any] = {
-    "name": "fence",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1:2",
-    "initial_nodes": 1,
-    "max_restarts": 3,
-}
+SPEC: dict[str, Any] = job_spec("fence", "1:2", initial_nodes=1, max_restarts=3)
 REFUSED = "elastrain_fenced_writes_refused_total"
-
-
-def refused_writes(svc: ServiceProcess) -> float:
-    """The counter as Prometheus would scrape it."""
-    text = httpx.get(f"{svc.url}/metrics", timeout=5).text
-    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(REFUSED + " ")]
-    assert values, f"{REFUSED} is not exported"
-    return values[0]
 
 
 def leader(svc: ServiceProcess) -> bool:
@@ -84,7 +67,7 @@ def test_sigstop_leader_past_lease_is_fenced(tmp_path: Path, seed: int) -> None:
                 wait_for(
                     lambda: client.get(f"/v1/jobs/{job_id}").json()["state"] == "RUNNING", what="RUNNING"
                 )
-            assert a.proc is not None and refused_writes(a) == 0
+            assert a.proc is not None and a.metric(REFUSED) == 0
             scale: dict[str, Any] = {}
             writer = threading.Thread(target=lambda: scale.update(answer=post_scale(a, job_id)))
             writer.start()
@@ -102,7 +85,7 @@ def test_sigstop_leader_past_lease_is_fenced(tmp_path: Path, seed: int) -> None:
             writer.join(timeout=60)
             status, body = scale["answer"]
             assert status == 503 and "etcd refused" in body, f"{what}: the stale write got {status} {body}"
-            assert refused_writes(a) >= 1, what
+            assert a.metric(REFUSED) >= 1, what
             wait_for(lambda: not leader(a), timeout_s=30, what=f"a steps down; {what}")
             with b.client() as client:
                 got = client.get(f"/v1/jobs/{job_id}").json()

@@ -19,20 +19,13 @@ from typing import Any
 
 import httpx
 import pytest
-from svc_process import ServiceProcess, wait_for
+from svc_process import ServiceProcess, job_spec, wait_for
 
 from service.etcd_server import EtcdServer
 from tests.faults.conftest import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-SPEC: dict[str, Any] = {
-    "name": "faults",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1:3",
-}
+SPEC: dict[str, Any] = job_spec("faults", "1:3")
 
 
 @pytest.fixture

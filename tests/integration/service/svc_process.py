@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.ports import free_port
 
@@ -94,6 +95,15 @@ class ServiceProcess:
         env: dict[str, str] = json.loads((self.nodes_dir / f"{launch_id}.json").read_text())["env"]
         return env
 
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels``, from a scrape of
+        /metrics as Prometheus would take it; fails when the service exports no such metric."""
+        page = httpx.get(f"{self.url}/metrics", timeout=5).text
+        families = [f for f in text_string_to_metric_families(page) if name in (f.name, f.name + "_total")]
+        assert families, f"{name} is not exported"
+        samples = [s for f in families for s in f.samples if s.name == name]
+        return sum(s.value for s in samples if labels.items() <= s.labels.items())
+
     def set_status(self, launch_id: str, state: str, exit_code: int | None = None) -> None:
         (self.nodes_dir / f"{launch_id}.status").write_text(
             json.dumps({"state": state, "exit_code": exit_code})
@@ -108,3 +118,9 @@ def wait_for(check: Any, *, timeout_s: float = 30.0, what: str = "condition") ->
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def job_spec(name: str, nodes: str, **more: Any) -> dict[str, Any]:
+    """The small job the service tests submit: an MLP on synthetic data, 20 steps of 8 samples."""
+    base: dict[str, Any] = {"name": name, "model": {"name": "mlp"}, "data": {"name": "synthetic"}}
+    return base | {"micro_batch_size": 8, "max_steps": 20, "nodes": nodes} | more

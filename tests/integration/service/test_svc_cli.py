@@ -13,21 +13,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from svc_process import ROOT, ServiceProcess, wait_for
+from svc_process import ROOT, ServiceProcess, job_spec, wait_for
 
 from service.cli import main
 from service.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.integration
 
-SPEC = {
-    "name": "cli",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1:2",
-}
+SPEC = job_spec("cli", "1:2")
 
 
 def run(svc: ServiceProcess, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -123,7 +116,11 @@ def test_submit_is_retried_while_the_leader_does_not_answer(
                 target=lambda: result.update(r=run(b, capsys, "submit", str(spec), "-q"))
             )
             submit.start()
-            wait_for(lambda: refused_503(b) >= 1, timeout_s=60, what="the standby answers 503")
+            wait_for(
+                lambda: b.metric("elastrain_api_requests_total", method="POST", status="503") >= 1,
+                timeout_s=60,
+                what="the standby answers 503",
+            )
             submit.join(timeout=120)
             code, out, err = result["r"]
             assert code == 0, err
@@ -135,14 +132,3 @@ def test_submit_is_retried_while_the_leader_does_not_answer(
                 a.proc.send_signal(signal.SIGCONT)
             a.stop()
             b.stop()
-
-
-def refused_503(svc: ServiceProcess) -> float:
-    text = httpx.get(f"{svc.url}/metrics", timeout=5).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("elastrain_api_requests_total{")
-        and 'method="POST"' in line
-        and 'status="503"' in line
-    )

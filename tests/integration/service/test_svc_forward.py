@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from svc_process import ServiceProcess, wait_for
+from svc_process import ServiceProcess, job_spec, wait_for
 
 from service.etcd_server import EtcdServer
 from service.jobs import keys
@@ -19,24 +19,7 @@ from service.store import EtcdStore
 
 pytestmark = pytest.mark.integration
 
-SPEC: dict[str, Any] = {
-    "name": "fwd",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1:2",
-    "initial_nodes": 1,
-}
-
-
-def forwarded(svc: ServiceProcess) -> float:
-    text = httpx.get(f"{svc.url}/metrics", timeout=5).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith('elastrain_api_forwarded_total{outcome="forwarded"}')
-    )
+SPEC: dict[str, Any] = job_spec("fwd", "1:2", initial_nodes=1)
 
 
 def test_a_standby_forwards_writes_to_the_leader(tmp_path: Path) -> None:
@@ -88,7 +71,8 @@ def test_a_standby_forwards_writes_to_the_leader(tmp_path: Path) -> None:
                     f"/v1/jobs/{job}/scale", json={"nodes": 1}, headers={"X-Elastrain-Forwarded-By": "x"}
                 )
                 assert looped.status_code == 503 and "not the leader" in looped.text
-            assert forwarded(b) == 5 and forwarded(a) == 0
+            FORWARDED = "elastrain_api_forwarded_total"
+            assert b.metric(FORWARDED, outcome="forwarded") == 5 and a.metric(FORWARDED) == 0
         finally:
             a.stop()
             b.stop()

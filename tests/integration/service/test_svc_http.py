@@ -9,19 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
-from svc_process import ServiceProcess, wait_for
+from svc_process import ServiceProcess, job_spec, wait_for
 
 pytestmark = pytest.mark.integration
 
-SPEC: dict[str, Any] = {
-    "name": "http",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1:3",
-    "optimizer": {"betas": [0.9, 0.99]},
-}
+SPEC: dict[str, Any] = job_spec("http", "1:3", optimizer={"betas": [0.9, 0.99]})
 
 
 def submit(client: httpx.Client, **change: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from svc_process import ServiceProcess, wait_for
+from svc_process import ServiceProcess, job_spec, wait_for
 
 from service.etcd_server import EtcdServer
 from service.jobs import keys
@@ -16,14 +16,7 @@ from service.store import EtcdStore, put_if
 
 pytestmark = pytest.mark.integration
 
-SPEC = {
-    "name": "restart",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "2",
-}
+SPEC = job_spec("restart", "2")
 
 
 def _states(svc: ServiceProcess, ids: list[str]) -> dict[str, str]:

@@ -50,7 +50,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from svc_process import ServiceProcess, wait_for
+from svc_process import ServiceProcess, job_spec, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -67,14 +67,7 @@ CHECKS = [
     response_headers_conformance,
 ]
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
-SPEC: dict[str, Any] = {
-    "name": "fuzzed",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1:3",
-}
+SPEC: dict[str, Any] = job_spec("fuzzed", "1:3")
 
 
 class NothingToNegate(Exception):
