@@ -80,6 +80,7 @@ def create_app(
             own_url=settings.instance_address,
             holder=holder,
             on_forward=lambda outcome: metrics.forwarded.labels(outcome).inc(),
+            forget=service.forget,
         )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outside: bounds what is forwarded
     app.add_middleware(RequestMetrics, metrics=metrics)

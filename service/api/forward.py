@@ -59,6 +59,12 @@ def wants_forward(method: str, path: str, headers: Iterable[tuple[bytes, bytes]]
     return all(name.lower() != FORWARDED_HEADER.encode() for name, _ in headers)
 
 
+def job_of(path: str) -> str | None:
+    """The job a ``/v1/jobs/{id}...`` path names (None for ``/v1/jobs`` itself)."""
+    parts = path.split("/")
+    return parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "jobs"] and parts[3] else None
+
+
 def forward_target(leader: str | None, own: str) -> str | None:
     """Where to send it: the leader's address, unless there is none or it is this instance
     (a restarted leader taking its own key back handles the request itself)."""
@@ -100,6 +106,7 @@ class ForwardToLeader:
         holder: str,
         timeout_s: float = 10.0,
         on_forward: Callable[[str], None] = lambda outcome: None,
+        forget: Callable[[str], None] = lambda job_id: None,
     ) -> None:
         self.app = app
         self.leading = leading
@@ -107,6 +114,9 @@ class ForwardToLeader:
         self.own_url = own_url
         self.holder = holder
         self.on_forward = on_forward
+        self.forget = forget
+        """Drops this instance's cached copy of a job the leader just wrote for it (so a client
+        that reads back through this instance sees its own write)."""
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=2.0))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -142,6 +152,9 @@ class ForwardToLeader:
             await _reply_503(send, target, exc)
             return
         self.on_forward("forwarded")
+        job_id = job_of(scope["path"])
+        if job_id is not None:
+            self.forget(job_id)
         out = [
             (k.encode("latin-1"), v.encode("latin-1"))
             for k, v in answer.headers.multi_items()

@@ -144,6 +144,12 @@ class JobService:
     def get(self, job_id: str) -> JobRecord:
         return self.get_versioned(job_id)[0]
 
+    def forget(self, job_id: str) -> None:
+        """Drop what this instance cached of a job that another instance wrote (a standby after
+        forwarding a write to the leader): its next read sees the write."""
+        self._recent.pop(job_id, None)
+        self.on_change(job_id)
+
     def get_recent(self, job_id: str) -> JobRecord:
         """The job record, read from etcd at most every ``record_cache_s`` (for the workers'
         frequent callbacks: each etcd read wakes the cores that training shares)."""

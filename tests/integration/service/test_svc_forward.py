@@ -57,9 +57,11 @@ def test_a_standby_forwards_writes_to_the_leader(tmp_path: Path) -> None:
                 stored = EtcdStore([etcd.endpoint]).get(keys.heartbeat(job, launch, 0))
                 assert stored is not None and b'"step": 3' in stored.value
 
+                assert on_b.get(f"/v1/jobs/{job}").json()["desired_nodes"] == 1  # b caches its view
                 scaled = on_b.post(f"/v1/jobs/{job}/scale", json={"nodes": 2})
                 assert scaled.status_code == 202, scaled.text
                 assert on_a.get(f"/v1/jobs/{job}").json()["desired_nodes"] == 2
+                assert on_b.get(f"/v1/jobs/{job}").json()["desired_nodes"] == 2  # reads its own write
 
                 # The leader's refusals come back as they are, not as the standby's.
                 bad = on_b.post(f"/v1/jobs/{job}/scale", json={"nodes": 7})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from svc_fakes import Clock
 
-from service.api.forward import FORWARDED_HEADER, LeaderLookup, forward_target, wants_forward
+from service.api.forward import FORWARDED_HEADER, LeaderLookup, forward_target, job_of, wants_forward
 from service.store import LeaderElection, MemoryStore, address_key, leader_address
 
 AUTH = [(b"authorization", b"Bearer t")]
@@ -74,3 +74,18 @@ def test_leader_lookup_reads_at_most_once_per_max_age() -> None:
     answer[0] = "http://c:8080"
     lookup.forget()  # after a failed forward: read again at once
     assert lookup.get() == "http://c:8080" and len(reads) == 3
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/v1/jobs/j-1/scale", "j-1"),
+        ("/v1/jobs/j-1", "j-1"),
+        ("/v1/jobs", None),
+        ("/v1/jobs/", None),
+        ("/v2/jobs/j-1", None),
+        ("/healthz", None),
+    ],
+)
+def test_the_job_a_forwarded_write_touched(path: str, expected: str | None) -> None:
+    assert job_of(path) == expected
