@@ -14,7 +14,7 @@ from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError, checkpoint_dir, contained, resume_source
 from service.jobs.service import ConflictError, NotFoundError
 from service.jobs.tokens import derive_worker_token, hash_token, worker_token_job
-from service.settings import SettingsError, load_settings
+from service.settings import Settings, SettingsError, load_settings
 from service.store import StoreUnavailableError
 from worker.errors import SpecError
 
@@ -202,3 +202,16 @@ def test_status_line_shows_progress_and_placeholders() -> None:
     assert " ".join(line.split()) == expected
     empty = status_line({"state": "PENDING", "desired_nodes": 1})
     assert "step -" in empty and "ckpt -" in empty and "restarts 0" in empty
+
+
+def test_the_readme_lists_every_setting_of_the_service() -> None:
+    """The README's settings table names each ELASTRAIN_* variable Settings reads (a new setting
+    that the README does not mention fails here)."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+    table = readme.split("## Settings of the service", 1)[1].split("\n## ", 1)[0]
+    missing = [
+        f"ELASTRAIN_{name.upper()}"
+        for name in Settings.model_fields
+        if f"`ELASTRAIN_{name.upper()}`" not in table
+    ]
+    assert missing == []
