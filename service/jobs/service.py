@@ -145,8 +145,8 @@ class JobService:
         return self.get_versioned(job_id)[0]
 
     def forget(self, job_id: str) -> None:
-        """Drop what this instance cached of a job that another instance wrote (a standby after
-        forwarding a write to the leader): its next read sees the write."""
+        """Drop what this instance cached of a job after a write to it (its own, or the leader's
+        for a write this standby forwarded): its next read sees the write."""
         self._recent.pop(job_id, None)
         self.on_change(job_id)
 
@@ -290,8 +290,7 @@ class JobService:
         it and tell the listeners (``wake``: the reconciler too). False when the revision moved."""
         if not self.commit([Write(keys.job(record.id), record.to_json(), revision)], fence=fence):
             return False
-        self._recent.pop(record.id, None)
-        self.on_change(record.id)
+        self.forget(record.id)
         if wake:
             self.on_job_write(record.id)
         return True
