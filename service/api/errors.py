@@ -10,8 +10,9 @@ it can answer, so the OpenAPI schema describes the bodies the service really sen
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError
@@ -73,6 +75,17 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
     """The JSON of an :class:`ErrorResponse` (built by hand: it is on every error path)."""
     return {"error": {"code": code, "message": message, "field": field}}
+
+
+async def send_error(
+    send: Send, status: int, code: str, message: str, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """Answer with an :class:`ErrorResponse` from raw ASGI middleware (outside FastAPI's routes
+    and exception handlers)."""
+    body = json.dumps(error_body(code, message)).encode()
+    start = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _field_of_spec_error(message: str) -> str | None:

@@ -17,7 +17,6 @@ idempotent (submissions by their Idempotency-Key).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +26,7 @@ import anyio.to_thread
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import error_body
+from service.api.errors import send_error
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +148,11 @@ class ForwardToLeader:
             log.warning(
                 "forwarding %s %s to the leader at %s failed: %s", scope["method"], scope["path"], target, exc
             )
-            await _reply_503(send, target, exc)
+            message = (
+                f"this instance is not the leader and the leader at {target} did not answer "
+                f"({type(exc).__name__}); retry in a few seconds"
+            )
+            await send_error(send, 503, "unavailable", message, [(b"retry-after", b"2")])
             return
         self.on_forward("forwarded")
         job_id = job_of(scope["path"])
@@ -164,9 +167,6 @@ class ForwardToLeader:
         await send({"type": "http.response.start", "status": answer.status_code, "headers": out})
         await send({"type": "http.response.body", "body": answer.content})
 
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
 
 async def _read_body(receive: Receive) -> bytes:
     chunks: list[bytes] = []
@@ -178,24 +178,3 @@ async def _read_body(receive: Receive) -> bytes:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
-
-
-async def _reply_503(send: Send, target: str, exc: Exception) -> None:
-    payload = error_body(
-        "unavailable",
-        f"this instance is not the leader and the leader at {target} did not answer "
-        f"({type(exc).__name__}); retry in a few seconds",
-    )
-    body = json.dumps(payload).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", b"2"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

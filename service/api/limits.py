@@ -8,12 +8,9 @@ a few thousand brackets would otherwise end in a RecursionError (a 500).
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import error_body
+from service.api.errors import send_error
 
 MAX_DEPTH = 64
 _OPEN, _CLOSE, _QUOTE, _ESCAPE = frozenset(b"[{"), frozenset(b"]}"), ord('"'), ord("\\")
@@ -56,10 +53,10 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared == -1:
-            await _reply(send, 400, "bad_request", "the Content-Length header is not a number")
+            await send_error(send, 400, "bad_request", "the Content-Length header is not a number")
             return
         if declared is not None and declared > self.max_bytes:
-            await _reply(send, 413, "body_too_large", self._too_large(declared))
+            await send_error(send, 413, "body_too_large", self._too_large(declared))
             return
         chunks, total = [], 0
         while True:
@@ -70,7 +67,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > self.max_bytes:
-                await _reply(send, 413, "body_too_large", self._too_large(total))
+                await send_error(send, 413, "body_too_large", self._too_large(total))
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -81,7 +78,7 @@ class BodyLimit:
             reason = (
                 f"the JSON body is nested deeper than {MAX_DEPTH} levels; no elastrain document needs that"
             )
-            await _reply(send, 422, "too_deep", reason)
+            await send_error(send, 422, "too_deep", reason)
             return
         body: Message = {"type": "http.request", "body": data, "more_body": False}
         await self.app(scope, _replay([body], receive), send)
@@ -110,11 +107,3 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
         return pending.pop(0) if pending else await receive()
 
     return replay
-
-
-async def _reply(send: Send, status: int, code: str, message: str) -> None:
-    payload: Any = error_body(code, message)
-    body = json.dumps(payload).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
