@@ -30,16 +30,15 @@ from service.jobs.service import InvalidRequestError, JobService
 from service.store import Write
 from worker.checkpoint.commit import Expected, Report, build_manifest, decide, report_from_json
 from worker.checkpoint.layout import (
+    file_sizes,
     list_published,
     parse_staging_dir,
-    remove_tree,
     staging_dir_name,
-    step_dir_name,
 )
 from worker.checkpoint.loadplan import bytes_read, needs_for_rank, plan_reads
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, manifest_from_json
 from worker.checkpoint.publish import abort_staged, publish_staged
-from worker.checkpoint.retention import CheckpointInfo, plan_retention
+from worker.checkpoint.retention import CheckpointInfo, apply_retention
 from worker.errors import ElastrainError
 from worker.spec import RetentionSpec
 
@@ -56,13 +55,6 @@ def _outcome(status: str, step: int, generation: int, reason: str, path: str | N
         "reason": reason,
         "path": path,
     }
-
-
-def _sizes(staging: Path) -> dict[str, int]:
-    try:
-        return {p.name: p.stat().st_size for p in staging.iterdir() if p.is_file()}
-    except FileNotFoundError:
-        return {}
 
 
 def _sizes_match(step_dir: Path, manifest: Manifest) -> bool:
@@ -120,7 +112,7 @@ class CheckpointCoordinator:
         staging = Path(record.checkpoint_dir) / staging_dir_name(step, generation)
         complete = len(reports) >= report.world_size
         decision = decide(
-            expected, reports, deadline_passed=False, observed_sizes=_sizes(staging) if complete else None
+            expected, reports, deadline_passed=False, observed_sizes=file_sizes(staging) if complete else None
         )
         if decision.action == "wait":
             return _outcome("pending", step, generation, decision.reason)
@@ -273,13 +265,8 @@ class CheckpointCoordinator:
         )
         entries = [json.loads(e.value) for e in self.store.list_prefix(keys.checkpoints(record.id))]
         infos = [CheckpointInfo(int(e["step"]), e.get("metrics", {})) for e in entries]
-        plan = plan_retention(infos, policy, newest_verified=newest)
-        for step in plan.delete:
-            try:
-                remove_tree(Path(record.checkpoint_dir) / step_dir_name(step))
-            except OSError as exc:
-                log.warning("job %s: retention could not delete step %s: %s", record.id, step, exc)
-                continue
+        job_dir = Path(record.checkpoint_dir)
+        for step in apply_retention(job_dir, policy, newest=newest, checkpoints=infos):
             self.jobs.commit([Write(keys.checkpoint(record.id, step), None, None)])
 
     # ------------------------------------------------------------------ resume

@@ -33,6 +33,7 @@ from worker.checkpoint.coordinator import (
 from worker.checkpoint.engine import SaveJob, json_copy, new_job, persist
 from worker.checkpoint.interval import auto_interval_seconds, observed_mtbf, policy_from_spec, should_save
 from worker.checkpoint.layout import collect_orphans, parse_staging_dir, remove_tree, staging_dir_name
+from worker.checkpoint.retention import apply_retention
 from worker.checkpoint.rng import capture_rng
 from worker.checkpoint.state import capture, optimizer_owned
 from worker.errors import CheckpointError
@@ -289,7 +290,7 @@ class Checkpointer:
             persist_seconds=round(seconds, 4), background=self.cfg.async_save,
         )  # fmt: skip
         if self.rank == 0 and self.job_dir is not None:
-            deleted = _restore.apply_retention(self.job_dir, self.cfg.retention, newest=outcome.step)
+            deleted = apply_retention(self.job_dir, self.cfg.retention, newest=outcome.step)
             self.stats.deleted_total += len(deleted)
             if deleted:
                 self.event("checkpoint_retention_deleted", steps=deleted)

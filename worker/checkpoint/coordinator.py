@@ -33,7 +33,7 @@ from worker.checkpoint.commit import (
     report_from_json,
     report_to_json,
 )
-from worker.checkpoint.layout import staging_dir_name
+from worker.checkpoint.layout import file_sizes, staging_dir_name
 from worker.checkpoint.publish import abort_staged, publish_staged
 from worker.errors import ElastrainError
 
@@ -212,7 +212,7 @@ class InJobCoordinator:
                 expected,
                 list(reports.values()),
                 deadline_passed=time.monotonic() >= deadline,
-                observed_sizes=_sizes(staging) if len(reports) == self.world_size else None,
+                observed_sizes=file_sizes(staging) if len(reports) == self.world_size else None,
             )
             if decision.action == "abort":
                 return self._abort(staging, step, generation, decision.reason)
@@ -231,10 +231,3 @@ class InJobCoordinator:
         except OSError as exc:
             reason = f"{reason}; removing the staging directory failed too: {exc}"
         return Outcome(False, step, generation, reason)
-
-
-def _sizes(staging: Path) -> dict[str, int]:
-    try:
-        return {p.name: p.stat().st_size for p in staging.iterdir() if p.is_file()}
-    except FileNotFoundError:
-        return {}

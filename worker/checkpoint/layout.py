@@ -66,6 +66,15 @@ def write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def file_sizes(directory: Path) -> dict[str, int]:
+    """The sizes of the plain files in ``directory`` (a staging directory): what a coordinator
+    compares with the ranks' reports before publishing. Empty when the directory is gone."""
+    try:
+        return {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+    except FileNotFoundError:
+        return {}
+
+
 def list_published(job_dir: Path) -> list[tuple[int, Path]]:
     """Published step directories (those holding a manifest), oldest first."""
     out = []

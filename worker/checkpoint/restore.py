@@ -26,19 +26,15 @@ from worker.checkpoint.layout import (
     fsync_dir,
     list_published,
     read_latest,
-    remove_tree,
     resolve_checkpoint,
     step_dir_name,
     write_latest,
 )
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest
-from worker.checkpoint.retention import CheckpointInfo, plan_retention
 from worker.checkpoint.rng import derive_rng, restore_rng
 from worker.checkpoint.state import LiveState, apply, capture
 from worker.checkpoint.verify import load_manifest
 from worker.errors import CheckpointError, CorruptCheckpointError
-from worker.failpoints import failpoint
-from worker.spec import RetentionSpec
 
 if TYPE_CHECKING:
     from worker.checkpoint.api import Checkpointer, Restored
@@ -164,19 +160,3 @@ def _settle(ck: Checkpointer, step: int, step_dir: Path, refused: list[Path]) ->
     if read_latest(job_dir) != step_dir_name(step):
         write_latest(job_dir, step)
     fsync_dir(job_dir)
-
-
-def apply_retention(job_dir: Path, policy: RetentionSpec, *, newest: int) -> list[int]:
-    """Delete what the retention plan says, right after ``newest`` was published."""
-    infos = []
-    for step, path in list_published(job_dir):
-        try:
-            metrics = load_manifest(path).metrics
-        except CheckpointError:
-            metrics = {}
-        infos.append(CheckpointInfo(step, metrics))
-    plan = plan_retention(infos, policy, newest_verified=newest)
-    for step in plan.delete:
-        failpoint("before_retention_delete")
-        remove_tree(job_dir / step_dir_name(step))
-    return list(plan.delete)

@@ -1,4 +1,8 @@
-"""Retention: which published checkpoints to keep and which to delete (pure, torch-free).
+"""Retention: which published checkpoints to keep and which to delete (torch-free).
+
+:func:`plan_retention` decides (pure); :func:`apply_retention` deletes what it decided, with the
+``before_retention_delete`` failpoint before each deletion. Both the worker (rank 0 under bare
+torchrun) and the control plane (for jobs it coordinates) call :func:`apply_retention`.
 
 Kept: the latest ``keep_latest`` (at least 2, since the newest may be the one a failure hits),
 every ``milestone_every_steps``-th step, the best ``keep_best`` by ``best_metric``
@@ -9,10 +13,17 @@ successor was published, so nothing is deleted before its successor exists.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from worker.checkpoint.layout import list_published, remove_tree, step_dir_name
+from worker.errors import CheckpointError
+from worker.failpoints import failpoint
 from worker.spec import RetentionSpec
+
+log = logging.getLogger("elastrain.checkpoint")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +74,42 @@ def _best(checkpoints: Sequence[CheckpointInfo], policy: RetentionSpec) -> list[
     else:
         scored.sort(key=lambda vs: (-vs[0], -vs[1]))
     return [s for _, s in scored[: policy.keep_best]]
+
+
+def published_infos(job_dir: Path) -> list[CheckpointInfo]:
+    """The published steps of ``job_dir`` with the metrics their manifests hold (none for a
+    manifest that cannot be read: it is never kept as "best")."""
+    from worker.checkpoint.verify import load_manifest
+
+    infos = []
+    for step, path in list_published(job_dir):
+        try:
+            metrics = load_manifest(path).metrics
+        except CheckpointError:
+            metrics = {}
+        infos.append(CheckpointInfo(step, metrics))
+    return infos
+
+
+def apply_retention(
+    job_dir: Path,
+    policy: RetentionSpec,
+    *,
+    newest: int,
+    checkpoints: Sequence[CheckpointInfo] | None = None,
+) -> list[int]:
+    """Delete what :func:`plan_retention` says, right after ``newest`` was published; returns
+    the steps deleted. ``checkpoints``: the published steps and their metrics as the caller
+    knows them (the control plane's registry); default: read from the manifests in ``job_dir``.
+    A step that cannot be deleted is logged and kept (the next publish tries again)."""
+    infos = published_infos(job_dir) if checkpoints is None else list(checkpoints)
+    deleted = []
+    for step in plan_retention(infos, policy, newest_verified=newest).delete:
+        try:
+            failpoint("before_retention_delete")
+            remove_tree(job_dir / step_dir_name(step))
+        except OSError as exc:
+            log.warning("retention could not delete step %s in %s: %s", step, job_dir, exc)
+            continue
+        deleted.append(step)
+    return deleted
