@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 
 from service.jobs.events import WorkerEvent
 from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress
@@ -16,6 +26,21 @@ def body_of(component: str) -> dict[str, Any]:
     models that app.py puts into the schema's components."""
     ref = {"$ref": f"#/components/schemas/{component}"}
     return {"content": {"application/json": {"schema": ref}}, "required": True}
+
+
+_DECIMAL = re.compile(r"-?[0-9]{1,19}")
+
+
+def _decimal(value: object) -> object:
+    """A path or query integer as people write one: decimal digits. (Left to pydantic, a
+    parameter also took '+0.0', '1_000' or ' 7', which no client means as a number.)"""
+    if isinstance(value, str) and not _DECIMAL.fullmatch(value):
+        raise ValueError(f"{value[:40]!r} is not a whole number; give decimal digits, e.g. 12")
+    return value
+
+
+ParamInt = Annotated[int, BeforeValidator(_decimal)]
+"""The type of every integer path and query parameter."""
 
 
 class _Request(BaseModel):
@@ -68,7 +93,7 @@ class ReportContext(BaseModel):
     parallelism: StrictStr = "ddp"
     block_size: Count = 0
     meta: dict[str, Any] = Field(default_factory=dict)
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, StrictFloat] = Field(default_factory=dict)
     run_record: dict[str, Any] = Field(default_factory=dict)
     parent_step: Count | None = None
     spec_hash: StrictStr = ""

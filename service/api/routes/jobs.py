@@ -17,6 +17,7 @@ from service.api.schemas import (
     JobList,
     JobLogs,
     JobPublic,
+    ParamInt,
     ScaleRequest,
     body_of,
     public,
@@ -65,7 +66,7 @@ async def submit_job(
 def list_jobs(
     ctx: ContextDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state")] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    limit: Annotated[ParamInt, Query(ge=1, le=500)] = 50,
     cursor: Annotated[
         str | None, Query(max_length=100, description="next_cursor of the previous page")
     ] = None,
@@ -122,8 +123,8 @@ def list_checkpoints(job_id: str, ctx: ContextDep) -> dict[str, Any]:
 def job_logs(
     job_id: str,
     ctx: ContextDep,
-    node: Annotated[int | None, Query(ge=0)] = None,
-    tail: Annotated[int, Query(ge=1, le=10_000)] = 200,
+    node: Annotated[ParamInt | None, Query(ge=0)] = None,
+    tail: Annotated[ParamInt, Query(ge=1, le=10_000)] = 200,
 ) -> JobLogs:
     """The last ``tail`` lines of each node's logs (or of ``node``), as the scheduler keeps them.
     A node whose logs the service cannot read (kubernetes keeps them in the cluster) is named

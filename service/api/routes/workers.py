@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -17,6 +17,7 @@ from service.api.schemas import (
     CheckpointOutcome,
     CheckpointReportRequest,
     HeartbeatRequest,
+    ParamInt,
     ProgressRequest,
     ResumeAnswer,
     WorkerEventRequest,
@@ -95,7 +96,7 @@ async def checkpoint_report(
     auth: WorkerAuth,
     ctx: ContextDep,
     request: Request,
-    seq: Annotated[int, Query(ge=0, description="Save number within the generation")] = 0,
+    seq: Annotated[ParamInt, Query(ge=0, description="Save number within the generation")] = 0,
 ) -> dict[str, Any]:
     """Phase 1 report of one rank (the JSON of ``worker.checkpoint.commit.report_to_json``).
     The answer says whether the step is pending, published or aborted (the fields of
@@ -121,12 +122,12 @@ async def checkpoint_report(
 )
 def checkpoint_outcome(
     job_id: str,
-    step: int,
+    step: Annotated[ParamInt, Path(ge=0)],
     auth: WorkerAuth,
     ctx: ContextDep,
     request: Request,
-    generation: Annotated[int, Query(ge=0)] = 0,
-    seq: Annotated[int, Query(ge=0)] = 0,
+    generation: Annotated[ParamInt, Query(ge=0)] = 0,
+    seq: Annotated[ParamInt, Query(ge=0)] = 0,
 ) -> dict[str, Any]:
     """Whether a reported step was published, is pending or was aborted."""
     record = _job(ctx, job_id, auth, request)
@@ -142,8 +143,8 @@ def resume(
     auth: WorkerAuth,
     ctx: ContextDep,
     request: Request,
-    world_size: Annotated[int | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
-    rank: Annotated[int | None, Query(ge=0)] = None,
+    world_size: Annotated[ParamInt | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
+    rank: Annotated[ParamInt | None, Query(ge=0)] = None,
 ) -> dict[str, Any]:
     """The newest published, verified checkpoint and the load plan for ``world_size``."""
     record = _job(ctx, job_id, auth, request)

@@ -230,3 +230,22 @@ def test_checkpoint_reports_publish_and_show_in_checkpoints_and_resume(tmp_path:
         assert resume["checkpoint"]["step"] == 8 and sorted(resume["load_plan"]) == ["0", "1", "2"]
         assert client.get(base, headers=AUTH).json()["last_published_step"] == 8
         assert error(client.get(f"{base}/resume?world_size=0", headers=worker), 422)["field"] == "world_size"
+
+
+@pytest.mark.parametrize("raw", ["%2B0.0", "1_0", "%207", "0x10", "1e3"])
+def test_integer_parameters_take_decimal_digits_only(client: TestClient, raw: str) -> None:
+    """Found by schemathesis (negative, seed 2101011686): '+0.0' was taken as step 0."""
+    job = submit(client)
+    body = error(client.get(f"/v1/jobs/{job['id']}/workers/checkpoints/{raw}", headers=AUTH), 422)
+    assert "whole number" in body["message"] and body["field"] == "step"
+    body = error(client.get(f"/v1/jobs?limit={raw}", headers=AUTH), 422)
+    assert "decimal digits" in body["message"] and body["field"] == "limit"
+
+
+def test_a_report_whose_metrics_are_not_numbers_is_refused(client: TestClient) -> None:
+    """Found by schemathesis (negative, seed 2101011686): ``true`` passed as a metric value."""
+    job = submit(client)
+    report = {"step": 4, "generation": 0, "rank": 0, "world_size": 2, "ok": False, "error": "x"}
+    report["context"] = {"metrics": {"loss": True}}
+    resp = client.post(f"/v1/jobs/{job['id']}/workers/checkpoints", json=report, headers=AUTH)
+    assert error(resp, 422)["field"] == "context.metrics.loss"
