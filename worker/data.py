@@ -3,8 +3,10 @@
 A data factory is called as ``factory(samples=N, seed=S, split="train"|"eval", **kwargs)`` and
 returns a :class:`Dataset`: ``len()``, ``batch(indices) -> (inputs, targets)``, ``task`` and
 ``meta`` (the sizes the model factory needs). With ``data.samples`` unset, ``samples`` is None
-and the dataset's own length is the run's (a file-backed set covers its file). Losses are sums
-over samples in fp32, so the trainer can divide by the true global sample count.
+and the dataset's own length is the run's (a file-backed set covers its file). ``inputs`` may be a
+mapping of tensors (passed to the model as keyword arguments). ``task`` selects the built-in
+loss; with a ``loss`` factory it may be anything. Losses are sums over samples in fp32, so the
+trainer can divide by the true global sample count.
 """
 
 from __future__ import annotations
@@ -126,9 +128,11 @@ def build_data(spec: DataSpec, seed: int, split: str = "train") -> Dataset:
         data = factory(samples=samples, seed=seed, split=split, **spec.kwargs)
     except (TypeError, ValueError) as exc:
         raise SpecError(f"field 'data.kwargs': {exc}") from None
-    task = getattr(data, "task", None)
-    if task not in TASKS or not hasattr(data, "batch"):
-        raise SpecError(f"field 'data.factory': must return a dataset with batch() and a task in {TASKS}")
+    if not callable(getattr(data, "batch", None)) or not hasattr(data, "__len__"):
+        raise SpecError(
+            "field 'data.factory': must return a dataset with len() and batch(indices), "
+            f"not {type(data).__name__}"
+        )
     if split == "train" and samples is not None and len(data) != samples:
         raise SpecError(
             f"field 'data.samples': the factory returned {len(data)} samples, not {samples}; "
