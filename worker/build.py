@@ -47,7 +47,12 @@ def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
     objective = build_objective(spec, data)
     plan = plan_batch(spec, info.world_size, reference_batch=None, resuming=resuming)
     check_contract(
-        model, data, objective, micro_batch=plan.micro_batch, precision=spec.precision, device=device
+        model,
+        data,
+        objective=objective,
+        micro_batch=plan.micro_batch,
+        precision=spec.precision,
+        device=device,
     )
     return Built(
         spec=spec, flags=flags, data=data, eval_data=eval_data, model=model, objective=objective, plan=plan

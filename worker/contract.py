@@ -51,8 +51,8 @@ def check_batch(data: Dataset, count: int) -> tuple[Any, Any]:
 def check_contract(
     model: nn.Module,
     data: Dataset,
-    objective: Objective,
     *,
+    objective: Objective,
     micro_batch: int,
     precision: str,
     device: torch.device,

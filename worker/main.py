@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     generation: int | None = None
     try:
         generation = dist.agree_generation()
-        trainer = _trainer(built, info, events, client, generation)
+        trainer = _trainer(built, info, events=events, client=client, generation=generation)
         trainer.start()
         trainer.run()
     except BaseException as exc:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _trainer(
-    built: Built, info: DistInfo, events: Events, client: ServiceClient | None, generation: int
+    built: Built, info: DistInfo, *, events: Events, client: ServiceClient | None, generation: int
 ) -> Trainer:
     """The Trainer, complete: its checkpointer, this group's generation and its metrics."""
     from worker.metrics import WorkerMetrics

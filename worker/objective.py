@@ -161,10 +161,10 @@ class Objective:
             selected = selected.float()
         rows = batch_size_of(targets)
         if self.output == "loss":
-            return per_sample(selected, "model.output", "the forward's 'loss' is", rows=rows)
+            return per_sample(selected, field="model.output", what="the forward's 'loss' is", rows=rows)
         if self.loss is not None:
             raw = self.loss(selected, targets, **self.loss_kwargs)
-            return per_sample(raw, "loss.factory", f"{self.loss_name} returned", rows=rows)
+            return per_sample(raw, field="loss.factory", what=f"{self.loss_name} returned", rows=rows)
         raise AssertionError("the built-in losses sum in loss_sum")  # pragma: no cover
 
     def loss_sum(self, output: Any, targets: Any) -> torch.Tensor:
@@ -189,7 +189,7 @@ def _checked(value: Any, output: Any, name: str) -> Any:
     return value
 
 
-def per_sample(value: Any, field: str, what: str, *, rows: int | None) -> torch.Tensor:
+def per_sample(value: Any, *, field: str, what: str, rows: int | None) -> torch.Tensor:
     """``value`` as one fp32 loss per sample: a (batch,) tensor, or (batch, ...) averaged over the
     other dimensions. A scalar (a mean over the micro-batch) is refused, with why and the fix, and
     so is a first dimension other than the micro-batch's ``rows`` (when known). ``what`` is the

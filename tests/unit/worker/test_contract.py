@@ -33,7 +33,7 @@ class Returns(nn.Module):
 
 
 def check(model: nn.Module, data: Any, objective: Objective, precision: str = "fp32") -> None:
-    check_contract(model, data, objective, micro_batch=4, precision=precision, device=CPU)
+    check_contract(model, data, objective=objective, micro_batch=4, precision=precision, device=CPU)
 
 
 def test_a_model_that_returns_a_mapping_without_logits_is_refused_saying_what_came_back() -> None:

@@ -109,7 +109,7 @@ def test_per_sample_losses_the_model_computed_are_summed() -> None:
 def test_losses_not_one_per_sample_are_refused() -> None:
     flat = torch.ones(20)  # per token, flattened: 20 rows for 4 samples
     with pytest.raises(SpecError, match=r"shape \(20,\) \(float32\) for a micro-batch of 4 samples"):
-        per_sample(flat, "loss.factory", "m:f returned", rows=4)
+        per_sample(flat, field="loss.factory", what="m:f returned", rows=4)
 
 
 def test_without_a_loss_the_task_must_be_a_built_in_one() -> None:
