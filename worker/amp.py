@@ -95,15 +95,47 @@ def any_rank_non_finite(local_norms: list[torch.Tensor], *, device: torch.device
     return bool(flag.item() > 0)
 
 
-def precision_table(precision: str, device: torch.device) -> dict[str, dict[str, str]]:
+OPTIMIZER_ROW = "optimizer (master params, moments)"
+NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def state_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, list[str]]:
+    """The dtypes the master state really has: every parameter, and every floating tensor of the
+    optimizer's state (moments; empty until the first step creates them)."""
+    params = {dtype_label(p.dtype) for p in model.parameters()}
+    moments = set()
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            for key, value in per_param.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    moments.add(dtype_label(value.dtype))
+    return {"params": sorted(params), "optimizer_state": sorted(moments)}
+
+
+def optimizer_row(state: dict[str, list[str]]) -> dict[str, str]:
+    """The precision table's optimizer entry from :func:`state_dtypes`: gradients reach the
+    optimizer in the parameters' dtype, the moments accumulate in theirs."""
+    params = "+".join(state["params"]) or "none"
+    moments = "+".join(state["optimizer_state"]) or "not created yet (at the first step)"
+    return {"input": params, "accumulate": moments, "output": params}
+
+
+def precision_table(
+    precision: str, device: torch.device, state: dict[str, list[str]]
+) -> dict[str, dict[str, str]]:
     """Input, accumulate and output dtypes actually in use for the key op classes.
 
-    Inputs and outputs are observed by running each op under the same autocast the model uses;
-    accumulation is what the backend documents for that op on this device.
+    Inputs and outputs are observed by running each op under the same autocast the model uses, on
+    fixed inputs: nothing here draws from a generator (this runs between the RNG restore and the
+    first step). Accumulation is what the backend documents for that op on this device. The
+    gradient and optimizer entries come from the real master state (:func:`state_dtypes`).
     """
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    x = torch.randn(4, 8, device=device)
-    w = torch.randn(8, 8, device=device)
+    x = torch.linspace(-2.0, 2.0, 32, device=device).reshape(4, 8)
+    w = torch.linspace(-1.0, 1.0, 64, device=device).reshape(8, 8)
     with autocast(precision, device):
         lin = torch.nn.functional.linear(x, w)
         soft = torch.softmax(lin, dim=-1)
@@ -116,21 +148,15 @@ def precision_table(precision: str, device: torch.device) -> dict[str, dict[str,
         mm_acc = "fp16" if torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction else "fp32"
     if device.type == "cuda" and precision == "bf16":
         mm_acc = "bf16" if torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction else "fp32"
+    act = dtype_label(lin.dtype)
+    grads = "+".join(state["params"]) or "none"
     return {
-        "matmul/linear": {
-            "input": name[lin.dtype] if low else "fp32",
-            "accumulate": mm_acc,
-            "output": name[lin.dtype],
-        },
-        "softmax": {"input": name[lin.dtype], "accumulate": "fp32", "output": name[soft.dtype]},
-        "log_softmax/cross_entropy": {
-            "input": name[lin.dtype],
-            "accumulate": "fp32",
-            "output": name[logp.dtype],
-        },
-        "layer_norm": {"input": name[lin.dtype], "accumulate": "fp32", "output": name[norm.dtype]},
-        "reduction(sum)": {"input": name[lin.dtype], "accumulate": "fp32", "output": name[red.dtype]},
+        "matmul/linear": {"input": act if low else "fp32", "accumulate": mm_acc, "output": act},
+        "softmax": {"input": act, "accumulate": "fp32", "output": dtype_label(soft.dtype)},
+        "log_softmax/cross_entropy": {"input": act, "accumulate": "fp32", "output": dtype_label(logp.dtype)},
+        "layer_norm": {"input": act, "accumulate": "fp32", "output": dtype_label(norm.dtype)},
+        "reduction(sum)": {"input": act, "accumulate": "fp32", "output": dtype_label(red.dtype)},
         "loss": {"input": "fp32", "accumulate": "fp32", "output": "fp32"},
-        "gradient all-reduce": {"input": "fp32", "accumulate": "fp32", "output": "fp32"},
-        "optimizer (master params, moments)": {"input": "fp32", "accumulate": "fp32", "output": "fp32"},
+        "gradient all-reduce": {"input": grads, "accumulate": grads, "output": grads},
+        OPTIMIZER_ROW: optimizer_row(state),
     }

@@ -2,7 +2,10 @@
 
 A data factory is called as ``factory(samples=N, seed=S, split="train"|"eval", **kwargs)`` and
 returns a :class:`Dataset`: ``len()``, ``batch(indices) -> (inputs, targets)``, ``task`` and
-``meta`` (the sizes the model factory needs). Losses are sums over samples in fp32, so the
+``meta`` (the sizes the model factory needs). With ``data.samples`` unset, ``samples`` is None
+and the dataset's own length is the run's (a file-backed set covers its file). ``inputs`` may be a
+mapping of tensors (passed to the model as keyword arguments). ``task`` selects the built-in
+loss; with a ``loss`` factory it may be anything. Losses are sums over samples in fp32, so the
 trainer can divide by the true global sample count.
 """
 
@@ -53,8 +56,12 @@ def _rng(seed: int, split: str, salt: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, salt, 0 if split == "train" else 1]))
 
 
+DEFAULT_SAMPLES = 4096
+"""What the built-in generated sets hold when ``data.samples`` is unset."""
+
+
 def synthetic(
-    samples: int,
+    samples: int | None,
     seed: int,
     split: str = "train",
     *,
@@ -67,6 +74,7 @@ def synthetic(
     """Regression (``y = tanh(x A) B + noise``) or classification (``argmax(x A)``) data."""
     if task not in ("regression", "classification"):
         raise ValueError("task must be regression or classification")
+    samples = DEFAULT_SAMPLES if samples is None else samples
     teacher = _rng(seed, "train", 1)  # one teacher for both splits
     a = teacher.standard_normal((input_dim, 32)).astype(np.float32) / np.sqrt(input_dim)
     rng = _rng(seed, split, 2)
@@ -83,7 +91,7 @@ def synthetic(
 
 
 def tokens(
-    samples: int,
+    samples: int | None,
     seed: int,
     split: str = "train",
     *,
@@ -92,6 +100,7 @@ def tokens(
     branching: int = 3,
 ) -> TensorData:
     """Sequences from a fixed random Markov chain: each token has ``branching`` likely successors."""
+    samples = DEFAULT_SAMPLES if samples is None else samples
     teacher = _rng(seed, "train", 3)
     successors = np.stack(
         [teacher.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)]
@@ -119,11 +128,16 @@ def build_data(spec: DataSpec, seed: int, split: str = "train") -> Dataset:
         data = factory(samples=samples, seed=seed, split=split, **spec.kwargs)
     except (TypeError, ValueError) as exc:
         raise SpecError(f"field 'data.kwargs': {exc}") from None
-    task = getattr(data, "task", None)
-    if task not in TASKS or not hasattr(data, "batch"):
-        raise SpecError(f"field 'data.factory': must return a dataset with batch() and a task in {TASKS}")
-    if split == "train" and len(data) != samples:
-        raise SpecError(f"field 'data.samples': the factory returned {len(data)} samples, not {samples}")
+    if not callable(getattr(data, "batch", None)) or not hasattr(data, "__len__"):
+        raise SpecError(
+            "field 'data.factory': must return a dataset with len() and batch(indices), "
+            f"not {type(data).__name__}"
+        )
+    if split == "train" and samples is not None and len(data) != samples:
+        raise SpecError(
+            f"field 'data.samples': the factory returned {len(data)} samples, not {samples}; "
+            "leave data.samples unset to train on the dataset's own length"
+        )
     return data
 
 

@@ -1,7 +1,10 @@
 """The worker's entry point: validate everything that can be validated, then train.
 
-Bad input (spec, options, batch that cannot be split) is one line on stderr and exit code 2,
-before any process group starts. Under torchrun every rank runs this; outside it, one process.
+Bad input (spec, options, batch that cannot be split, a model, data or loss that does not fit
+the worker: see worker.contract) is one line on stderr and exit code 2, before any process group
+starts. Under torchrun every rank runs this; outside it, one process. Under the service a rank
+that stops reports why and at which step (a ``failed`` event), so that the same error in the
+next attempt fails the job instead of spending its restarts.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from typing import TYPE_CHECKING, NoReturn
 from worker.errors import ElastrainError, SpecError
 
 if TYPE_CHECKING:
+    from worker.build import Built
     from worker.checkpoint import Checkpointer
     from worker.dist import DistInfo
     from worker.events import Events
     from worker.service_client import ServiceClient
     from worker.spec import JobSpec
+    from worker.trainer import Trainer
 
 EXIT_BAD_INPUT = 2
 
@@ -51,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from worker import dist
+    from worker.build import build
     from worker.events import Events
     from worker.spec import load_spec
-    from worker.trainer import Trainer
 
     try:
         spec = load_spec(args.config)
@@ -65,23 +70,29 @@ def main(argv: list[str] | None = None) -> int:
         if info.is_main and spec.checkpoint.dir is not None:  # the run dir `elastrain report` reads
             events.log_path = _run_dir(spec.checkpoint.dir) / "events.jsonl"
         timeout_s = _collective_timeout(os.environ.get("ELASTRAIN_COLLECTIVE_TIMEOUT_S", "300"))
-        trainer = Trainer(
-            spec, info, events=events, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume)
-        )
+        built = build(spec, info, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume))
     except SpecError as exc:
         print(f"elastrain worker: error: {exc}", file=sys.stderr)
+        _refused(f"error: {exc}")
         return EXIT_BAD_INPUT
     client = _service(info, events)
     dist.init_group(info, timeout_s=timeout_s)
+    trainer: Trainer | None = None
+    generation: int | None = None
     try:
-        trainer.generation = dist.agree_generation()
-        trainer.checkpointer = _checkpointer(spec, info, events, client, trainer.generation)
+        generation = dist.agree_generation()
+        trainer = _trainer(built, info, events=events, client=client, generation=generation)
         trainer.start()
         trainer.run()
-    except ElastrainError as exc:
-        _die(f"elastrain worker (rank {info.rank}): error: {exc}\n", client)
-    except BaseException:
-        _die(traceback.format_exc(), client)
+    except BaseException as exc:
+        text = f"elastrain worker (rank {info.rank}): error: {exc}\n"
+        line = f"error: {exc}"
+        if not isinstance(exc, ElastrainError):
+            text = traceback.format_exc()
+            line = text.strip().splitlines()[-1]
+        step = trainer.progress.step if trainer is not None else None
+        _die(text, client, line=line, rank=info.rank, step=step, generation=generation)
+    assert trainer is not None
     if client is not None:
         client.close()
     if trainer.metrics is not None:
@@ -89,6 +100,25 @@ def main(argv: list[str] | None = None) -> int:
     del trainer  # the DDP reducer holds the group: release it before the group goes
     dist.shutdown()
     return 0
+
+
+def _trainer(
+    built: Built, info: DistInfo, *, events: Events, client: ServiceClient | None, generation: int
+) -> Trainer:
+    """The Trainer, complete: its checkpointer, this group's generation and its metrics."""
+    from worker.metrics import WorkerMetrics
+    from worker.trainer import Trainer
+
+    spec = built.spec
+    job = os.environ.get("ELASTRAIN_JOB_ID", spec.name)
+    return Trainer(
+        built,
+        info,
+        events=events,
+        checkpointer=_checkpointer(spec, info, events, client, generation),
+        generation=generation,
+        metrics=WorkerMetrics.from_env(job=job, rank=info.rank, world_size=info.world_size),
+    )
 
 
 def _collective_timeout(raw: str) -> float:
@@ -124,10 +154,38 @@ def _service(info: DistInfo, events: Events) -> ServiceClient | None:
     return client
 
 
-def _die(message: str, client: ServiceClient | None) -> NoReturn:
+def _refused(line: str) -> None:
+    """Bad input under the service: say so before exiting 2 (torchrun will start this rank again,
+    and the service fails the job when the next attempt says the same)."""
+    from worker import service_client
+
+    client = service_client.from_env()
+    if client is None:
+        return
+    raw_rank = os.environ.get("RANK", "0")
+    client.failed(
+        line,
+        rank=int(raw_rank) if raw_rank.isdigit() else 0,
+        step=None,
+        attempt=service_client.attempt_id(os.environ, None),
+    )
+    client.close(drain_s=2.0)
+
+
+def _die(
+    message: str,
+    client: ServiceClient | None,
+    *,
+    line: str,
+    rank: int,
+    step: int | None,
+    generation: int | None,
+) -> NoReturn:
     """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown)."""
     if client is not None:
-        client.event("failed", message=message.strip().splitlines()[-1][:2000])
+        from worker.service_client import attempt_id
+
+        client.failed(line, rank=rank, step=step, attempt=attempt_id(os.environ, generation))
         client.close(drain_s=2.0)
     sys.stderr.write(message)
     sys.stderr.flush()

@@ -2,7 +2,9 @@
 
 A model factory is called as ``factory(meta, **kwargs)``, where ``meta`` describes the data
 (``input_dim``, ``output_dim``, ``vocab_size``, ``seq_len``, ``task``), and returns an
-``nn.Module`` whose forward takes the data's inputs and returns predictions or logits.
+``nn.Module`` whose forward takes the data's inputs (a tensor, or a mapping passed as keyword
+arguments) and returns what it returns: a tensor, a tuple, a mapping or an object with
+``logits`` (see :mod:`worker.objective` for how the worker picks from it).
 """
 
 from __future__ import annotations
@@ -20,15 +22,30 @@ from worker.errors import SpecError
 from worker.spec import ModelSpec
 
 
+def _dropout(p: float) -> nn.Module:
+    """Dropout with probability ``p``; nothing at all (no module, no RNG draw) at 0."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout must be at least 0 and below 1, got {p}")
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 class MLP(nn.Module):
-    """A small multi-layer perceptron; ``norm`` = "batch" exercises running statistics."""
+    """A small multi-layer perceptron; ``norm`` = "batch" exercises running statistics and
+    ``dropout`` > 0 a model that draws from the RNG in training (off by default)."""
 
     def __init__(
-        self, input_dim: int, output_dim: int, hidden: int = 64, depth: int = 2, norm: str = "none"
+        self,
+        input_dim: int,
+        output_dim: int,
+        hidden: int = 64,
+        depth: int = 2,
+        norm: str = "none",
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if norm not in ("none", "batch", "layer"):
             raise ValueError("norm must be one of none, batch, layer")
+        _dropout(dropout)
         layers: list[nn.Module] = []
         width = input_dim
         for _ in range(depth):
@@ -38,6 +55,8 @@ class MLP(nn.Module):
             elif norm == "layer":
                 layers.append(nn.LayerNorm(hidden))
             layers.append(nn.ReLU())
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
             width = hidden
         layers.append(nn.Linear(width, output_dim))
         self.net = nn.Sequential(*layers)
@@ -48,9 +67,10 @@ class MLP(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.n_heads = n_heads
+        self.drop = _dropout(dropout)
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -63,29 +83,37 @@ class _Block(nn.Module):
         shape = (b, t, self.n_heads, d // self.n_heads)
         q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))
         att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        out: torch.Tensor = x + self.drop(self.mlp(self.ln2(x)))
         return out
 
 
 class TinyGPT(nn.Module):
-    """A small decoder-only transformer for next-token prediction."""
+    """A small decoder-only transformer for next-token prediction; ``dropout`` (off by default)
+    on the embeddings and on each residual branch."""
 
     def __init__(
-        self, vocab_size: int, seq_len: int, d_model: int = 32, n_layers: int = 2, n_heads: int = 2
+        self,
+        vocab_size: int,
+        seq_len: int,
+        d_model: int = 32,
+        n_layers: int = 2,
+        n_heads: int = 2,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError("d_model must be a multiple of n_heads")
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
-        self.blocks = nn.ModuleList(_Block(d_model, n_heads) for _ in range(n_layers))
+        self.drop = _dropout(dropout)
+        self.blocks = nn.ModuleList(_Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         nn.init.normal_(self.pos, std=1.0 / math.sqrt(d_model))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        x = self.drop(self.tok(tokens) + self.pos[: tokens.shape[1]])
         for block in self.blocks:
             x = block(x)
         out: torch.Tensor = self.head(self.ln_f(x))

@@ -106,6 +106,13 @@ class ServiceClient:
     def event(self, kind: str, **fields: Any) -> None:
         self.send("/workers/events", {"kind": kind, "node_index": self.cfg.node_index, **fields})
 
+    def failed(self, line: str, *, rank: int, step: int | None, attempt: str) -> None:
+        """This rank stops with ``line`` (one line, what went wrong) at ``step`` (None: before
+        training began) in ``attempt`` (see :func:`attempt_id`). The service fails the job when
+        the next attempt stops with the same line at the same step: a deterministic error would
+        only spend the remaining restarts."""
+        self.event("failed", rank=rank, step=step, group_id=attempt[:200], message=line.strip()[:2000])
+
     def progress(
         self, *, step: int, samples_seen: int, samples_per_s: float, loss: float | None, world_size: int
     ) -> None:
@@ -232,6 +239,15 @@ class HttpCoordinator:
                 log.warning("checkpoint outcome for step %s unknown yet: %s", step, exc)
             time.sleep(self.retry_s)
         return Outcome(False, step, generation, f"no answer from the service within {timeout:.0f}s")
+
+
+def attempt_id(env: Mapping[str, str], generation: int | None) -> str:
+    """One attempt of the worker group, the same on all its ranks: the generation the group agreed
+    on; before the group exists, this node's launch and torchrun restart count."""
+    if generation is not None:
+        return f"generation-{generation}"
+    launch = env.get("ELASTRAIN_LAUNCH_ID", "local")
+    return f"{launch}-restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0') or '0'}"
 
 
 def from_env(env: Mapping[str, str] | None = None) -> ServiceClient | None:

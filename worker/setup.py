@@ -130,9 +130,16 @@ def spec_hash(spec: JobSpec) -> str:
 
 
 def run_record(
-    spec: JobSpec, info: DistInfo, *, plan: BatchPlan, flags: dict[str, Any], notes: list[str]
+    spec: JobSpec,
+    info: DistInfo,
+    *,
+    plan: BatchPlan,
+    flags: dict[str, Any],
+    notes: list[str],
+    state: dict[str, list[str]],
 ) -> dict[str, Any]:
-    """Everything needed to say how this run computed: versions, world, numerics, the spec."""
+    """Everything needed to say how this run computed: versions, world, numerics, the spec.
+    ``state``: the master state's real dtypes (:func:`worker.amp.state_dtypes`)."""
     device = torch.device(info.device)
     return {
         "versions": {
@@ -153,7 +160,8 @@ def run_record(
         "seed": spec.seed,
         "batch": plan.to_json(),
         "precision": spec.precision,
-        "precision_table": precision_table(spec.precision, device),
+        "precision_table": precision_table(spec.precision, device, state),
+        "state_dtypes": state,
         "spec": spec.model_dump(mode="json", by_alias=True),
         "spec_hash": spec_hash(spec),
         "data_version": spec.data.version,
@@ -162,9 +170,12 @@ def run_record(
 
 
 def params_digest(model: nn.Module) -> str:
-    """A hash of all parameters' bytes in name order: equal runs give equal digests."""
+    """A hash of all parameters' bytes in name order: equal runs give equal digests. A tensor
+    shared by several names (tied weights) counts once, under the first name the module
+    registers for it (``named_parameters`` drops the repeats)."""
     hasher = hashlib.blake2b(digest_size=16)
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+    params = model.named_parameters(remove_duplicate=True)
+    for name, param in sorted(params, key=lambda item: item[0]):
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
@@ -172,3 +183,12 @@ def params_digest(model: nn.Module) -> str:
         hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         hasher.update(tensor.view(torch.uint8).numpy().tobytes())
     return hasher.hexdigest()
+
+
+def shared_parameters(model: nn.Module) -> list[list[str]]:
+    """The groups of names that are one tensor (tied weights such as GPT-2's ``lm_head.weight``
+    and ``transformer.wte.weight``), each sorted; empty when nothing is shared."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return sorted(sorted(group) for group in names.values() if len(group) > 1)

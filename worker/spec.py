@@ -12,7 +12,17 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from worker.errors import SpecError
 
@@ -22,8 +32,41 @@ _NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
 MAX_NODES = 10_000
 """The most nodes a job may ask for (the scale route's cap too)."""
 
-Scalar = str | int | float | bool
 PositiveInt = Annotated[int, Field(gt=0)]
+
+
+def _one_scalar(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A kwargs value: one error that says what is allowed, instead of one per union branch."""
+    try:
+        return handler(value)
+    except ValidationError:
+        kind = {dict: "an object", list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
+        raise PydanticCustomError(
+            "scalar_type",
+            "values must be scalars (a string, a number, true or false), not {kind}; "
+            "pass nested options as separate flat keys, or build them inside your factory",
+            {"kind": kind},
+        ) from None
+
+
+Scalar = Annotated[str | int | float | bool, WrapValidator(_one_scalar)]
+
+
+def _one_output(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "output_choice",
+            "give 'auto', 'logits', 'loss', the name of a key or attribute of the model's output "
+            "(1-100 characters), or an index into a tuple (0-1024)",
+        ) from None
+
+
+OutputChoice = Annotated[
+    Annotated[int, Field(ge=0, le=1024)] | Annotated[str, Field(min_length=1, max_length=100)],
+    WrapValidator(_one_output),
+]
 
 
 class _Frozen(BaseModel):
@@ -49,6 +92,15 @@ class ModelSpec(_Frozen):
     name: Literal["mlp", "tiny-gpt"] | None = None
     factory: str | None = None
     kwargs: dict[str, Scalar] = Field(default_factory=dict)
+    output: OutputChoice = Field(
+        default="auto",
+        description=(
+            "Which part of the forward's output the worker uses: 'auto' (a tensor as is; else its "
+            "'logits' key or attribute, else its first element; with a 'loss' factory the output "
+            "unchanged), 'logits', 'loss' (per-sample losses the model computed: no loss function "
+            "is applied), another key or attribute name, or an index into a tuple."
+        ),
+    )
 
     _factory = field_validator("factory")(_check_factory)
 
@@ -71,7 +123,13 @@ class DataSpec(_Frozen):
 
     name: Literal["synthetic", "tokens"] | None = None
     factory: str | None = None
-    samples: PositiveInt = 4096
+    samples: PositiveInt | None = Field(
+        default=None,
+        description=(
+            "Training samples; unset: the dataset's own length (the built-ins generate 4096). A "
+            "factory is called with samples=None then."
+        ),
+    )
     eval_samples: int = Field(default=0, ge=0)
     version: str = "1"
     kwargs: dict[str, Scalar] = Field(default_factory=dict)
@@ -83,6 +141,16 @@ class DataSpec(_Frozen):
         if (self.name is None) == (self.factory is None):
             raise ValueError("give exactly one of 'name' (synthetic, tokens) or 'factory'")
         return self
+
+
+class LossSpec(_Frozen):
+    """A user loss, called as ``factory(output, targets, **kwargs)`` on every micro-batch; it
+    returns one loss per sample (a tensor whose first dimension is the micro-batch)."""
+
+    factory: str
+    kwargs: dict[str, Scalar] = Field(default_factory=dict)
+
+    _factory = field_validator("factory")(_check_factory)
 
 
 class OptimizerSpec(_Frozen):
@@ -168,6 +236,7 @@ class JobSpec(_Frozen):
     name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
     model: ModelSpec
     data: DataSpec
+    loss: LossSpec | None = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     micro_batch_size: PositiveInt
     grad_accum_steps: int | None = Field(default=None, gt=0)
@@ -208,6 +277,15 @@ class JobSpec(_Frozen):
         lo, hi = parse_nodes(self.nodes)
         if self.initial_nodes is not None and not lo <= self.initial_nodes <= hi:
             raise ValueError(f"'initial_nodes' {self.initial_nodes} must lie within 'nodes' {self.nodes!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_loss(self) -> JobSpec:
+        if self.loss is not None and self.model.output == "loss":
+            raise ValueError(
+                "field 'loss': give either model.output 'loss' (the model computes per-sample "
+                "losses) or a 'loss' factory, not both"
+            )
         return self
 
     @model_validator(mode="after")
@@ -260,6 +338,9 @@ def describe(error: ValidationError) -> str:
         loc = ".".join(str(part) for part in item["loc"]) or "spec"
         msg = item["msg"].removeprefix("Value error, ")
         hint = _FIX_HINTS.get(item["type"])
+        if not item["loc"] and msg.startswith("field '"):  # a rule across fields names its own
+            lines.append(msg)
+            continue
         lines.append(f"field '{loc}': {msg}" + (f"; {hint}" if hint else ""))
     return "; ".join(lines)
 

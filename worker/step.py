@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from worker.amp import DynamicLossScaler, any_rank_non_finite, autocast
-from worker.data import Dataset, loss_sum
+from worker.data import Dataset
 from worker.failpoints import failpoint
+from worker.objective import Objective, call_model, to_device
 from worker.sampler import Window, indices
 from worker.setup import Wrapped, local
 
@@ -37,6 +38,7 @@ def forward_backward(
     data: Dataset,
     window: Window,
     *,
+    objective: Objective,
     rank: int,
     world_size: int,
     seed: int,
@@ -45,7 +47,8 @@ def forward_backward(
     device: torch.device,
 ) -> tuple[float, int, float]:
     """Run the window's micro-steps; gradients end up synchronised and scaled by ``scale``.
-    Returns this rank's loss sum, its sample count and the seconds spent waiting for data."""
+    Returns this rank's loss sum, its sample count and the seconds spent waiting for data.
+    ``objective`` picks from the forward's output and gives the micro-batch's per-sample loss sum."""
     weight = world_size / window.samples
     total = torch.zeros((), dtype=torch.float64)
     count = 0
@@ -56,13 +59,13 @@ def forward_backward(
         started = time.perf_counter()
         idx = indices(seed, window.epoch, size, micro.bounds[rank])
         x, y = data.batch(idx)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = to_device(x, device), to_device(y, device)
         data_wait += time.perf_counter() - started
         sync = contextlib.nullcontext() if j == last else wrapped.no_sync()
         with sync:
             with autocast(precision, device):
-                out = wrapped.module(x)
-            loss = loss_sum(data.task, out, y)
+                out = call_model(wrapped.module, x)
+            loss = objective.loss_sum(out, y)
             (loss * (weight * scale)).backward()
         total += loss.detach().double().cpu()
         count += len(idx)

@@ -5,22 +5,23 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from worker.amp import DynamicLossScaler, autocast
-from worker.data import Dataset, build_data, loss_sum
+from worker.amp import OPTIMIZER_ROW, DynamicLossScaler, autocast, optimizer_row, state_dtypes
+from worker.build import Built
+from worker.checkpoint.rng import capture_rng
 from worker.dist import DistInfo
 from worker.events import Events, progress_line
 from worker.metrics import WorkerMetrics, peak_memory_bytes
-from worker.models import build_model
 from worker.monitor import GradMonitor
-from worker.sampler import SamplerState, Window, indices, plan_window, split_evenly
-from worker.schedule import BatchPlan, lr_at, plan_batch
+from worker.objective import call_model, to_device
+from worker.progress import Progress
+from worker.sampler import Window, plan_window, split_evenly
+from worker.schedule import lr_at, plan_batch
 from worker.setup import (
     build_optimizer,
     local,
@@ -28,105 +29,81 @@ from worker.setup import (
     rank_seed,
     run_record,
     seed_all,
-    set_determinism,
+    shared_parameters,
     spec_hash,
     wrap,
 )
-from worker.spec import JobSpec
 from worker.step import forward_backward, global_sum, optimizer_step
+from worker.trace import LoadRecorder, SampleTrace, rng_fingerprint
 
-
-@dataclass(slots=True)
-class Progress:
-    """The JSON-able training position that a checkpoint carries besides tensors."""
-
-    step: int = 0
-    samples_seen: int = 0
-    samples_skipped: int = 0
-    sampler: SamplerState = field(default_factory=SamplerState)
-    reference_batch: int | None = None
-    best_metric: float | None = None
-    last_loss: float | None = None
-
-    def to_json(self, scaler: DynamicLossScaler, monitor: GradMonitor, plan: BatchPlan) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "samples_seen": self.samples_seen,
-            "samples_skipped": self.samples_skipped,
-            "epoch": self.sampler.epoch,
-            "sampler": self.sampler.to_json(),
-            "micro_step": 0,  # checkpoints are taken only at optimizer-step boundaries
-            "reference_batch": self.reference_batch,
-            "best_metric": self.best_metric,
-            "last_loss": self.last_loss,
-            "loss_scaler": scaler.state_dict(),
-            "monitor": monitor.state_dict(),
-            "batch_plan": plan.to_json(),
-            "lr_schedule": {"keyed_by": "samples_seen", "samples_seen": self.samples_seen},
-        }
-
-    @staticmethod
-    def from_json(raw: dict[str, Any]) -> Progress:
-        return Progress(
-            step=int(raw["step"]),
-            samples_seen=int(raw["samples_seen"]),
-            samples_skipped=int(raw.get("samples_skipped", 0)),
-            sampler=SamplerState.from_json(raw["sampler"]),
-            reference_batch=raw.get("reference_batch"),
-            best_metric=raw.get("best_metric"),
-            last_loss=raw.get("last_loss"),
-        )
+if TYPE_CHECKING:
+    from worker.checkpoint import Checkpointer
 
 
 class Trainer:
-    """Owns one rank's model, optimizer, scaler and data position for a whole run."""
+    """Owns one rank's model, optimizer, scaler and data position for a whole run.
 
-    def __init__(self, spec: JobSpec, info: DistInfo, *, events: Events, resuming: bool) -> None:
-        self.spec = spec
-        self.info = info
-        self.events = events
+    Constructed complete, once the process group exists: from what :func:`worker.build.build`
+    decided before it, and its collaborators (events, the checkpointer, the generation this group
+    agreed on, the metrics exporter). :meth:`start` resumes and writes the run record; :meth:`run`
+    trains.
+    """
+
+    def __init__(
+        self,
+        built: Built,
+        info: DistInfo,
+        *,
+        events: Events,
+        checkpointer: Checkpointer | None,
+        generation: int,
+        metrics: WorkerMetrics | None,
+    ) -> None:
+        spec = built.spec
+        self.spec, self.info, self.events = spec, info, events
+        self.checkpointer, self.generation, self.metrics = checkpointer, generation, metrics
         self.device = torch.device(info.device)
-        self.flags = set_determinism(spec.deterministic)
-        seed_all(spec.seed)  # identical model initialisation on every rank
-        self.data: Dataset = build_data(spec.data, spec.seed, "train")
-        self.eval_data: Dataset | None = (
-            build_data(spec.data, spec.seed, "eval") if spec.data.eval_samples else None
-        )
-        self.model = build_model(spec.model, self.data.meta).to(self.device)
-        self.plan = plan_batch(spec, info.world_size, reference_batch=None, resuming=resuming)
+        self.flags = built.flags
+        self.model, self.objective, self.plan = built.model, built.objective, built.plan
+        self.eval_data = built.eval_data
+        trace_dir = os.environ.get("ELASTRAIN_TRACE_SAMPLES")
+        self.trace = SampleTrace(trace_dir, info.rank) if trace_dir else None
+        self.recorder = LoadRecorder(built.data) if self.trace is not None else None
+        self.data = self.recorder if self.recorder is not None else built.data
         self.progress = Progress()
         self.scaler = DynamicLossScaler(spec.loss_scale, enabled=spec.precision == "fp16")
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.monitor = GradMonitor(names, stale_after=spec.monitor.stale_after_steps)
         self.notes: list[str] = []
-        self.checkpointer: Any = None
-        self.metrics: WorkerMetrics | None = None
+        self.record: dict[str, Any] = {}
         self.data_wait = 0.0
         self.local_samples = 0
+        self.lr = spec.optimizer.lr
         self.stepped = False
-        self.generation = 0  # set by the caller once the group exists (dist.agree_generation)
-        trace_dir = os.environ.get("ELASTRAIN_TRACE_SAMPLES")
-        self.trace = Path(trace_dir) / f"rank-{info.rank}-pid-{os.getpid()}.jsonl" if trace_dir else None
+        self.wrapped = wrap(
+            self.model, info, parallelism=spec.parallelism, bucket_cap_mb=spec.ddp.bucket_cap_mb
+        )
+        self.optimizer = build_optimizer(self.model, spec.optimizer)
+        if metrics is not None and spec.monitor.time_communication and not self.wrapped.fsdp:
+            self.wrapped.module.register_comm_hook(None, metrics.comm.hook)  # type: ignore[operator]
 
     def start(self) -> None:
-        """Create the DDP wrapper and optimizer, resume if a checkpoint says so, reseed per rank."""
-        self.wrapped = wrap(
-            self.model,
-            self.info,
-            parallelism=self.spec.parallelism,
-            bucket_cap_mb=self.spec.ddp.bucket_cap_mb,
-        )
-        self.optimizer = build_optimizer(self.model, self.spec.optimizer)
-        job = os.environ.get("ELASTRAIN_JOB_ID", self.spec.name)
-        self.metrics = WorkerMetrics.from_env(job=job, rank=self.info.rank, world_size=self.info.world_size)
-        if self.spec.monitor.time_communication and not self.wrapped.fsdp:  # a DDP comm hook
-            self.wrapped.module.register_comm_hook(None, self.metrics.comm.hook)  # type: ignore[operator]
+        """Resume if a checkpoint says so (else reseed per rank) and write the run record.
+
+        Nothing after the RNG restore draws from a generator before the first step: the resumed
+        run continues the very streams (dropout masks...) the checkpointed run would have used.
+        """
         seed_all(rank_seed(self.spec.seed, self.info.rank))
         self._resume()
         if self.progress.reference_batch is None:
             self.progress.reference_batch = self.plan.global_batch
-        record = run_record(self.spec, self.info, plan=self.plan, flags=self.flags, notes=self.notes)
+        state = state_dtypes(self.model, self.optimizer)
+        record = run_record(
+            self.spec, self.info, plan=self.plan, flags=self.flags, notes=self.notes, state=state
+        )
         record["generation"] = self.generation
+        record["loss"] = self.objective.source
+        self.record = record
         if self.checkpointer is not None:
             self.checkpointer.run_record = record
         if self.info.is_main:
@@ -183,11 +160,12 @@ class Trainer:
                 micro_batch=self.plan.micro_batch,
                 accum_steps=self.plan.accum_steps,
             )
+            rng = rng_fingerprint(capture_rng()) if self.trace is not None else None
             started = time.perf_counter()
             skipped, local_loss = self._train_window(window)
             self._observe_step(time.perf_counter() - started, skipped)
-            if self.trace is not None:
-                self._trace(window)
+            if rng is not None:
+                self._trace(window, rng)
             prog.sampler = window.after
             if skipped:
                 prog.samples_skipped += window.samples
@@ -197,7 +175,7 @@ class Trainer:
             prog.samples_seen += window.samples
             if not self.stepped:
                 self.stepped = True  # the first step of this group: a recovery is over
-                self.events.emit("first_step", step=prog.step)
+                self._first_step()
             final = prog.step == spec.max_steps
             save = self._want_save(final)
             if prog.step % spec.log_every_steps == 0 or save or final:
@@ -219,6 +197,7 @@ class Trainer:
             self.wrapped,
             self.data,
             window,
+            objective=self.objective,
             rank=self.info.rank,
             world_size=self.info.world_size,
             seed=self.spec.seed,
@@ -234,6 +213,7 @@ class Trainer:
             schedule=self.spec.lr_schedule,
             total=total,
         )
+        self.lr = lr
         skipped = optimizer_step(
             self.model,
             self.optimizer,
@@ -251,7 +231,7 @@ class Trainer:
         metrics = self.metrics
         if metrics is None:
             return
-        tokens = self.local_samples * int(self.data.meta.get("seq_len", 0))
+        tokens = self.local_samples * int(getattr(self.data, "meta", {}).get("seq_len", 0))
         step = self.progress.step + (0 if skipped else 1)
         metrics.observe_step(seconds, self.local_samples, tokens, self.data_wait, step=step)
         if skipped:
@@ -260,17 +240,23 @@ class Trainer:
             metrics.set_scale(self.scaler.scale, min_scale=self.spec.loss_scale.min_scale)
         metrics.peak_memory(peak_memory_bytes(self.info.device))
 
-    def _trace(self, window: Window) -> None:
-        """Debug aid (ELASTRAIN_TRACE_SAMPLES=DIR): the dataset indices this rank consumed."""
-        assert self.trace is not None
-        consumed: list[int] = []
-        for micro in window.micro_steps:
-            consumed += indices(
-                self.spec.seed, window.epoch, len(self.data), micro.bounds[self.info.rank]
-            ).tolist()
-        record = {"generation": self.generation, "step": self.progress.step, "epoch": window.epoch}
-        with self.trace.open("a") as out:
-            out.write(json.dumps(record | {"world_size": self.info.world_size, "indices": consumed}) + "\n")
+    def _trace(self, window: Window, rng: str) -> None:
+        """ELASTRAIN_TRACE_SAMPLES (see worker.trace): what the data path loaded for this window."""
+        assert self.trace is not None and self.recorder is not None
+        self.trace.write(
+            generation=self.generation, step=self.progress.step, epoch=window.epoch,
+            world_size=self.info.world_size, indices=self.recorder.take(), rng=rng,
+        )  # fmt: skip
+
+    def _first_step(self) -> None:
+        """The group's first successful step: a recovery is over, and the optimizer's moments
+        now exist, so the run record's optimizer entry says what they really are."""
+        state = state_dtypes(self.model, self.optimizer)
+        self.record["state_dtypes"] = state
+        self.record.setdefault("precision_table", {})[OPTIMIZER_ROW] = optimizer_row(state)
+        if self.info.is_main:
+            self._write_record(self.record)
+        self.events.emit("first_step", step=self.progress.step, state_dtypes=state)
 
     def _observe_grads(self, norms: list[torch.Tensor | None]) -> None:
         self.monitor.observe(norms)
@@ -327,6 +313,7 @@ class Trainer:
             loss=prog.last_loss,
             samples_per_second=rate,
             loss_scale=self.scaler.scale,
+            lr=self.lr,
             skipped_steps=self.scaler.state.skipped_total,
             epoch=prog.sampler.epoch,
             world_size=self.info.world_size,
@@ -348,8 +335,8 @@ class Trainer:
             if hi > lo:
                 x, y = self.eval_data.batch(np.arange(lo, hi))
                 with autocast(self.spec.precision, self.device):
-                    out = self.model(x.to(self.device))
-                total = float(loss_sum(self.eval_data.task, out, y.to(self.device)))
+                    out = call_model(self.model, to_device(x, self.device))
+                total = float(self.objective.loss_sum(out, to_device(y, self.device)))
         summed, count = global_sum([total, float(hi - lo)], self.device)
         self.model.train()
         value = summed / count
@@ -359,6 +346,8 @@ class Trainer:
         self.events.emit("eval", step=self.progress.step, loss=value, samples=int(count))
 
     def _save(self) -> None:
+        checkpointer = self.checkpointer
+        assert checkpointer is not None  # _want_save is False without one
         metric = self.progress.best_metric if self.eval_data is not None else self.progress.last_loss
         if self.eval_data is None and metric is not None:
             best = self.progress.best_metric
@@ -367,7 +356,7 @@ class Trainer:
         progress["spec_hash"] = spec_hash(self.spec)
         progress["data_version"] = self.spec.data.version
         metrics = {"loss": metric} if metric is not None else {}
-        self.checkpointer.save(
+        checkpointer.save(
             step=self.progress.step,
             model=self.model,
             optimizer=self.optimizer,
@@ -375,7 +364,7 @@ class Trainer:
             metrics=metrics,
         )
         if self.metrics is not None:  # the checkpoint counters change only here and on restore
-            self.metrics.checkpoint(self.checkpointer.stats.as_metrics())
+            self.metrics.checkpoint(checkpointer.stats.as_metrics())
 
     def _finish(self) -> dict[str, Any]:
         if self.checkpointer is not None:
@@ -397,6 +386,7 @@ class Trainer:
             "world_size": self.info.world_size,
             "params_digest": digest,
             "rank_params_digests": rank_digests,
+            "shared_params": shared_parameters(self.model),
         }
         self.events.emit("finished", **fields)
         return fields

@@ -4,15 +4,22 @@ Workers tell the service what only they can see: the group re-formed (after torc
 it), the state was loaded, the first step after resume finished. These close the loop of a
 recovery (RECOVERING -> RUNNING) or a rescale (RESCALING -> RUNNING), and a re-formation the
 service did not cause (a worker process died and torchrun restarted the group) opens one.
+
+A rank that stops says why (``failed``: one line, the step, its attempt). The same line at the
+same step from the next attempt is an error that restarting will not fix (a model that does not
+fit the worker, a bad sample, a bug): the job fails with that line at once instead of spending
+the rest of ``max_restarts`` on it. Reports of one attempt's ranks are recorded once.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.jobs.machine import move
+from service.jobs.machine import fail, move
 from service.jobs.model import MAX_RECOVERIES, JobRecord, JobState, Progress, Recovery
 
 S = JobState
@@ -46,6 +53,8 @@ def apply_worker_event(job: JobRecord, event: WorkerEvent, now: float) -> JobRec
         return job.with_event(now, "worker", f"state loaded at step {event.step}")
     if event.kind == "first_step":
         return first_step_done(job, event.step, now, new_group=True)
+    if event.kind == "failed":
+        return _failed(job, event, now)
     who = f"rank {event.rank}" if event.rank is not None else "worker"
     return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
 
@@ -111,3 +120,71 @@ def _update_recovery(job: JobRecord, **fields: object) -> JobRecord:
         return job
     changed = recovery.model_copy(update={k: v for k, v in fields.items() if v is not None})
     return job.model_copy(update={"recoveries": (*job.recoveries[:-1], changed)})
+
+
+FAILED_KIND = "worker_failed"
+_FAILURE_RE = re.compile(
+    r"^(?:rank \d+|a rank) at (?P<where>step \d+|start-up) \[attempt (?P<attempt>[^\]]*)\]: (?P<line>.*)$",
+    re.S,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One rank's ``failed`` report as the job's event log keeps it."""
+
+    attempt: str
+    where: str
+    line: str
+
+    @staticmethod
+    def of(event: WorkerEvent) -> Failure:
+        where = "start-up" if event.step is None else f"step {event.step}"
+        attempt = (event.group_id or "").replace("]", ")")
+        return Failure(attempt=attempt, where=where, line=event.message.strip())
+
+    def entry(self, rank: int | None) -> str:
+        who = f"rank {rank}" if rank is not None else "a rank"
+        return f"{who} at {self.where} [attempt {self.attempt}]: {self.line}"
+
+    @staticmethod
+    def parse(message: str) -> Failure | None:
+        match = _FAILURE_RE.match(message)
+        if match is None:
+            return None
+        return Failure(attempt=match["attempt"], where=match["where"], line=match["line"])
+
+
+def recorded_failures(job: JobRecord) -> list[Failure]:
+    """The ``failed`` reports the job's event log still holds, oldest first."""
+    found = (Failure.parse(e.message) for e in job.events if e.kind == FAILED_KIND)
+    return [f for f in found if f is not None]
+
+
+def repeated(failure: Failure, earlier: list[Failure]) -> Failure | None:
+    """The report of the latest attempt before ``failure``'s that stopped with the same line at
+    the same step, if that attempt did (pure)."""
+    others = [f for f in earlier if f.attempt != failure.attempt]
+    if not failure.attempt or not others:
+        return None
+    previous = others[-1].attempt
+    same = [f for f in others if f.attempt == previous and (f.where, f.line) == (failure.where, failure.line)]
+    return same[0] if same else None
+
+
+def _failed(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
+    """Record a rank's failure once per attempt and line; fail the job when the attempt before
+    stopped the same way (see the module docstring)."""
+    failure = Failure.of(event)
+    earlier = recorded_failures(job)
+    if not failure.line or failure in earlier:
+        return job  # another rank of the same attempt said the same
+    job = job.with_event(now, FAILED_KIND, failure.entry(event.rank))
+    before = repeated(failure, earlier)
+    if before is None:
+        return job
+    reason = (
+        f"the same error at {failure.where} in two attempts in a row ({before.attempt}, "
+        f"{failure.attempt}), which a restart will not fix: {failure.line}"
+    )
+    return fail(job, now, reason=reason)

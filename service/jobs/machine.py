@@ -299,6 +299,16 @@ def _prune(job: JobRecord) -> JobRecord:
     return job.model_copy(update={"nodes": tuple(n for n in job.nodes if id(n) not in drop)})
 
 
+def fail(job: JobRecord, now: float, *, reason: str) -> JobRecord:
+    """Fail the job now, without another restart: every running node is marked ``stopping`` (the
+    next :func:`reconcile` cancels it), every launch intent is dropped. A finished job is
+    returned as is."""
+    if job.state.terminal:
+        return job
+    job, _ = _stop_all(job, now)
+    return move(job, S.FAILED, now, reason=reason)
+
+
 def launch_failed(job: JobRecord, node_launch_id: str, message: str, now: float) -> JobRecord:
     """The scheduler refused to launch a node: it counts as a failed node (restart or FAILED)."""
     nodes = list(job.nodes)

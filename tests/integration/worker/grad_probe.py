@@ -17,6 +17,7 @@ import torch.distributed as dist
 from worker import dist as wdist
 from worker.data import build_data
 from worker.models import build_model
+from worker.objective import Objective
 from worker.sampler import SamplerState, plan_window
 from worker.setup import seed_all, wrap
 from worker.spec import DataSpec, ModelSpec
@@ -44,6 +45,7 @@ def main() -> None:
             wrapped,
             data,
             window,
+            objective=Objective(task=data.task),
             rank=info.rank,
             world_size=info.world_size,
             seed=5,

@@ -1,6 +1,11 @@
 """Resume with the real worker under torchrun: bit for bit after a kill, never from a half-written
 checkpoint, past a corrupt one, through ENOSPC, and at a new world size with every sample once.
 
+The model draws from the RNG in training (dropout), so a resumed run is equal only if it continues
+the very generator streams: the trace (ELASTRAIN_TRACE_SAMPLES, worker.trace) fingerprints every
+generator right before each window, and the first window after a resume must start from the state
+the checkpoint holds, which is the uninterrupted run's state at that step.
+
 Fault tests are parametrised by seed (ELASTRAIN_FAULT_SEEDS="1,2,3" for more) and print the seed
 on failure.
 """
@@ -19,6 +24,7 @@ import pytest
 
 from service.cli import main as elastrain
 from tests.integration.launch import Run, run_worker, write_spec
+from tests.integration.worker.traces import assert_rng_continued
 
 pytestmark = pytest.mark.integration
 SEEDS = [int(s) for s in os.environ.get("ELASTRAIN_FAULT_SEEDS", "1").split(",")]
@@ -35,7 +41,7 @@ FAILPOINTS = [
 def spec(ck: Path, **over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "name": "resume",
-        "model": {"name": "mlp", "kwargs": {"hidden": 32, "norm": "batch"}},
+        "model": {"name": "mlp", "kwargs": {"hidden": 32, "norm": "batch", "dropout": 0.1}},
         "data": {"name": "synthetic", "samples": 512},
         "micro_batch_size": 8,
         "grad_accum_steps": 2,
@@ -54,45 +60,76 @@ def digest(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().out.split()[0]
 
 
-def train(tmp: Path, name: str, *, nproc: int = 2, env: dict[str, str] | None = None, **over: Any) -> Run:
+def train(
+    tmp: Path,
+    name: str,
+    *,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    trace: bool = False,
+    **over: Any,
+) -> Run:
     ck = tmp / name
+    env = dict(env or {})
+    if trace:
+        (tmp / f"{name}-trace").mkdir(exist_ok=True)
+        env["ELASTRAIN_TRACE_SAMPLES"] = str(tmp / f"{name}-trace")
     run = run_worker(write_spec(tmp, spec(ck, **over), f"{name}.json"), nproc=nproc, max_restarts=2, env=env)
     assert run.code == 0, run.stderr[-4000:]
     return run
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    tmp = tmp_path_factory.mktemp("reference")
-    return {"fp32": train(tmp, "fp32"), "fp16": train(tmp, "fp16", precision="fp16", env=FP16_SKIP)}
-
-
 # fp16 with one skipped step early (scale backs off at step 3): the resumed run must carry the
 # changed scale. The skip is armed in attempt 0 only, so a restart does not re-inject it.
 FP16_SKIP = {"ELASTRAIN_FAILPOINTS": "after_grad_sync=nonfinite@0#3^0"}
+# FSDP keeps each rank's BatchNorm statistics (see the README): its variant uses layer norm.
+LAYER_NORM = {"name": "mlp", "kwargs": {"hidden": 32, "norm": "layer", "dropout": 0.1}}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "fp16": {"precision": "fp16"},
+    "bf16": {"precision": "bf16"},
+    "fsdp": {"parallelism": "fsdp", "model": LAYER_NORM},
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    tmp = tmp_path_factory.mktemp("reference")
+    return {
+        name: train(tmp, name, trace=True, env=FP16_SKIP if name == "fp16" else None, **over)
+        for name, over in VARIANTS.items()
+    }
+
+
+def trace_dir(run: Run) -> Path:
+    """Where ``train(..., trace=True)`` put the run's trace: beside its checkpoint directory."""
+    ck = Path(run.last("run_record")["spec"]["checkpoint"]["dir"])
+    return ck.parent / f"{ck.name}-trace"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_sigkill_of_a_rank_resumes_bit_for_bit(
-    tmp_path: Path, reference: dict[str, Run], precision: str, seed: int, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, reference: dict[str, Run], variant: str, seed: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rng = random.Random(seed)
     rank, hit = rng.randrange(2), rng.randrange(12, 29)
     arm = f"after_grad_sync=kill@{rank}#{hit}^0"
     env = {
-        "ELASTRAIN_FAILPOINTS": arm + ("," + FP16_SKIP["ELASTRAIN_FAILPOINTS"] if precision == "fp16" else "")
+        "ELASTRAIN_FAILPOINTS": arm + ("," + FP16_SKIP["ELASTRAIN_FAILPOINTS"] if variant == "fp16" else "")
     }
-    run = train(tmp_path, "faulty", env=env, precision=precision)
-    ref = reference[precision]
+    run = train(tmp_path, "faulty", env=env, trace=True, **VARIANTS[variant])
+    ref = reference[variant]
+    why = f"{variant} seed={seed} arm={arm}"
     resumed = run.last("resumed")
     newest_published = max(e["step"] for e in run.all("checkpoint_published") if e["time"] < resumed["time"])
-    assert resumed["step"] == newest_published, f"seed={seed} arm={arm}"
-    assert run.last("finished")["params_digest"] == ref.last("finished")["params_digest"], f"seed={seed}"
-    if precision == "fp16":
+    assert resumed["step"] == newest_published and resumed["rng_restored"], why
+    assert_rng_continued(run, trace_dir(run), trace_dir(ref), why)
+    assert run.last("finished")["params_digest"] == ref.last("finished")["params_digest"], why
+    if variant == "fp16":
         assert run.last("finished")["skipped_steps"] == 1 and run.last("finished")["loss_scale"] == 32768.0
     final = tmp_path / "faulty" / "step-00000030"
-    assert digest(final, capsys) == digest(Path(ref.last("checkpoint_published")["path"]), capsys)
+    assert digest(final, capsys) == digest(Path(ref.last("checkpoint_published")["path"]), capsys), why
 
 
 # Every failpoint on rank 0 (the in-job coordinator), and the per-rank ones on another rank too.
@@ -153,6 +190,7 @@ def test_enospc_during_save_aborts_it_and_training_goes_on(tmp_path: Path, refer
 
 
 def consumed(trace: Path) -> Counter[int]:
+    """Every dataset index the ranks' data paths loaded (worker.trace records at batch())."""
     seen: Counter[int] = Counter()
     for path in trace.glob("*.jsonl"):
         for line in path.read_text().splitlines():

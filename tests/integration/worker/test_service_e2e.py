@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from scripts.demo import worker_pids
 from service.cli import main as elastrain
 from service.ports import free_port
 from tests.integration.launch import REPO, run_worker, worker_env, write_spec
+from tests.integration.worker.traces import committed
 
 pytestmark = pytest.mark.integration
 
@@ -171,19 +171,6 @@ def test_sigkill_of_a_worker_recovers_and_finishes_bit_for_bit(service: Service,
     assert digest(Path(final["checkpoint_dir"])) == bare_digest
 
 
-def history(trace: Path) -> Counter[tuple[int, int]]:
-    """(epoch, index) counts of the committed history: for each step, the newest generation's work."""
-    rows = [json.loads(line) for path in trace.glob("*.jsonl") for line in path.read_text().splitlines()]
-    newest: dict[int, int] = {}
-    for row in rows:
-        newest[row["step"]] = max(newest.get(row["step"], -1), row["generation"])
-    seen: Counter[tuple[int, int]] = Counter()
-    for row in rows:
-        if row["generation"] == newest[row["step"]]:
-            seen.update((row["epoch"], i) for i in row["indices"])
-    return seen
-
-
 def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
     trace.mkdir()
@@ -212,7 +199,7 @@ def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
     assert final["state"] == "SUCCEEDED", final
     sizes = {c["world_size"] for c in svc_checkpoints(final)}
     assert sizes == {2, 3, 1}, sizes
-    seen = history(trace)
+    seen = committed(trace)
     assert set(seen.values()) == {1}, "a sample was trained on twice in one epoch"
     assert {i for (e, i) in seen if e == 0} == set(range(1536)) and {e for e, _ in seen} == {0, 1, 2}
 
@@ -254,3 +241,17 @@ def test_cli_talks_to_the_service(service: Service, capsys: pytest.CaptureFixtur
         assert "SUCCEEDED" in capsys.readouterr().out
     finally:
         del os.environ["ELASTRAIN_API_TOKEN"]
+
+
+def test_a_deterministic_error_fails_the_job_with_its_line_not_after_every_restart(service: Service) -> None:
+    """A model whose output the worker cannot use fails the contract check on every attempt:
+    the second attempt's identical report fails the job with that line, although restarts are
+    left (torchrun's --max-restarts 3, the job's max_restarts 3)."""
+    job_id = service.submit(job_spec(model={"name": "mlp", "output": 1}))
+    final = service.finished(job_id, timeout=300)
+    assert final["state"] == "FAILED", final
+    reason = final["reason"] or ""
+    assert "in two attempts in a row" in reason and "field 'model.output'" in reason, reason
+    failures = [e for e in final["events"] if e["kind"] == "worker_failed"]
+    assert len(failures) == 2, failures  # one per attempt, however many ranks reported it
+    assert final["restarts"] < 3

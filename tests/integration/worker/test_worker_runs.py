@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from tests.integration.launch import run_worker, write_spec
+from worker.schedule import lr_at
+from worker.spec import LRScheduleSpec
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +31,11 @@ def mlp_spec(**over: Any) -> dict[str, Any]:
 
 
 def test_fp16_non_finite_on_one_rank_skips_the_step_on_all_ranks(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path, mlp_spec(precision="fp16", loss_scale={"init_scale": 1024.0}))
+    warmup = {"warmup_samples": 12 * 32}  # the LR rises at every step: a schedule that moved on a skip shows
+    spec = write_spec(
+        tmp_path,
+        mlp_spec(precision="fp16", loss_scale={"init_scale": 1024.0}, lr_schedule=warmup, log_every_steps=1),
+    )
     # The gradient is poisoned on rank 1 only, after DDP's all-reduce: only the MAX-reduced flag
     # can make rank 0 skip too.
     run = run_worker(spec, nproc=2, env={"ELASTRAIN_FAILPOINTS": "after_grad_sync=nonfinite@1#5"})
@@ -41,6 +47,14 @@ def test_fp16_non_finite_on_one_rank_skips_the_step_on_all_ranks(tmp_path: Path)
     assert done["step"] == 12 and done["skipped_steps"] == 1
     assert done["samples_seen"] == 12 * 32 and done["samples_skipped"] == 32
     assert done["rank_params_digests"][0] == done["rank_params_digests"][1]
+    # The LR of the k-th successful step is the schedule's at (k - 1) x 32 samples: the skipped
+    # window did not advance it (the step after the skip uses the skipped window's LR again).
+    lrs = [(e["step"], e["lr"]) for e in run.all("progress")]
+    schedule = LRScheduleSpec(**warmup)
+    assert lrs == [
+        (k, lr_at((k - 1) * 32, base_lr=1e-3, factor=1.0, schedule=schedule, total=12 * 32))
+        for k in range(1, 13)
+    ]
 
 
 def test_same_seed_same_digest(tmp_path: Path) -> None:
@@ -53,7 +67,7 @@ def test_same_seed_same_digest(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_tiny_gpt_learns_in_low_precision(tmp_path: Path, precision: str) -> None:
+def test_tiny_gpt_learns_in_low_precision_on_fp32_master_state(tmp_path: Path, precision: str) -> None:
     spec = {
         "name": "gpt",
         "model": {"name": "tiny-gpt", "kwargs": {"d_model": 16, "n_layers": 1, "n_heads": 2}},
@@ -63,6 +77,7 @@ def test_tiny_gpt_learns_in_low_precision(tmp_path: Path, precision: str) -> Non
         "max_steps": 100,
         "optimizer": {"lr": 0.01},
         "log_every_steps": 10,
+        "checkpoint": {"dir": str(tmp_path / "ck")},
     }
     run = run_worker(write_spec(tmp_path, spec))
     assert run.code == 0, run.stderr[-3000:]
@@ -70,7 +85,21 @@ def test_tiny_gpt_learns_in_low_precision(tmp_path: Path, precision: str) -> Non
     assert losses[-1] < 0.8 * losses[0], losses
     table = run.last("run_record")["precision_table"]
     assert table["matmul/linear"]["output"] == precision
-    assert table["optimizer (master params, moments)"]["output"] == "fp32"
+    # What is really there: the state the final checkpoint holds (copied from the live tensors),
+    # and the dtypes the worker observed once the optimizer had created its moments.
+    manifest = json.loads((tmp_path / "ck" / "step-00000100" / "manifest.json").read_text())
+    params = {n: t["dtype"] for n, t in manifest["tensors"].items() if n.startswith("model.")}
+    moments = {
+        n: t["dtype"]
+        for n, t in manifest["tensors"].items()
+        if n.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq")
+    }
+    assert len(moments) == 2 * len(params) > 0
+    assert set(params.values()) == set(moments.values()) == {"float32"}
+    assert run.last("first_step")["state_dtypes"] == {"params": ["fp32"], "optimizer_state": ["fp32"]}
+    record = json.loads((tmp_path / "ck" / "run-record.json").read_text())
+    row = record["precision_table"]["optimizer (master params, moments)"]
+    assert row == {"input": "fp32", "accumulate": "fp32", "output": "fp32"}
 
 
 def test_run_record_says_how_it_computed(tmp_path: Path) -> None:
@@ -93,6 +122,8 @@ def test_run_record_says_how_it_computed(tmp_path: Path) -> None:
         ({"max_steps": 0}, {}, "max_steps"),
         ({"model": {"name": "mlp", "kwargs": {"width": 3}}}, {}, "model.kwargs.width"),
         ({"model": {"factory": "nosuchmod:build"}}, {}, "model.factory"),
+        ({"model": {"name": "mlp", "kwargs": {"config": {"hidden": 3}}}}, {}, "model.kwargs.config"),
+        ({"model": {"name": "mlp", "output": "scores"}}, {}, "model.output"),
         (
             {"grad_accum_steps": None, "global_batch_size": 24},
             {"RANK": "0", "WORLD_SIZE": "2"},

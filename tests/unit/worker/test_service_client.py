@@ -106,3 +106,25 @@ def test_an_event_is_dropped_and_counted_after_the_last_retry() -> None:
     client.close()
     assert len(seen.posts) == 3  # the first attempt and two retries
     assert client.dropped == 1
+
+
+def test_a_rank_that_stops_says_why_where_and_in_which_attempt() -> None:
+    """What the service needs to tell a deterministic error (same line, same step, next attempt)
+    from a one-off; the body is a valid WorkerEvent."""
+    from service.jobs.events import WorkerEvent
+    from worker.service_client import attempt_id
+
+    seen = Recorder()
+    client = ServiceClient(CFG, heartbeat_s=3600, progress_s=3600, transport=httpx.MockTransport(seen))
+    client.failed(
+        "AttributeError: 'Out' object has no attribute 'float'\n", rank=1, step=7, attempt="generation-5"
+    )
+    client.close()
+    path, body = seen.posts[0]
+    assert path == "/v1/jobs/job-1/workers/events"
+    event = WorkerEvent.model_validate(body)
+    assert (event.kind, event.rank, event.step, event.group_id) == ("failed", 1, 7, "generation-5")
+    assert event.message == "AttributeError: 'Out' object has no attribute 'float'"
+    assert attempt_id({}, 17) == "generation-17"
+    before = {"ELASTRAIN_LAUNCH_ID": "j-n0-a0", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert attempt_id(before, None) == "j-n0-a0-restart-2"

@@ -1,0 +1,62 @@
+"""The optimizer step's order of operations, with a real optimizer in one process (no group):
+a skipped step changes nothing (no weight decay, no moment or step count), and gradients are
+unscaled before they are clipped (the clip threshold is on the true gradient's scale)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from worker.amp import DynamicLossScaler
+from worker.spec import LossScaleSpec
+from worker.step import optimizer_step
+
+
+def model_with_grad(grad: list[float]) -> nn.Linear:
+    model = nn.Linear(len(grad), 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    model.weight.grad = torch.tensor([grad])
+    return model
+
+
+def scaler(scale: float) -> DynamicLossScaler:
+    return DynamicLossScaler(LossScaleSpec(init_scale=scale), enabled=True)
+
+
+def test_a_skipped_step_applies_no_weight_decay_and_leaves_the_optimizer_alone() -> None:
+    model = model_with_grad([1.0, 2.0])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    assert not optimizer_step(model, opt, scaler(4.0), lr=0.1, clip=None)  # one good step
+    weight = model.weight.detach().clone()
+    state = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    model.weight.grad = torch.tensor([[float("inf"), 1.0]])
+    s = scaler(4.0)
+    assert optimizer_step(model, opt, s, lr=0.1, clip=1.0)
+    assert torch.equal(model.weight, weight), "a skipped step moved the weights (weight decay?)"
+    assert all(torch.equal(opt.state[model.weight][k], v) for k, v in state.items()), (
+        "moments or step changed"
+    )
+    assert model.weight.grad is None and s.scale == 2.0 and s.state.skipped_total == 1
+
+
+@pytest.mark.parametrize(
+    ("true_grad", "expected_update"), [([1.5, 2.0], [0.6, 0.8]), ([0.3, 0.4], [0.3, 0.4])]
+)
+def test_gradients_are_unscaled_before_clipping(true_grad: list[float], expected_update: list[float]) -> None:
+    """Clip at norm 1 with loss scale 1024: a true gradient of norm 2.5 is clipped to norm 1, one
+    of norm 0.5 is left alone. Clipping the scaled gradient first would shrink both ~1000-fold."""
+    scale = 1024.0
+    model = model_with_grad([g * scale for g in true_grad])
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    assert not optimizer_step(model, opt, scaler(scale), lr=1.0, clip=1.0)
+    update = 1.0 - model.weight.detach()[0]
+    torch.testing.assert_close(update, torch.tensor(expected_update))
+
+
+def test_the_lr_given_is_the_lr_applied() -> None:
+    model = model_with_grad([1.0])
+    opt = torch.optim.SGD(model.parameters(), lr=123.0)
+    optimizer_step(model, opt, scaler(1.0), lr=0.25, clip=None)
+    assert opt.param_groups[0]["lr"] == 0.25 and model.weight.item() == 0.75

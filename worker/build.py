@@ -1,0 +1,59 @@
+"""Everything a run decides before its process group starts: bad input fails here (SpecError).
+
+:func:`build` seeds, builds the data, the model and the objective, plans the batch and checks the
+user's contract on one micro-batch (:mod:`worker.contract`). Nothing here needs the group, so
+``python -m worker`` can exit 2 with one line before any rank waits for another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.contract import check_contract
+from worker.data import Dataset, build_data
+from worker.dist import DistInfo
+from worker.models import build_model
+from worker.objective import Objective, build_objective
+from worker.schedule import BatchPlan, plan_batch
+from worker.setup import seed_all, set_determinism
+from worker.spec import JobSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """What :class:`worker.trainer.Trainer` is constructed from (with its collaborators)."""
+
+    spec: JobSpec
+    flags: dict[str, Any]
+    data: Dataset
+    eval_data: Dataset | None
+    model: nn.Module
+    objective: Objective
+    plan: BatchPlan
+
+
+def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
+    """Build one rank's run. Raises SpecError naming the field and the fix."""
+    device = torch.device(info.device)
+    flags = set_determinism(spec.deterministic)
+    seed_all(spec.seed)  # identical model initialisation on every rank
+    data = build_data(spec.data, spec.seed, "train")
+    eval_data = build_data(spec.data, spec.seed, "eval") if spec.data.eval_samples else None
+    model = build_model(spec.model, getattr(data, "meta", {})).to(device)
+    objective = build_objective(spec, data)
+    plan = plan_batch(spec, info.world_size, reference_batch=None, resuming=resuming)
+    check_contract(
+        model,
+        data,
+        objective=objective,
+        micro_batch=plan.micro_batch,
+        precision=spec.precision,
+        device=device,
+    )
+    return Built(
+        spec=spec, flags=flags, data=data, eval_data=eval_data, model=model, objective=objective, plan=plan
+    )

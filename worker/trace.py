@@ -1,0 +1,63 @@
+"""``ELASTRAIN_TRACE_SAMPLES=DIR``: what each rank's data path actually loaded (a test aid).
+
+The trainer wraps the dataset in a :class:`LoadRecorder`, which notes the indices of every
+``batch()`` call once it has returned, so a trace says what was fed to the model, not what the
+plan said. After each window the rank appends one JSON line to
+``DIR/rank-<rank>-pid-<pid>.jsonl``: the generation, the step before the window, the epoch, the
+world size, the indices in load order, and a fingerprint of every generator's state (python,
+numpy, torch CPU, CUDA) taken right before the window's first micro-step. Lines of windows that
+a failure rolled back stay in the file: readers keep, per step, the newest generation's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.data import Dataset
+
+
+class LoadRecorder:
+    """A dataset that records the indices each ``batch()`` call loaded."""
+
+    def __init__(self, data: Dataset) -> None:
+        self.data = data
+        self.task: str = getattr(data, "task", "")
+        self.meta: dict[str, Any] = getattr(data, "meta", {})
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.data.batch(indices)
+        self.loaded.extend(int(i) for i in indices)
+        return out
+
+    def take(self) -> list[int]:
+        loaded, self.loaded = self.loaded, []
+        return loaded
+
+
+def rng_fingerprint(state: dict[str, Any]) -> str:
+    """A short digest of generator states as :func:`worker.checkpoint.rng.capture_rng` gives them
+    (and as a checkpoint's ``rank_meta[rank]["rng"]`` holds them)."""
+    raw = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+
+
+class SampleTrace:
+    """One rank's trace file."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        self.path = Path(directory) / f"rank-{rank}-pid-{os.getpid()}.jsonl"
+
+    def write(self, **record: Any) -> None:
+        with self.path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
