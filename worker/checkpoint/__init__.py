@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker.checkpoint.api import Checkpointer, CheckpointStats, Restored
+    from worker.checkpoint.checkpointer import Checkpointer, CheckpointStats
     from worker.checkpoint.coordinator import (
         Coordinator,
         InJobCoordinator,
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         Outcome,
         generation_from_env,
     )
+    from worker.checkpoint.restore import Restored
     from worker.checkpoint.verify import logical_digest, verify_checkpoint
 
 __all__ = [
@@ -36,9 +37,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "CheckpointStats": "worker.checkpoint.api",
-    "Checkpointer": "worker.checkpoint.api",
-    "Restored": "worker.checkpoint.api",
+    "CheckpointStats": "worker.checkpoint.checkpointer",
+    "Checkpointer": "worker.checkpoint.checkpointer",
+    "Restored": "worker.checkpoint.restore",
     "Coordinator": "worker.checkpoint.coordinator",
     "InJobCoordinator": "worker.checkpoint.coordinator",
     "MemoryStore": "worker.checkpoint.coordinator",

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from worker.checkpoint.commit import Report, TensorHeader
+from worker.checkpoint.commit import Report
 from worker.checkpoint.coordinator import Coordinator, Outcome
 from worker.checkpoint.layout import fsync_dir, shard_file_name, staging_dir_name
 from worker.checkpoint.loadplan import Need, plan_reads
-from worker.checkpoint.manifest import Manifest
+from worker.checkpoint.manifest import Manifest, TensorEntry
 from worker.checkpoint.saveplan import Assignment, plan_rank
 from worker.checkpoint.shardio import ShardReader, write_shard
 from worker.checkpoint.state import LiveState, byte_view, rows_of
@@ -44,7 +44,7 @@ class SaveJob:
     job_dir: Path
     block_size: int
     items: list[tuple[Assignment, torch.Tensor]]
-    headers: dict[str, TensorHeader]
+    headers: dict[str, TensorEntry]
     meta_digest: str
     rank_meta: dict[str, Any]
     context: dict[str, Any] = field(default_factory=dict)
@@ -73,9 +73,9 @@ def plan_items(live: LiveState, *, rank: int, world_size: int) -> list[tuple[Ass
     return out
 
 
-def headers_of(live: LiveState) -> dict[str, TensorHeader]:
+def headers_of(live: LiveState) -> dict[str, TensorEntry]:
     return {
-        n: TensorHeader(lt.info.dtype, lt.info.shape, lt.info.kind, lt.info.owner)
+        n: TensorEntry(lt.info.dtype, lt.info.shape, lt.info.kind, owner=lt.info.owner)  # type: ignore[arg-type]
         for n, lt in live.tensors.items()
     }
 

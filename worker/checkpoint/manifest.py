@@ -50,24 +50,13 @@ _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Rows ``[start, stop)`` of one tensor, stored at ``offset`` in ``file``."""
+class Shaped:
+    """``rows``, ``row_bytes`` and ``nbytes`` of anything with a ``dtype`` and a ``shape`` (a
+    manifest entry, a save plan's tensor info): the one definition of a tensor's rows."""
 
-    file: str
-    offset: int
-    nbytes: int
-    rows: tuple[int, int]
-    digests: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
+    __slots__ = ()
     dtype: str
     shape: tuple[int, ...]
-    kind: Kind
-    pieces: tuple[Piece, ...]
-    owner: int | None = None  # only for kind == "per_rank"
 
     @property
     def rows(self) -> int:
@@ -80,6 +69,29 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Rows ``[start, stop)`` of one tensor, stored at ``offset`` in ``file``."""
+
+    file: str
+    offset: int
+    nbytes: int
+    rows: tuple[int, int]
+    digests: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry(Shaped):
+    """One tensor of a checkpoint. In a rank's report (:class:`worker.checkpoint.commit.Report`)
+    the tensor table has no pieces; the manifest's entries list every piece."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    kind: Kind
+    pieces: tuple[Piece, ...] = ()
+    owner: int | None = None  # only for kind == "per_rank"
 
 
 @dataclass(frozen=True, slots=True)

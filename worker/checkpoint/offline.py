@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 
 from worker.checkpoint.blocks import BlockHasher, file_digest
-from worker.checkpoint.commit import Expected, PieceRecord, Report, TensorHeader, build_manifest, decide
+from worker.checkpoint.commit import Expected, Report, build_manifest, decide
 from worker.checkpoint.layout import (
     EXPORT_MARKER,
     fsync_dir,
@@ -31,7 +31,7 @@ from worker.checkpoint.layout import (
     write_durable,
 )
 from worker.checkpoint.loadplan import Need, plan_reads
-from worker.checkpoint.manifest import FileEntry, Manifest
+from worker.checkpoint.manifest import FileEntry, Manifest, Piece
 from worker.checkpoint.publish import publish_staged
 from worker.checkpoint.saveplan import TensorInfo, fsdp_rows, plan_rank
 from worker.checkpoint.shardio import ShardReader
@@ -102,14 +102,14 @@ def _write_rank(reader: ShardReader, staging: Path, rank: int, world_size: int, 
             hasher = BlockHasher(block_size)
             n = _copy_rows(reader, fd, a.name, a.start, a.stop, hasher)
             digests = hasher.finish()
-            pieces.append(PieceRecord(a.name, fname, offset, n, (a.start, a.stop), tuple(digests)))
+            pieces.append((a.name, Piece(fname, offset, n, (a.start, a.stop), tuple(digests))))
             blocks += digests
             offset += n
         os.fsync(fd)
     finally:
         os.close(fd)
     headers = {
-        n: TensorHeader(t.dtype, t.shape, t.kind, t.owner)
+        n: dataclasses.replace(t, pieces=())
         for n, t in m.tensors.items()
         if t.kind != "per_rank" or (t.owner is not None and t.owner < world_size)
     }

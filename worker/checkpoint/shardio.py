@@ -14,9 +14,8 @@ from pathlib import Path
 import xxhash
 
 from worker.checkpoint.blocks import block_digests, file_digest
-from worker.checkpoint.commit import PieceRecord
 from worker.checkpoint.loadplan import ReadOp
-from worker.checkpoint.manifest import FileEntry, Manifest
+from worker.checkpoint.manifest import FileEntry, Manifest, Piece
 from worker.checkpoint.saveplan import Assignment
 from worker.errors import CorruptCheckpointError
 
@@ -35,12 +34,12 @@ def write_shard(
     *,
     block_size: int,
     after_first_piece: Callable[[], object] | None = None,
-) -> tuple[list[PieceRecord], FileEntry]:
+) -> tuple[list[tuple[str, Piece]], FileEntry]:
     """Write ``items`` (assignment, its bytes) to a new file, digest every block, fsync.
 
     Raises OSError (e.g. ENOSPC) as it comes; the caller aborts the save and removes staging.
     """
-    pieces: list[PieceRecord] = []
+    pieces: list[tuple[str, Piece]] = []
     all_blocks: list[str] = []
     offset = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -49,9 +48,7 @@ def write_shard(
             view = memoryview(data).cast("B")
             digests = block_digests(view, block_size)
             _write_all(fd, view)
-            pieces.append(
-                PieceRecord(a.name, path.name, offset, len(view), (a.start, a.stop), tuple(digests))
-            )
+            pieces.append((a.name, Piece(path.name, offset, len(view), (a.start, a.stop), tuple(digests))))
             all_blocks.extend(digests)
             offset += len(view)
             if i == 0 and after_first_piece is not None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.checkpoint.api import Checkpointer
+from worker.checkpoint.checkpointer import Checkpointer
 from worker.spec import CheckpointSpec
 
 
