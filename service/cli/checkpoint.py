@@ -12,10 +12,10 @@ import json
 import sys
 from typing import Any
 
-from worker.checkpoint.layout import resolve_checkpoint
-from worker.checkpoint.manifest import Manifest
+from worker.checkpoint.layout import load_manifest, resolve_checkpoint
+from worker.checkpoint.manifest import MANIFEST_NAME, Manifest
 from worker.checkpoint.offline import export_weights, reshard
-from worker.checkpoint.verify import load_manifest, logical_digest, verify_checkpoint
+from worker.checkpoint.verify import logical_digest, verify_checkpoint
 
 
 def register(subparsers: Any) -> None:
@@ -105,6 +105,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     step_dir, problems = verify_checkpoint(args.dir)
+    if problems and problems[0].file == MANIFEST_NAME:  # refused before any shard was read
+        print(f"elastrain: error: {problems[0].message}", file=sys.stderr)
+        return 1
     if problems:
         for p in problems:
             print(f"MISMATCH {step_dir}/{p}")

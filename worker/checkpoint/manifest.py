@@ -14,6 +14,14 @@ Layout rules the validator enforces:
 * the pieces in a file tile ``[0, size)`` exactly, so every byte of every file is covered;
 * ``digests[i]`` is the xxh3-128 hex digest of bytes ``[i*block_size, (i+1)*block_size)`` of the
   piece; a file's ``digest`` is :func:`worker.checkpoint.blocks.file_digest` of its blocks.
+
+Limits (issue 13): the text is parsed by :func:`worker.jsonlimits.loads` (nested at most
+:data:`MAX_DEPTH` levels: a run record holds a job spec, which the API admits 64 levels deep);
+integers are below 2**63, a shape has at most :data:`MAX_NDIM` dimensions and ``block_size`` is at
+most :data:`MAX_BLOCK_SIZE`, so no number here sizes a read or a buffer beyond that before the
+files are checked. The size cap and the check against the files on disk belong to the reader
+(:func:`worker.checkpoint.layout.load_manifest`); :func:`manifest_cap` is its rule, and a writer
+never publishes a manifest that :func:`check_readable` says a reader would refuse.
 """
 
 from __future__ import annotations
@@ -24,9 +32,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from worker.errors import CorruptCheckpointError
+from worker.errors import CheckpointError, CorruptCheckpointError
+from worker.jsonlimits import JSONRefused, json_depth, loads
 
 FORMAT_VERSION = 1
+#: Nesting a manifest may have: the API's 64 levels for a job spec, plus the run record around it.
+MAX_DEPTH = 128
+MAX_NDIM = 64
+#: The largest block a reader hashes at once (elastrain writes 256 KiB blocks).
+MAX_BLOCK_SIZE = 64 << 20
+_MAX_INT = 1 << 63
+#: A manifest may be this large whatever its shards: per-tensor entries, optimizer extras, the
+#: RNG states of thousands of ranks and the run record fit many times over.
+MANIFEST_BASE_BYTES = 64 << 20
 MANIFEST_NAME = "manifest.json"
 Kind = Literal["replicated", "sharded", "per_rank"]
 KINDS: tuple[str, ...] = ("replicated", "sharded", "per_rank")
@@ -135,6 +153,30 @@ def block_count(nbytes: int, block_size: int) -> int:
     return -(-nbytes // block_size)
 
 
+def manifest_cap(shard_bytes: int) -> int:
+    """The largest manifest a reader accepts next to ``shard_bytes`` bytes of files on disk.
+
+    Each block of a piece costs about 44 bytes of manifest (its digest on a line), so 1/64 of
+    the shard bytes covers blocks down to 4 KiB (elastrain writes 256 KiB: 64x to spare), and
+    :data:`MANIFEST_BASE_BYTES` covers what does not grow with the bytes. A crafted manifest can
+    make a reader hold at most that much, a bound set by the files really there.
+    """
+    return MANIFEST_BASE_BYTES + shard_bytes // 64
+
+
+def check_readable(text: str, shard_bytes: int) -> None:
+    """Refuse (:class:`CheckpointError`) to publish a manifest a reader would refuse."""
+    depth = json_depth(text)
+    if depth > MAX_DEPTH:
+        raise CheckpointError(
+            f"the manifest would be nested {depth} levels deep and readers refuse more than {MAX_DEPTH}: "
+            "keep progress, metrics and the run record shallower"
+        )
+    size, cap = len(text.encode()), manifest_cap(shard_bytes)
+    if size > cap:
+        raise CheckpointError(f"the manifest would be {size} bytes and readers refuse more than {cap}")
+
+
 # ---------------------------------------------------------------- serialisation
 
 
@@ -181,29 +223,47 @@ def manifest_to_json(m: Manifest) -> str:
     return json.dumps(manifest_to_dict(m), indent=1, sort_keys=False) + "\n"
 
 
-def manifest_from_json(text: str | bytes) -> Manifest:
-    """Parse and validate. Raises :class:`CorruptCheckpointError` naming the first problem."""
+def manifest_from_json(
+    text: str | bytes, *, what: str = "manifest", max_bytes: int | None = None
+) -> Manifest:
+    """Parse (depth-capped), check the schema, validate. Raises :class:`CorruptCheckpointError`
+    naming ``what`` (e.g. the file) and the first problem, in one line. ``max_bytes``: refuse a
+    longer text (None: the caller that read the bytes has bounded them; see
+    :func:`worker.checkpoint.layout.load_manifest`)."""
+    limit = max_bytes if max_bytes is not None else len(text)
     try:
-        raw = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpointError(f"manifest is not valid JSON: {exc}") from None
+        raw = loads(text, max_bytes=limit, max_depth=MAX_DEPTH, what=what)
+    except JSONRefused as exc:
+        raise CorruptCheckpointError(str(exc)) from None
     try:
         m = _from_dict(raw)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"manifest does not follow the schema: {exc!r}") from None
-    validate(m)
+    except KeyError as exc:
+        raise CorruptCheckpointError(f"{what} does not follow the schema: field {exc} is missing") from None
+    except (TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{what} does not follow the schema: {exc}") from None
+    try:
+        validate(m)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{what}: {exc}") from None
     return m
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a very large number"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _int(value: Any, what: str) -> int:
     if type(value) is not int:
-        raise TypeError(f"{what} must be an integer, got {value!r}")
+        raise TypeError(f"{what} must be an integer, got {_show(value)}")
+    if not -_MAX_INT < value < _MAX_INT:
+        raise ValueError(f"{what} {_show(value)} is out of range (|n| < 2**63)")
     return value
 
 
 def _str(value: Any, what: str) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{what} must be a string, got {value!r}")
+        raise TypeError(f"{what} must be a string, got {_show(value)}")
     return value
 
 
@@ -237,6 +297,8 @@ def _tensor(raw: Any, name: str) -> TensorEntry:
     shape = raw["shape"]
     if not isinstance(shape, list):
         raise TypeError(f"shape of {name} must be a list")
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"tensor {name} has {len(shape)} dimensions, at most {MAX_NDIM}")
     owner = raw.get("owner")
     return TensorEntry(
         dtype=_str(raw["dtype"], "dtype"),
@@ -308,8 +370,8 @@ def _problems(m: Manifest) -> list[str]:
         out.append(f"format_version {m.format_version} is not {FORMAT_VERSION}; upgrade elastrain to read it")
     if m.step < 0 or m.generation < 0 or m.world_size < 1:
         out.append("step and generation must be >= 0 and world_size >= 1")
-    if m.block_size < 1:
-        out.append(f"block_size {m.block_size} must be positive")
+    if not 1 <= m.block_size <= MAX_BLOCK_SIZE:
+        out.append(f"block_size {m.block_size} is over the limit of {MAX_BLOCK_SIZE} or not positive")
         return out
     for fname, f in m.files.items():
         if not _FILE_RE.match(fname) or fname == MANIFEST_NAME:

@@ -24,6 +24,7 @@ from worker.checkpoint.commit import Expected, Report, build_manifest, decide
 from worker.checkpoint.layout import (
     EXPORT_MARKER,
     fsync_dir,
+    load_manifest,
     resolve_checkpoint,
     shard_file_name,
     staging_dir_name,
@@ -36,7 +37,7 @@ from worker.checkpoint.publish import publish_staged
 from worker.checkpoint.saveplan import TensorInfo, fsdp_rows, plan_rank
 from worker.checkpoint.shardio import ShardReader
 from worker.checkpoint.verify import CHUNK_BYTES as _CHUNK
-from worker.checkpoint.verify import iter_tensor_bytes, load_manifest, logical_digest, meta_digest
+from worker.checkpoint.verify import iter_tensor_bytes, logical_digest, meta_digest
 from worker.errors import CheckpointError
 
 WEIGHTS_PREFIX = "model."
@@ -74,7 +75,9 @@ def _infos(m: Manifest, rank: int, world_size: int) -> list[TensorInfo]:
 def _copy_rows(reader: ShardReader, fd: int, name: str, lo: int, hi: int, hasher: BlockHasher) -> int:
     m = reader.manifest
     rb = m.tensors[name].row_bytes
-    per = max(1, _CHUNK // max(1, rb))
+    if rb == 0:
+        return 0
+    per = max(1, _CHUNK // rb)
     buf = bytearray()
     written = 0
     for start in range(lo, hi, per):

@@ -27,6 +27,7 @@ from worker.checkpoint.engine import check_compatible, load_into
 from worker.checkpoint.layout import (
     fsync_dir,
     list_published,
+    load_manifest,
     read_latest,
     resolve_checkpoint,
     step_dir_name,
@@ -35,7 +36,6 @@ from worker.checkpoint.layout import (
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest
 from worker.checkpoint.rng import derive_rng, restore_rng
 from worker.checkpoint.state import LiveState, apply, capture
-from worker.checkpoint.verify import load_manifest
 from worker.errors import CheckpointError, CorruptCheckpointError
 
 #: ``event(name, **fields)``: a structured event (the Checkpointer logs and forwards it).

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.checkpoint.layout import list_published, remove_tree, step_dir_name
+from worker.checkpoint.layout import list_published, load_manifest, remove_tree, step_dir_name
 from worker.errors import CheckpointError
 from worker.failpoints import failpoint
 from worker.spec import RetentionSpec
@@ -79,12 +79,10 @@ def _best(checkpoints: Sequence[CheckpointInfo], policy: RetentionSpec) -> list[
 def published_infos(job_dir: Path) -> list[CheckpointInfo]:
     """The published steps of ``job_dir`` with the metrics their manifests hold (none for a
     manifest that cannot be read: it is never kept as "best")."""
-    from worker.checkpoint.verify import load_manifest
-
     infos = []
     for step, path in list_published(job_dir):
         try:
-            metrics = load_manifest(path).metrics
+            metrics = load_manifest(path, check_files=False).metrics
         except CheckpointError:
             metrics = {}
         infos.append(CheckpointInfo(step, metrics))

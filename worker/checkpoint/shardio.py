@@ -14,6 +14,7 @@ from pathlib import Path
 import xxhash
 
 from worker.checkpoint.blocks import block_digests, file_digest
+from worker.checkpoint.layout import shard_problem
 from worker.checkpoint.loadplan import ReadOp
 from worker.checkpoint.manifest import FileEntry, Manifest, Piece
 from worker.checkpoint.saveplan import Assignment
@@ -88,12 +89,10 @@ class ShardReader:
                 fd = os.open(self.step_dir / name, os.O_RDONLY)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.step_dir / name}: shard file is missing") from None
-            size = os.fstat(fd).st_size
-            if size != expected:
+            problem = shard_problem(self.step_dir / name, expected, os.fstat(fd).st_size)
+            if problem:
                 os.close(fd)
-                raise CorruptCheckpointError(
-                    f"{self.step_dir / name}: {size} bytes on disk, the manifest says {expected} (truncated?)"
-                )
+                raise CorruptCheckpointError(problem)
             self._fds[name] = fd
         return fd
 
@@ -123,6 +122,7 @@ class ShardReader:
         through a scratch buffer. Raises :class:`CorruptCheckpointError` naming file and offset.
         """
         for op in ops:
+            self._fd(op.file)  # the file is there with the size the manifest says before any buffer
             direct = len(op.copies) == 1 and op.copies[0].src == 0 and op.copies[0].nbytes == op.nbytes
             if direct:
                 c = op.copies[0]

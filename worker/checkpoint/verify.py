@@ -27,11 +27,11 @@ from typing import Any
 import xxhash
 
 from worker.checkpoint.blocks import file_digest
-from worker.checkpoint.layout import resolve_checkpoint
+from worker.checkpoint.layout import load_manifest, resolve_checkpoint
 from worker.checkpoint.loadplan import Need, plan_reads
-from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json
+from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from worker.checkpoint.shardio import ShardReader
-from worker.errors import CheckpointError, CorruptCheckpointError
+from worker.errors import CheckpointError
 
 EXCLUDED_PROGRESS_KEYS = frozenset(
     {"batch_plan", "world_size", "topology", "wall_time", "elapsed_seconds", "spec_hash", "digest_exclude"}
@@ -60,16 +60,10 @@ def digest_meta(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_manifest(step_dir: Path) -> Manifest:
-    try:
-        data = (step_dir / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{step_dir}: manifest.json is missing") from None
-    return manifest_from_json(data)
-
-
 def _row_chunks(entry: TensorEntry) -> Iterator[tuple[int, int]]:
-    per = max(1, CHUNK_BYTES // max(1, entry.row_bytes))
+    if entry.nbytes == 0:  # no bytes to read, however many (empty) rows the shape has
+        return
+    per = max(1, CHUNK_BYTES // entry.row_bytes)
     for lo in range(0, entry.rows, per):
         yield lo, min(entry.rows, lo + per)
 
@@ -124,7 +118,7 @@ def verify_checkpoint(path: str | Path, *, limit: int = 100) -> tuple[Path, list
     directory and up to ``limit`` problems (empty: the checkpoint verifies)."""
     step_dir = resolve_checkpoint(path)
     try:
-        m = load_manifest(step_dir)
+        m = load_manifest(step_dir, check_files=False)
     except CheckpointError as exc:
         return step_dir, [Problem(MANIFEST_NAME, None, str(exc))]
     problems: list[Problem] = []
