@@ -32,6 +32,8 @@ from worker.checkpoint.coordinator import (
 from worker.checkpoint.engine import SaveJob, json_copy, new_job, persist
 from worker.checkpoint.interval import auto_interval_seconds, observed_mtbf, policy_from_spec, should_save
 from worker.checkpoint.layout import collect_orphans, parse_staging_dir, remove_tree, staging_dir_name
+from worker.checkpoint.manifest import MAX_BLOCK_SIZE
+from worker.checkpoint.owner import check_owner, claim
 from worker.checkpoint.restore import RestoreContext, Restored, restore
 from worker.checkpoint.retention import apply_retention
 from worker.checkpoint.rng import capture_rng
@@ -95,6 +97,8 @@ class Checkpointer:
         self.parallelism, self.seed, self.run_record = parallelism, seed, run_record
         self.block_size, self.timeout_s = block_size, timeout_s
         self.job_dir = Path(cfg.dir) if cfg.dir else None
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise CheckpointError(f"block_size {block_size} must be between 1 and {MAX_BLOCK_SIZE} bytes")
         self.stats = CheckpointStats()
         self.policy = policy_from_spec(cfg)
         self._on_event = on_event
@@ -110,6 +114,11 @@ class Checkpointer:
         self._parent_step: int | None = None
         self.session = "off"
         if self.job_dir is not None:
+            # Before anything is written there: the directory belongs to this job or to none.
+            if rank == 0:
+                claim(self.job_dir, job)
+            else:
+                check_owner(self.job_dir, job)
             self._store = store if store is not None else _default_store(world_size)
             self.session = session_id(self._store, job=job, generation=generation, world_size=world_size)
             self._coordinator = coordinator or InJobCoordinator(
@@ -280,7 +289,7 @@ class Checkpointer:
             persist_seconds=round(seconds, 4), background=self.cfg.async_save,
         )  # fmt: skip
         if self.rank == 0 and self.job_dir is not None:
-            deleted = apply_retention(self.job_dir, self.cfg.retention, newest=outcome.step)
+            deleted = apply_retention(self.job_dir, self.cfg.retention, newest=outcome.step, job=self.job)
             self.stats.deleted_total += len(deleted)
             if deleted:
                 self.event("checkpoint_retention_deleted", steps=deleted)

@@ -33,6 +33,7 @@ from worker.checkpoint.layout import (
 )
 from worker.checkpoint.loadplan import Need, plan_reads
 from worker.checkpoint.manifest import FileEntry, Manifest, Piece
+from worker.checkpoint.owner import read_owner
 from worker.checkpoint.publish import publish_staged
 from worker.checkpoint.saveplan import TensorInfo, fsdp_rows, plan_rank
 from worker.checkpoint.shardio import ShardReader
@@ -131,6 +132,12 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, block_size: in
     step_dir = resolve_checkpoint(src)
     m = load_manifest(step_dir)
     dst_dir = Path(dst)
+    owner = read_owner(dst_dir)
+    if owner is not None:
+        raise CheckpointError(
+            f"{dst_dir} belongs to job {owner.job!r}; reshard into a new directory (the job that uses it "
+            "claims it then)"
+        )
     if (dst_dir / step_dir_name(m.step)).exists():
         raise CheckpointError(f"{dst_dir} already has {step_dir_name(m.step)}; choose an empty destination")
     dst_dir.mkdir(parents=True, exist_ok=True)
