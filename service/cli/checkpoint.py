@@ -78,6 +78,7 @@ def summary(m: Manifest, path: str) -> dict[str, Any]:
             n: {"dtype": t.dtype, "shape": list(t.shape), "kind": t.kind, "pieces": len(t.pieces)}
             for n, t in sorted(m.tensors.items())
         },
+        "aliases": m.aliases,
         "rng_ranks": sorted(int(r) for r in m.rank_meta),
         "run_record": m.run_record,
     }
@@ -85,14 +86,15 @@ def summary(m: Manifest, path: str) -> dict[str, Any]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     step_dir = resolve_checkpoint(args.dir)
-    info = summary(load_manifest(step_dir), str(step_dir))
+    m = load_manifest(step_dir)
+    info = summary(m, str(step_dir))
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
     keys = ("path", "job", "step", "generation", "world_size", "parallelism", "samples_seen", "epoch")
     rows = [(k, info[k]) for k in (*keys, "parent_step", "data_version")]
     rows.append(("metrics", " ".join(f"{k}={v:g}" for k, v in info["metrics"].items()) or "-"))
-    rows.append(("tensors", f"{len(info['tensors'])}"))
+    rows.append(("tensors", f"{len(info['tensors'])}" + (f" (+{len(m.aliases)} tied)" if m.aliases else "")))
     rows.append(("bytes", _human(info["bytes"])))
     rows.append(("files", f"{len(info['files'])}"))
     width = max(len(k) for k, _ in rows)

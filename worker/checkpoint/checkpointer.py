@@ -248,6 +248,7 @@ class Checkpointer:
             "job": self.job, "parallelism": self.parallelism, "block_size": self.block_size, "meta": meta,
             "metrics": json_copy(metrics, "metrics"), "run_record": json_copy(self.run_record, "run_record"),
             "parent_step": self._parent_step, "spec_hash": self.spec_hash, "data_version": self.data_version,
+            "aliases": live.aliases,
         }  # fmt: skip
         if self.rank == 0:
             self._collect_stale_staging(step)

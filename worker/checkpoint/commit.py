@@ -32,7 +32,8 @@ class Report:
     """One rank's phase-1 result: the files it staged, its pieces as (tensor name, piece), and
     the whole tensor table (entries without pieces; every rank sends the same table).
     ``context`` (from rank 0) carries what the manifest needs besides the pieces: job,
-    parallelism, block_size, meta, metrics, run_record, parent_step, spec_hash, data_version."""
+    parallelism, block_size, meta, metrics, run_record, parent_step, spec_hash, data_version,
+    aliases."""
 
     step: int
     generation: int
@@ -170,6 +171,7 @@ def _manifest(reports: Sequence[Report], expected: Expected) -> Manifest:
         parent_step=ctx.get("parent_step"),
         spec_hash=str(ctx.get("spec_hash", "")),
         data_version=str(ctx.get("data_version", "")),
+        aliases=dict(ctx.get("aliases", {})),
     )
 
 

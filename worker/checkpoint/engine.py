@@ -175,7 +175,12 @@ def needs_of(live: LiveState) -> list[Need]:
 def check_compatible(manifest: Manifest, live: LiveState) -> None:
     """Raise :class:`CheckpointError` if the checkpoint does not describe this model/optimizer."""
     stored = {n for n, t in manifest.tensors.items() if t.kind != "per_rank"}
-    missing, extra = sorted(set(live.tensors) - stored), sorted(stored - set(live.tensors))
+    # A checkpoint from before alias tables stored a tied tensor under each name: the live
+    # model's tied names are filled through the stored one, their copies are not needed.
+    missing, extra = (
+        sorted(set(live.tensors) - stored),
+        sorted(stored - set(live.tensors) - set(live.aliases)),
+    )
     if missing or extra:
         raise CheckpointError(
             f"checkpoint step {manifest.step} does not match the model/optimizer: missing {missing[:5]}, "

@@ -157,7 +157,7 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, block_size: in
     ctx = {
         "job": m.job, "parallelism": m.parallelism, "block_size": bs, "meta": m.meta, "metrics": m.metrics,
         "run_record": record, "parent_step": m.parent_step, "spec_hash": m.spec_hash,
-        "data_version": m.data_version,
+        "data_version": m.data_version, "aliases": m.aliases,
     }  # fmt: skip
     reports[0] = dataclasses.replace(reports[0], context=ctx)
     expected = Expected(m.step, m.generation, world_size)

@@ -2,9 +2,10 @@
 
 The logical digest (``elastrain checkpoint digest``) is xxh3-128 over, in this order:
 
-1. for every tensor except ``per_rank`` ones, in name order: the JSON header
+1. for every stored tensor except ``per_rank`` ones, in name order: the JSON header
    ``[name, dtype, shape]`` and then its logical bytes (rows 0..N-1 in C order, however they
-   were split into pieces and files);
+   were split into pieces and files); a tied or shared tensor is stored, and counted, once;
+   then, when the manifest has aliases, ``aliases`` and their sorted JSON pairs;
 2. the canonical JSON (sorted keys, no spaces) of :func:`digest_meta` of the manifest's ``meta``:
    the trainer's progress without the keys that legitimately depend on the world size or the
    wall clock (:data:`EXCLUDED_PROGRESS_KEYS`, plus any listed in ``progress["digest_exclude"]``),
@@ -98,6 +99,8 @@ def logical_digest(path: str | Path) -> str:
             h.update(canonical_json([name, entry.dtype, list(entry.shape)]) + b"\0")
             for chunk in iter_tensor_bytes(reader, name):
                 h.update(chunk)
+    if m.aliases:  # only then, so the digest of a model without ties is what it always was
+        h.update(b"aliases\0" + canonical_json(sorted(m.aliases.items())))
     h.update(b"meta\0" + canonical_json(digest_meta(m.meta)))
     return h.hexdigest()
 

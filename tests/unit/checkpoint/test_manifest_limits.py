@@ -155,7 +155,7 @@ def test_manifest_cap_grows_with_the_shards_on_disk() -> None:
 def test_a_big_manifest_next_to_big_shards_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cap is derived from the bytes on disk: a manifest over the base limit is read when
     the step's shards are large enough to need it (a sparse file: no disk is used)."""
-    monkeypatch.setattr("worker.checkpoint.manifest.MANIFEST_BASE_BYTES", 1 << 20)
+    monkeypatch.setattr("worker.checkpoint.manifest.model.MANIFEST_BASE_BYTES", 1 << 20)
     step_dir = _published(tmp_path)
     raw = _raw(step_dir)
     raw["run_record"] = {"pad": "x" * (1 << 20)}

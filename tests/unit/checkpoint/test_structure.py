@@ -34,8 +34,10 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_import_loop_in_the_checkpoint_package() -> None:
-    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    graph = {m: _imports(PACKAGE / f"{m}.py") & modules - {m} for m in modules}
+    files = {p.stem: [p] for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    files |= {d.name: sorted(d.glob("*.py")) for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()}
+    modules = set(files)
+    graph = {m: set().union(*(_imports(f) for f in files[m])) & modules - {m} for m in modules}
 
     def reaches(start: str, target: str, seen: set[str]) -> bool:
         for nxt in graph[start]:
