@@ -1,4 +1,5 @@
-"""``elastrain checkpoint inspect|verify|digest|reshard|export-weights`` (torch-free).
+"""``elastrain checkpoint inspect|verify|digest|reshard|export-weights`` (torch-free, except
+``export-weights --format torch``, which imports torch to write a torch state dict).
 
 DIR may be a job directory (its ``latest``, else its newest published step) or a step
 directory. Exit codes: 0 success, 1 verification found a mismatch, 2 usage or unreadable input
@@ -12,9 +13,10 @@ import json
 import sys
 from typing import Any
 
+from worker.checkpoint.export import DTYPES, FORMATS, export_weights
 from worker.checkpoint.layout import load_manifest, resolve_checkpoint
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest
-from worker.checkpoint.offline import export_weights, reshard
+from worker.checkpoint.offline import reshard
 from worker.checkpoint.verify import logical_digest, verify_checkpoint
 
 
@@ -43,10 +45,31 @@ def register(subparsers: Any) -> None:
     p.add_argument("--world-size", type=int, required=True, metavar="N")
     p.set_defaults(func=cmd_reshard)
 
-    p = sub.add_parser("export-weights", help="model weights only, as safetensors (cannot resume training)")
+    p = sub.add_parser(
+        "export-weights", help="model weights only, to load elsewhere (cannot resume training)"
+    )
     p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST", help="new directory for model.safetensors")
-    p.set_defaults(func=cmd_export)
+    p.add_argument("dst", metavar="DST", help="new directory for the weights (and config.json)")
+    p.add_argument(
+        "--format",
+        choices=sorted(FORMATS),
+        default="safetensors",
+        help="model.safetensors (default) or pytorch_model.bin (a torch.save state dict)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="convert floating tensors (default: as stored, fp32 master weights)",
+    )
+    p.add_argument(
+        "--strip-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="export the module under PREFIX (e.g. hf.) with names relative to it; default: "
+        "where the checkpoint says its Hugging Face model is, else ''",
+    )
+    p.set_defaults(func=cmd_export)  # fmt: skip
 
 
 def _human(n: float) -> str:
@@ -134,7 +157,18 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    path, count, nbytes = export_weights(args.src, args.dst)
-    print(f"exported {count} tensors ({_human(nbytes)}) to {path}")
+    done = export_weights(
+        args.src, args.dst, fmt=args.format, dtype=args.dtype, strip_prefix=args.strip_prefix
+    )
+    dtype = f", {args.dtype}" if args.dtype else ""
+    print(f"exported {done.tensors} tensors ({_human(done.bytes)}{dtype}) to {done.path}")
+    if done.strip_prefix:
+        print(f"names are relative to {done.strip_prefix!r} (--strip-prefix)")
+    if done.left_out:
+        names = ", ".join(done.left_out[:5]) + (", ..." if len(done.left_out) > 5 else "")
+        print(f"left out {len(done.left_out)} tensors outside {done.strip_prefix!r}: {names}")
+    if done.config_written:
+        where = str(done.path.parent)
+        print(f"config.json written beside them: transformers' from_pretrained({where!r}) loads it")
     print("weights only: this export has no optimizer state, progress or RNG and cannot resume training")
     return 0

@@ -30,6 +30,7 @@ from worker.checkpoint.coordinator import (
     session_id,
 )
 from worker.checkpoint.engine import SaveJob, json_copy, new_job, persist
+from worker.checkpoint.export import hf_config_of
 from worker.checkpoint.interval import auto_interval_seconds, observed_mtbf, policy_from_spec, should_save
 from worker.checkpoint.layout import collect_orphans, parse_staging_dir, remove_tree, staging_dir_name
 from worker.checkpoint.manifest import MAX_BLOCK_SIZE
@@ -112,6 +113,7 @@ class Checkpointer:
         self._last_time = time.time()
         self._started = self._last_time
         self._parent_step: int | None = None
+        self._hf: tuple[nn.Module, dict[str, Any] | None] | None = None
         self.session = "off"
         if self.job_dir is not None:
             # Before anything is written there: the directory belongs to this job or to none.
@@ -244,6 +246,9 @@ class Checkpointer:
         self._seq += 1
         live = capture(model, optimizer)
         meta = {"progress": json_copy(progress, "progress"), "extra": live.extra}
+        hf = self._hf_config(model)
+        if hf is not None:
+            meta["hf"] = hf
         context = {
             "job": self.job, "parallelism": self.parallelism, "block_size": self.block_size, "meta": meta,
             "metrics": json_copy(metrics, "metrics"), "run_record": json_copy(self.run_record, "run_record"),
@@ -257,6 +262,13 @@ class Checkpointer:
             world_size=self.world_size, job_dir=self.job_dir, block_size=self.block_size, meta=meta,
             rank_meta={"rng": capture_rng()}, context=context,
         )  # fmt: skip
+
+    def _hf_config(self, model: nn.Module) -> dict[str, Any] | None:
+        """The Hugging Face config the export needs (see :mod:`worker.checkpoint.export`), found
+        once per model."""
+        if self._hf is None or self._hf[0] is not model:
+            self._hf = (model, hf_config_of(model))
+        return self._hf[1]
 
     def _collect_stale_staging(self, step: int) -> None:
         """Staging left by an aborted save of this generation (no other save is in flight)."""

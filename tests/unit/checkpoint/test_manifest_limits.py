@@ -18,9 +18,10 @@ import pytest
 from service.cli import main as cli_main
 from tests.unit.checkpoint.helpers import checkpointer, model_and_optim, save, train
 from tests.unit.checkpoint.synth import TENSORS, synth, write_published
+from worker.checkpoint.export import export_weights
 from worker.checkpoint.layout import list_published, load_manifest
 from worker.checkpoint.manifest import MANIFEST_BASE_BYTES, MAX_BLOCK_SIZE, MAX_DEPTH, manifest_cap
-from worker.checkpoint.offline import export_weights, reshard
+from worker.checkpoint.offline import reshard
 from worker.checkpoint.verify import logical_digest, verify_checkpoint
 from worker.errors import CheckpointError, CorruptCheckpointError
 

@@ -15,8 +15,9 @@ import pytest
 
 from service.cli import checkpoint as cli
 from tests.unit.checkpoint.synth import TENSORS, logical_bytes, synth, write_published
+from worker.checkpoint.export import export_weights
 from worker.checkpoint.loadplan import needs_for_rank
-from worker.checkpoint.offline import export_weights, reshard
+from worker.checkpoint.offline import reshard
 from worker.checkpoint.verify import load_manifest, logical_digest, verify_checkpoint
 from worker.errors import CheckpointError
 
@@ -85,7 +86,8 @@ def test_digest_ignores_world_dependent_progress_and_lr(tmp_path: Path) -> None:
 
 def test_export_weights_is_safetensors_and_not_resumable(tmp_path: Path) -> None:
     src = _src(tmp_path)
-    path, count, nbytes = export_weights(src, tmp_path / "export")
+    done = export_weights(src, tmp_path / "export")
+    path, count, nbytes = done.path, done.tensors, done.bytes
     data = path.read_bytes()
     (hlen,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + hlen])
