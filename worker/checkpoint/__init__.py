@@ -1,10 +1,13 @@
 """Sharded, two-phase, verified checkpoints (issue 3).
 
-Torch-free pure modules (the control plane may import them): :mod:`.manifest`,
+Torch-free pure modules (the control plane may import them): :mod:`.manifest` (a package),
 :mod:`.saveplan`, :mod:`.loadplan`, :mod:`.commit`, :mod:`.retention`, :mod:`.interval`,
-:mod:`.blocks`; torch-free I/O: :mod:`.layout`, :mod:`.shardio`, :mod:`.publish`,
-:mod:`.verify`, :mod:`.coordinator`, :mod:`.offline`. The torch side (:class:`Checkpointer`)
-is loaded lazily so that importing this package does not import torch.
+:mod:`.blocks`; torch-free I/O: :mod:`.layout` (``load_manifest``, read with limits),
+:mod:`.owner` (which job a directory belongs to), :mod:`.shardio`, :mod:`.publish`,
+:mod:`.verify`, :mod:`.coordinator`, :mod:`.offline` (reshard), :mod:`.export` (weights-only
+exports; numpy and safetensors). The torch side (:mod:`.checkpointer`, :mod:`.restore`,
+:mod:`.engine`, :mod:`.state`, :mod:`.asyncsave`, :mod:`.rng`) is loaded lazily so that
+importing this package does not import torch.
 """
 
 from __future__ import annotations
