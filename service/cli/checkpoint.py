@@ -1,4 +1,5 @@
-"""``elastrain checkpoint inspect|verify|digest|reshard|export-weights`` (torch-free).
+"""``elastrain checkpoint inspect|verify|digest|reshard|export-weights`` (torch-free, except
+``export-weights --format torch``, which imports torch to write a torch state dict).
 
 DIR may be a job directory (its ``latest``, else its newest published step) or a step
 directory. Exit codes: 0 success, 1 verification found a mismatch, 2 usage or unreadable input
@@ -12,10 +13,11 @@ import json
 import sys
 from typing import Any
 
-from worker.checkpoint.layout import resolve_checkpoint
-from worker.checkpoint.manifest import Manifest
-from worker.checkpoint.offline import export_weights, reshard
-from worker.checkpoint.verify import load_manifest, logical_digest, verify_checkpoint
+from worker.checkpoint.export import DTYPES, FORMATS, export_weights
+from worker.checkpoint.layout import load_manifest, resolve_checkpoint
+from worker.checkpoint.manifest import MANIFEST_NAME, Manifest
+from worker.checkpoint.offline import reshard
+from worker.checkpoint.verify import logical_digest, verify_checkpoint
 
 
 def register(subparsers: Any) -> None:
@@ -43,10 +45,31 @@ def register(subparsers: Any) -> None:
     p.add_argument("--world-size", type=int, required=True, metavar="N")
     p.set_defaults(func=cmd_reshard)
 
-    p = sub.add_parser("export-weights", help="model weights only, as safetensors (cannot resume training)")
+    p = sub.add_parser(
+        "export-weights", help="model weights only, to load elsewhere (cannot resume training)"
+    )
     p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST", help="new directory for model.safetensors")
-    p.set_defaults(func=cmd_export)
+    p.add_argument("dst", metavar="DST", help="new directory for the weights (and config.json)")
+    p.add_argument(
+        "--format",
+        choices=sorted(FORMATS),
+        default="safetensors",
+        help="model.safetensors (default) or pytorch_model.bin (a torch.save state dict)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="convert floating tensors (default: as stored, fp32 master weights)",
+    )
+    p.add_argument(
+        "--strip-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="export the module under PREFIX (e.g. hf.) with names relative to it; default: "
+        "where the checkpoint says its Hugging Face model is, else ''",
+    )
+    p.set_defaults(func=cmd_export)  # fmt: skip
 
 
 def _human(n: float) -> str:
@@ -78,6 +101,7 @@ def summary(m: Manifest, path: str) -> dict[str, Any]:
             n: {"dtype": t.dtype, "shape": list(t.shape), "kind": t.kind, "pieces": len(t.pieces)}
             for n, t in sorted(m.tensors.items())
         },
+        "aliases": m.aliases,
         "rng_ranks": sorted(int(r) for r in m.rank_meta),
         "run_record": m.run_record,
     }
@@ -85,14 +109,15 @@ def summary(m: Manifest, path: str) -> dict[str, Any]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     step_dir = resolve_checkpoint(args.dir)
-    info = summary(load_manifest(step_dir), str(step_dir))
+    m = load_manifest(step_dir, check_files=False)  # what the manifest says; `verify` checks the files
+    info = summary(m, str(step_dir))
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
     keys = ("path", "job", "step", "generation", "world_size", "parallelism", "samples_seen", "epoch")
     rows = [(k, info[k]) for k in (*keys, "parent_step", "data_version")]
     rows.append(("metrics", " ".join(f"{k}={v:g}" for k, v in info["metrics"].items()) or "-"))
-    rows.append(("tensors", f"{len(info['tensors'])}"))
+    rows.append(("tensors", f"{len(info['tensors'])}" + (f" (+{len(m.aliases)} tied)" if m.aliases else "")))
     rows.append(("bytes", _human(info["bytes"])))
     rows.append(("files", f"{len(info['files'])}"))
     width = max(len(k) for k, _ in rows)
@@ -105,6 +130,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     step_dir, problems = verify_checkpoint(args.dir)
+    if problems and problems[0].file == MANIFEST_NAME:  # refused before any shard was read
+        print(f"elastrain: error: {problems[0].message}", file=sys.stderr)
+        return 1
     if problems:
         for p in problems:
             print(f"MISMATCH {step_dir}/{p}")
@@ -129,7 +157,18 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    path, count, nbytes = export_weights(args.src, args.dst)
-    print(f"exported {count} tensors ({_human(nbytes)}) to {path}")
+    done = export_weights(
+        args.src, args.dst, fmt=args.format, dtype=args.dtype, strip_prefix=args.strip_prefix
+    )
+    dtype = f", {args.dtype}" if args.dtype else ""
+    print(f"exported {done.tensors} tensors ({_human(done.bytes)}{dtype}) to {done.path}")
+    if done.strip_prefix:
+        print(f"names are relative to {done.strip_prefix!r} (--strip-prefix)")
+    if done.left_out:
+        names = ", ".join(done.left_out[:5]) + (", ..." if len(done.left_out) > 5 else "")
+        print(f"left out {len(done.left_out)} tensors outside {done.strip_prefix!r}: {names}")
+    if done.config_written:
+        where = str(done.path.parent)
+        print(f"config.json written beside them: transformers' from_pretrained({where!r}) loads it")
     print("weights only: this export has no optimizer state, progress or RNG and cannot resume training")
     return 0

@@ -1,10 +1,13 @@
 """Sharded, two-phase, verified checkpoints (issue 3).
 
-Torch-free pure modules (the control plane may import them): :mod:`.manifest`,
+Torch-free pure modules (the control plane may import them): :mod:`.manifest` (a package),
 :mod:`.saveplan`, :mod:`.loadplan`, :mod:`.commit`, :mod:`.retention`, :mod:`.interval`,
-:mod:`.blocks`; torch-free I/O: :mod:`.layout`, :mod:`.shardio`, :mod:`.publish`,
-:mod:`.verify`, :mod:`.coordinator`, :mod:`.offline`. The torch side (:class:`Checkpointer`)
-is loaded lazily so that importing this package does not import torch.
+:mod:`.blocks`; torch-free I/O: :mod:`.layout` (``load_manifest``, read with limits),
+:mod:`.owner` (which job a directory belongs to), :mod:`.shardio`, :mod:`.publish`,
+:mod:`.verify`, :mod:`.coordinator`, :mod:`.offline` (reshard), :mod:`.export` (weights-only
+exports; numpy and safetensors). The torch side (:mod:`.checkpointer`, :mod:`.restore`,
+:mod:`.engine`, :mod:`.state`, :mod:`.asyncsave`, :mod:`.rng`) is loaded lazily so that
+importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker.checkpoint.api import Checkpointer, CheckpointStats, Restored
+    from worker.checkpoint.checkpointer import Checkpointer, CheckpointStats
     from worker.checkpoint.coordinator import (
         Coordinator,
         InJobCoordinator,
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
         Outcome,
         generation_from_env,
     )
+    from worker.checkpoint.restore import Restored
     from worker.checkpoint.verify import logical_digest, verify_checkpoint
 
 __all__ = [
@@ -36,9 +40,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "CheckpointStats": "worker.checkpoint.api",
-    "Checkpointer": "worker.checkpoint.api",
-    "Restored": "worker.checkpoint.api",
+    "CheckpointStats": "worker.checkpoint.checkpointer",
+    "Checkpointer": "worker.checkpoint.checkpointer",
+    "Restored": "worker.checkpoint.restore",
     "Coordinator": "worker.checkpoint.coordinator",
     "InJobCoordinator": "worker.checkpoint.coordinator",
     "MemoryStore": "worker.checkpoint.coordinator",

@@ -9,6 +9,7 @@ the pieces tile every tensor exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Mapping, Sequence
@@ -21,29 +22,18 @@ from worker.errors import CorruptCheckpointError
 Action = Literal["publish", "wait", "abort"]
 
 
-@dataclass(frozen=True, slots=True)
-class PieceRecord:
-    name: str
-    file: str
-    offset: int
-    nbytes: int
-    rows: tuple[int, int]
-    digests: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorHeader:
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str
-    owner: int | None = None
+#: Deprecated name of a report's tensor table entry (a :class:`TensorEntry` without pieces),
+#: kept only for tests/unit/service/svc_fakes.py until it imports ``TensorEntry``.
+TensorHeader = TensorEntry
 
 
 @dataclass(frozen=True)
 class Report:
-    """One rank's phase-1 result. ``context`` (from rank 0) carries what the manifest needs
-    besides the pieces: job, parallelism, block_size, meta, metrics, run_record, parent_step,
-    spec_hash, data_version."""
+    """One rank's phase-1 result: the files it staged, its pieces as (tensor name, piece), and
+    the whole tensor table (entries without pieces; every rank sends the same table).
+    ``context`` (from rank 0) carries what the manifest needs besides the pieces: job,
+    parallelism, block_size, meta, metrics, run_record, parent_step, spec_hash, data_version,
+    aliases."""
 
     step: int
     generation: int
@@ -52,8 +42,8 @@ class Report:
     ok: bool
     error: str = ""
     files: dict[str, FileEntry] = field(default_factory=dict)
-    pieces: tuple[PieceRecord, ...] = ()
-    tensors: dict[str, TensorHeader] = field(default_factory=dict)
+    pieces: tuple[tuple[str, Piece], ...] = ()
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
     meta_digest: str = ""
     rank_meta: dict[str, Any] = field(default_factory=dict)
     context: dict[str, Any] = field(default_factory=dict)
@@ -156,17 +146,12 @@ def _manifest(reports: Sequence[Report], expected: Expected) -> Manifest:
     ctx = reports[0].context
     pieces: dict[str, list[Piece]] = {name: [] for name in reports[0].tensors}
     for r in reports:
-        for p in r.pieces:
-            pieces.setdefault(p.name, []).append(Piece(p.file, p.offset, p.nbytes, p.rows, p.digests))
-    tensors = {}
-    for name, header in reports[0].tensors.items():
-        tensors[name] = TensorEntry(
-            dtype=header.dtype,
-            shape=header.shape,
-            kind=header.kind,  # type: ignore[arg-type]  # validated below
-            pieces=tuple(sorted(pieces[name], key=lambda p: p.rows)),
-            owner=header.owner,
-        )
+        for name, piece in r.pieces:
+            pieces.setdefault(name, []).append(piece)
+    tensors = {
+        name: dataclasses.replace(header, pieces=tuple(sorted(pieces[name], key=lambda p: p.rows)))
+        for name, header in reports[0].tensors.items()
+    }
     for name in set(pieces) - set(tensors):
         tensors[name] = TensorEntry("uint8", (0,), "replicated", tuple(pieces[name]))  # flagged by validate
     files = {n: f for r in reports for n, f in r.files.items()}
@@ -186,6 +171,7 @@ def _manifest(reports: Sequence[Report], expected: Expected) -> Manifest:
         parent_step=ctx.get("parent_step"),
         spec_hash=str(ctx.get("spec_hash", "")),
         data_version=str(ctx.get("data_version", "")),
+        aliases=dict(ctx.get("aliases", {})),
     )
 
 
@@ -202,7 +188,7 @@ def report_to_json(r: Report) -> str:
             "ok": r.ok,
             "error": r.error,
             "files": {n: [f.size, f.digest] for n, f in r.files.items()},
-            "pieces": [[p.name, p.file, p.offset, p.nbytes, list(p.rows), list(p.digests)] for p in r.pieces],
+            "pieces": [[n, p.file, p.offset, p.nbytes, list(p.rows), list(p.digests)] for n, p in r.pieces],
             "tensors": {n: [h.dtype, list(h.shape), h.kind, h.owner] for n, h in r.tensors.items()},
             "meta_digest": r.meta_digest,
             "rank_meta": r.rank_meta,
@@ -225,11 +211,16 @@ def report_from_json(text: str | bytes) -> Report:
             error=str(raw.get("error", "")),
             files={n: FileEntry(int(s), str(d)) for n, (s, d) in raw["files"].items()},
             pieces=tuple(
-                PieceRecord(str(n), str(f), int(o), int(b), (int(r[0]), int(r[1])), tuple(str(x) for x in d))
+                (str(n), Piece(str(f), int(o), int(b), (int(r[0]), int(r[1])), tuple(str(x) for x in d)))
                 for n, f, o, b, r, d in raw["pieces"]
             ),
             tensors={
-                n: TensorHeader(str(dt), tuple(int(s) for s in sh), str(k), None if ow is None else int(ow))
+                n: TensorEntry(
+                    str(dt),
+                    tuple(int(s) for s in sh),
+                    str(k),  # type: ignore[arg-type]  # validated
+                    owner=None if ow is None else int(ow),
+                )
                 for n, (dt, sh, k, ow) in raw["tensors"].items()
             },
             meta_digest=str(raw.get("meta_digest", "")),

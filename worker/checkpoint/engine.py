@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from worker.checkpoint.commit import Report, TensorHeader
+from worker.checkpoint.commit import Report
 from worker.checkpoint.coordinator import Coordinator, Outcome
 from worker.checkpoint.layout import fsync_dir, shard_file_name, staging_dir_name
 from worker.checkpoint.loadplan import Need, plan_reads
-from worker.checkpoint.manifest import Manifest
+from worker.checkpoint.manifest import Manifest, TensorEntry
 from worker.checkpoint.saveplan import Assignment, plan_rank
 from worker.checkpoint.shardio import ShardReader, write_shard
 from worker.checkpoint.state import LiveState, byte_view, rows_of
@@ -44,7 +44,7 @@ class SaveJob:
     job_dir: Path
     block_size: int
     items: list[tuple[Assignment, torch.Tensor]]
-    headers: dict[str, TensorHeader]
+    headers: dict[str, TensorEntry]
     meta_digest: str
     rank_meta: dict[str, Any]
     context: dict[str, Any] = field(default_factory=dict)
@@ -73,9 +73,9 @@ def plan_items(live: LiveState, *, rank: int, world_size: int) -> list[tuple[Ass
     return out
 
 
-def headers_of(live: LiveState) -> dict[str, TensorHeader]:
+def headers_of(live: LiveState) -> dict[str, TensorEntry]:
     return {
-        n: TensorHeader(lt.info.dtype, lt.info.shape, lt.info.kind, lt.info.owner)
+        n: TensorEntry(lt.info.dtype, lt.info.shape, lt.info.kind, owner=lt.info.owner)  # type: ignore[arg-type]
         for n, lt in live.tensors.items()
     }
 
@@ -175,7 +175,12 @@ def needs_of(live: LiveState) -> list[Need]:
 def check_compatible(manifest: Manifest, live: LiveState) -> None:
     """Raise :class:`CheckpointError` if the checkpoint does not describe this model/optimizer."""
     stored = {n for n, t in manifest.tensors.items() if t.kind != "per_rank"}
-    missing, extra = sorted(set(live.tensors) - stored), sorted(stored - set(live.tensors))
+    # A checkpoint from before alias tables stored a tied tensor under each name: the live
+    # model's tied names are filled through the stored one, their copies are not needed.
+    missing, extra = (
+        sorted(set(live.tensors) - stored),
+        sorted(stored - set(live.tensors) - set(live.aliases)),
+    )
     if missing or extra:
         raise CheckpointError(
             f"checkpoint step {manifest.step} does not match the model/optimizer: missing {missing[:5]}, "

@@ -9,7 +9,8 @@
     <job dir>/.trash-...                     a step or staging directory being deleted
 
 A step directory exists only after its manifest was fsynced and it was renamed from staging, so
-a loader that lists ``step-*`` never sees a half-written step.
+a loader that lists ``step-*`` never sees a half-written step. Every reader of a published step
+reads its manifest through :func:`load_manifest` (limits, and the files checked on disk).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
-from worker.checkpoint.manifest import MANIFEST_NAME
-from worker.errors import CheckpointError
+from worker.checkpoint import manifest as _manifest
+from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, manifest_from_json
+from worker.errors import CheckpointError, CorruptCheckpointError
 
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
@@ -159,3 +162,89 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if published:
         return published[-1][1]
     raise CheckpointError(f"{p} holds no published checkpoint (no step-*/manifest.json and no 'latest')")
+
+
+# ---------------------------------------------------------------- reading a manifest
+
+
+def load_manifest(step_dir: Path, *, check_files: bool = True) -> Manifest:
+    """The manifest of a published step, read with limits (issue 13): a regular file of at most
+    :func:`worker.checkpoint.manifest.manifest_cap` bytes (checked before reading; the bytes of
+    the step's other files on disk are counted only when the manifest is over the base cap),
+    parsed with the depth cap and the schema, and, with ``check_files``, every shard it lists
+    present with the size it claims, so no number in it sizes a read or a buffer beyond the
+    files really there. Raises :class:`CorruptCheckpointError` (one line naming the file):
+    refused like a corrupt shard. ``check_files=False`` is for ``verify``, which reports each
+    shard's problem itself."""
+    path = step_dir / MANIFEST_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{step_dir}: manifest.json is missing") from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be opened: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(f"{path}: not a regular file")
+        cap = _manifest.manifest_cap(0)
+        if info.st_size > cap:
+            others = _other_bytes(step_dir)
+            cap = _manifest.manifest_cap(others)
+            if info.st_size > cap:
+                raise CorruptCheckpointError(
+                    f"{path}: {info.st_size} bytes is over the limit of {cap} bytes for a step with "
+                    f"{others} bytes of shards"
+                )
+        data = _read_at_most(fd, cap + 1)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    m = manifest_from_json(data, what=str(path), max_bytes=cap)
+    if check_files:
+        for name, entry in sorted(m.files.items()):
+            problem = shard_problem(step_dir / name, entry.size)
+            if problem:
+                raise CorruptCheckpointError(problem)
+    return m
+
+
+def shard_problem(path: Path, expected: int, actual: int | None = -1) -> str:
+    """What is wrong with a shard file that should be ``expected`` bytes ('' if nothing).
+    ``actual``: its size when the caller has it (None: missing); -1: look it up."""
+    if actual == -1:
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            actual = None
+        else:
+            if not stat.S_ISREG(info.st_mode):
+                return f"{path}: not a regular file"
+            actual = info.st_size
+    if actual is None:
+        return f"{path}: shard file is missing"
+    if actual != expected:
+        hint = "truncated?" if actual < expected else "not the file the manifest describes?"
+        return f"{path}: {actual} bytes on disk, the manifest says {expected} ({hint})"
+    return ""
+
+
+def _other_bytes(step_dir: Path) -> int:
+    total = 0
+    with os.scandir(step_dir) as entries:
+        for entry in entries:
+            if entry.name != MANIFEST_NAME and entry.is_file():
+                total += entry.stat().st_size
+    return total
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, total = [], 0
+    while total < limit:
+        chunk = os.read(fd, min(limit - total, 16 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)

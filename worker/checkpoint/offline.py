@@ -1,4 +1,4 @@
-"""Offline tools on published checkpoints, torch-free: reshard and weights-only export.
+"""Offline tools on published checkpoints, torch-free: reshard (weights-only export: :mod:`.export`).
 
 ``reshard`` rewrites a checkpoint for another world size by moving bytes: each new rank's file
 gets the rows the new world's save plan gives it (replicated tensors rebalanced by bytes,
@@ -6,52 +6,33 @@ sharded tensors in FSDP2's ``torch.chunk`` layout, per-rank tensors of ranks tha
 exist dropped). Every byte read is verified; memory stays bounded (rows move in chunks of at most
 ~64 MiB). The result is published like any save (staging, manifest, rename, ``latest``), and its
 logical digest equals the source's.
-
-``export_weights`` writes the model tensors (``model.*``) as one ``model.safetensors`` file plus
-``EXPORT.json``; it is not a checkpoint and cannot resume training.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
 from pathlib import Path
 
 from worker.checkpoint.blocks import BlockHasher, file_digest
-from worker.checkpoint.commit import Expected, PieceRecord, Report, TensorHeader, build_manifest, decide
+from worker.checkpoint.commit import Expected, Report, build_manifest, decide
 from worker.checkpoint.layout import (
-    EXPORT_MARKER,
     fsync_dir,
+    load_manifest,
     resolve_checkpoint,
     shard_file_name,
     staging_dir_name,
     step_dir_name,
-    write_durable,
 )
 from worker.checkpoint.loadplan import Need, plan_reads
-from worker.checkpoint.manifest import FileEntry, Manifest
+from worker.checkpoint.manifest import FileEntry, Manifest, Piece
+from worker.checkpoint.owner import read_owner
 from worker.checkpoint.publish import publish_staged
 from worker.checkpoint.saveplan import TensorInfo, fsdp_rows, plan_rank
 from worker.checkpoint.shardio import ShardReader
 from worker.checkpoint.verify import CHUNK_BYTES as _CHUNK
-from worker.checkpoint.verify import iter_tensor_bytes, load_manifest, logical_digest, meta_digest
+from worker.checkpoint.verify import meta_digest
 from worker.errors import CheckpointError
-
-WEIGHTS_PREFIX = "model."
-_SAFETENSORS_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
 
 
 def _infos(m: Manifest, rank: int, world_size: int) -> list[TensorInfo]:
@@ -74,7 +55,9 @@ def _infos(m: Manifest, rank: int, world_size: int) -> list[TensorInfo]:
 def _copy_rows(reader: ShardReader, fd: int, name: str, lo: int, hi: int, hasher: BlockHasher) -> int:
     m = reader.manifest
     rb = m.tensors[name].row_bytes
-    per = max(1, _CHUNK // max(1, rb))
+    if rb == 0:
+        return 0
+    per = max(1, _CHUNK // rb)
     buf = bytearray()
     written = 0
     for start in range(lo, hi, per):
@@ -102,14 +85,14 @@ def _write_rank(reader: ShardReader, staging: Path, rank: int, world_size: int, 
             hasher = BlockHasher(block_size)
             n = _copy_rows(reader, fd, a.name, a.start, a.stop, hasher)
             digests = hasher.finish()
-            pieces.append(PieceRecord(a.name, fname, offset, n, (a.start, a.stop), tuple(digests)))
+            pieces.append((a.name, Piece(fname, offset, n, (a.start, a.stop), tuple(digests))))
             blocks += digests
             offset += n
         os.fsync(fd)
     finally:
         os.close(fd)
     headers = {
-        n: TensorHeader(t.dtype, t.shape, t.kind, t.owner)
+        n: dataclasses.replace(t, pieces=())
         for n, t in m.tensors.items()
         if t.kind != "per_rank" or (t.owner is not None and t.owner < world_size)
     }
@@ -128,6 +111,12 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, block_size: in
     step_dir = resolve_checkpoint(src)
     m = load_manifest(step_dir)
     dst_dir = Path(dst)
+    owner = read_owner(dst_dir)
+    if owner is not None:
+        raise CheckpointError(
+            f"{dst_dir} belongs to job {owner.job!r}; reshard into a new directory (the job that uses it "
+            "claims it then)"
+        )
     if (dst_dir / step_dir_name(m.step)).exists():
         raise CheckpointError(f"{dst_dir} already has {step_dir_name(m.step)}; choose an empty destination")
     dst_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +136,7 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, block_size: in
     ctx = {
         "job": m.job, "parallelism": m.parallelism, "block_size": bs, "meta": m.meta, "metrics": m.metrics,
         "run_record": record, "parent_step": m.parent_step, "spec_hash": m.spec_hash,
-        "data_version": m.data_version,
+        "data_version": m.data_version, "aliases": m.aliases,
     }  # fmt: skip
     reports[0] = dataclasses.replace(reports[0], context=ctx)
     expected = Expected(m.step, m.generation, world_size)
@@ -155,53 +144,3 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, block_size: in
     if decision.action != "publish":
         raise CheckpointError(f"reshard produced an inconsistent layout: {decision.reason}")
     return publish_staged(dst_dir, staging, build_manifest(expected, reports))
-
-
-def export_weights(src: str | Path, dst: str | Path) -> tuple[Path, int, int]:
-    """Write the model weights of ``src`` to ``dst/model.safetensors``. Returns (file, tensors,
-    bytes). The export cannot resume training: it has no optimizer state, progress or RNG."""
-    step_dir = resolve_checkpoint(src)
-    m = load_manifest(step_dir)
-    out = Path(dst)
-    if out.exists():
-        raise CheckpointError(f"{out} already exists; choose a new directory for the export")
-    names = sorted(n for n in m.tensors if n.startswith(WEIGHTS_PREFIX) and m.tensors[n].kind != "per_rank")
-    header: dict[str, object] = {}
-    pos = 0
-    for n in names:
-        t = m.tensors[n]
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{n}: dtype {t.dtype} has no safetensors equivalent")
-        header[n.removeprefix(WEIGHTS_PREFIX)] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [pos, pos + t.nbytes],
-        }
-        pos += t.nbytes
-    header["__metadata__"] = {"format": "pt", "elastrain_step": str(m.step), "elastrain": "weights only"}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True)
-    with open(tmp / "model.safetensors", "wb") as f, ShardReader(step_dir, m) as reader:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for n in names:
-            for chunk in iter_tensor_bytes(reader, n):
-                f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    marker = {
-        "weights_only": True,
-        "resumable": False,
-        "note": "weights-only export: no optimizer state, progress or RNG; it cannot resume training",
-        "source": str(step_dir),
-        "step": m.step,
-        "tensors": len(names),
-        "bytes": pos,
-        "source_logical_digest": logical_digest(step_dir),
-    }
-    write_durable(tmp / EXPORT_MARKER, (json.dumps(marker, indent=1) + "\n").encode())
-    fsync_dir(tmp)
-    os.rename(tmp, out)
-    fsync_dir(out.parent)
-    return out / "model.safetensors", len(names), pos

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from worker.checkpoint.layout import (
     fsync_dir,
+    load_manifest,
     parse_step_dir,
     read_latest,
     remove_tree,
@@ -21,7 +22,7 @@ from worker.checkpoint.layout import (
     write_durable,
     write_latest,
 )
-from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, manifest_from_json, manifest_to_json
+from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, check_readable, manifest_to_json
 from worker.errors import CheckpointError, CorruptCheckpointError
 from worker.failpoints import failpoint
 
@@ -43,8 +44,10 @@ def publish_staged(job_dir: Path, staging: Path, manifest: Manifest) -> Path:
         return target
     if not staging.is_dir():
         raise CheckpointError(f"cannot publish step {manifest.step}: staging directory {staging} is gone")
+    text = manifest_to_json(manifest)
+    check_readable(text, manifest.total_bytes)  # never publish what a reader would refuse
     failpoint("before_manifest_write")
-    write_durable(staging / MANIFEST_NAME, manifest_to_json(manifest).encode())
+    write_durable(staging / MANIFEST_NAME, text.encode())
     fsync_dir(staging)
     failpoint("before_publish_rename")
     if target.exists():  # a step directory without a valid manifest: move it out of the way
@@ -58,8 +61,8 @@ def publish_staged(job_dir: Path, staging: Path, manifest: Manifest) -> Path:
 
 def _already_published(target: Path, step: int) -> bool:
     try:
-        existing = manifest_from_json((target / MANIFEST_NAME).read_bytes())
-    except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):
+        existing = load_manifest(target, check_files=False)
+    except CorruptCheckpointError:
         return False
     return existing.step == step
 

@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
-from worker.checkpoint.coordinator import store_allgather
+from worker.checkpoint.coordinator import KeyValueStore, store_allgather
 from worker.checkpoint.engine import check_compatible, load_into
 from worker.checkpoint.layout import (
     fsync_dir,
     list_published,
+    load_manifest,
     read_latest,
     resolve_checkpoint,
     step_dir_name,
@@ -33,29 +36,55 @@ from worker.checkpoint.layout import (
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest
 from worker.checkpoint.rng import derive_rng, restore_rng
 from worker.checkpoint.state import LiveState, apply, capture
-from worker.checkpoint.verify import load_manifest
 from worker.errors import CheckpointError, CorruptCheckpointError
 
-if TYPE_CHECKING:
-    from worker.checkpoint.api import Checkpointer, Restored
+#: ``event(name, **fields)``: a structured event (the Checkpointer logs and forwards it).
+EventFn = Callable[..., None]
 
 
-def _candidates(ck: Checkpointer) -> tuple[list[Path], bool]:
+@dataclass(frozen=True, slots=True)
+class RestoreContext:
+    """What a restore needs to know about this rank and its job (the Checkpointer's view)."""
+
+    job_dir: Path
+    resume: str  # "auto" or a step/job directory (``checkpoint.resume``)
+    job: str
+    session: str
+    rank: int
+    world_size: int
+    generation: int
+    seed: int
+    data_version: str
+    timeout_s: float
+    store: KeyValueStore
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int
+    progress: dict[str, Any]
+    path: Path
+    manifest_path: Path
+    rng_restored: bool
+    notes: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+def _candidates(ctx: RestoreContext) -> tuple[list[Path], bool]:
     """Step directories to try, newest first, and whether falling back is allowed."""
-    assert ck.job_dir is not None
-    if ck.cfg.resume == "auto":
-        return [p for _, p in reversed(list_published(ck.job_dir))], True
-    return [resolve_checkpoint(ck.cfg.resume)], False
+    if ctx.resume == "auto":
+        return [p for _, p in reversed(list_published(ctx.job_dir))], True
+    return [resolve_checkpoint(ctx.resume)], False
 
 
-def _try(ck: Checkpointer, step_dir: Path, live: LiveState) -> tuple[str, str, Manifest | None, int]:
+def _try(ctx: RestoreContext, step_dir: Path, live: LiveState) -> tuple[str, str, Manifest | None, int]:
     """(status, reason, manifest, bytes read); status is ok, corrupt or incompatible."""
     try:
         manifest = load_manifest(step_dir)
-        if ck.data_version and manifest.data_version and manifest.data_version != ck.data_version:
+        if ctx.data_version and manifest.data_version and manifest.data_version != ctx.data_version:
             raise CheckpointError(
                 f"{step_dir} was written for data version {manifest.data_version!r}, this job has "
-                f"{ck.data_version!r}; resume from a matching checkpoint or set checkpoint.resume: never"
+                f"{ctx.data_version!r}; resume from a matching checkpoint or set checkpoint.resume: never"
             )
         check_compatible(manifest, live)
         nbytes = load_into(step_dir, manifest, live)
@@ -68,31 +97,37 @@ def _try(ck: Checkpointer, step_dir: Path, live: LiveState) -> tuple[str, str, M
     return "ok", "", manifest, nbytes
 
 
-def _agree(ck: Checkpointer, attempt: int, index: int, status: str, reason: str) -> list[dict[str, str]]:
-    if ck.world_size == 1:
+def _agree(ctx: RestoreContext, attempt: int, index: int, status: str, reason: str) -> list[dict[str, str]]:
+    if ctx.world_size == 1:
         return [{"status": status, "reason": reason}]
-    prefix = f"elastrain/ckpt/{ck.job}/{ck.session}/g{ck.generation}/restore{attempt}/c{index}"
+    prefix = f"elastrain/ckpt/{ctx.job}/{ctx.session}/g{ctx.generation}/restore{attempt}/c{index}"
     got = store_allgather(
-        ck.store, prefix, rank=ck.rank, world_size=ck.world_size,
-        value=json.dumps({"status": status, "reason": reason}), timeout=ck.timeout_s,
+        ctx.store, prefix, rank=ctx.rank, world_size=ctx.world_size,
+        value=json.dumps({"status": status, "reason": reason}), timeout=ctx.timeout_s,
     )  # fmt: skip
     return [json.loads(g) for g in got]
 
 
 def restore(
-    ck: Checkpointer, *, model: nn.Module, optimizer: torch.optim.Optimizer, attempt: int
+    ctx: RestoreContext,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    attempt: int,
+    event: EventFn,
+    on_refused: Callable[[], None],
 ) -> Restored | None:
-    from worker.checkpoint.api import Restored
-
-    candidates, fallback = _candidates(ck)
+    """Load per ``ctx.resume`` (collective: every rank calls it with the same ``attempt``).
+    ``on_refused`` is called once per checkpoint refused as corrupt (and ``event`` told why)."""
+    candidates, fallback = _candidates(ctx)
     if not candidates:
-        ck.event("checkpoint_none_to_resume", dir=str(ck.job_dir))
+        event("checkpoint_none_to_resume", dir=str(ctx.job_dir))
         return None
     live = capture(model, optimizer)
     refused: list[Path] = []
     for index, step_dir in enumerate(candidates):
-        status, reason, manifest, nbytes = _try(ck, step_dir, live)
-        answers = _agree(ck, attempt, index, status, reason)
+        status, reason, manifest, nbytes = _try(ctx, step_dir, live)
+        answers = _agree(ctx, attempt, index, status, reason)
         bad = [(r, a) for r, a in enumerate(answers) if a["status"] != "ok"]
         if not bad:
             assert manifest is not None
@@ -101,22 +136,21 @@ def restore(
         why = f"rank {rank}: {answer['reason']}"
         if any(a["status"] == "incompatible" for _, a in bad):
             raise CheckpointError(f"cannot resume from {step_dir}: {why}")
-        ck.stats.verification_failures_total += 1
-        ck.event("checkpoint_refused", path=str(step_dir), reason=why, fallback=fallback)
+        on_refused()
+        event("checkpoint_refused", path=str(step_dir), reason=why, fallback=fallback)
         if not fallback:
             raise CorruptCheckpointError(f"cannot resume from {step_dir}: {why}")
         refused.append(step_dir)
     else:
         raise CheckpointError(
-            f"no published checkpoint in {ck.job_dir} verifies ({len(refused)} refused, reasons logged); "
+            f"no published checkpoint in {ctx.job_dir} verifies ({len(refused)} refused, reasons logged); "
             "repair or remove them, or set checkpoint.resume: never to start over"
         )
-    ck.stats.bytes_read_total += nbytes
     notes = apply(model, optimizer, live, manifest.meta.get("extra", {}))
-    rng_restored = _rng(ck, manifest, notes)
-    if ck.rank == 0:
-        _settle(ck, manifest.step, step_dir, refused)
-    ck.event(
+    rng_restored = _rng(ctx, manifest, notes)
+    if ctx.rank == 0:
+        _settle(ctx, manifest.step, step_dir, refused, event)
+    event(
         "checkpoint_restored", step=manifest.step, path=str(step_dir), bytes=nbytes, rng_restored=rng_restored
     )
     return Restored(
@@ -126,27 +160,28 @@ def restore(
         manifest_path=step_dir / MANIFEST_NAME,
         rng_restored=rng_restored,
         notes=notes,
+        bytes_read=nbytes,
     )
 
 
-def _rng(ck: Checkpointer, manifest: Manifest, notes: list[str]) -> bool:
-    saved = manifest.rank_meta.get(str(ck.rank), {}).get("rng")
+def _rng(ctx: RestoreContext, manifest: Manifest, notes: list[str]) -> bool:
+    saved = manifest.rank_meta.get(str(ctx.rank), {}).get("rng")
     if saved is not None:
         restore_rng(saved)
         return True
-    seed = derive_rng(ck.seed, manifest.step, ck.rank)
+    seed = derive_rng(ctx.seed, manifest.step, ctx.rank)
     notes.append(
-        f"rank {ck.rank} has no saved RNG state (the checkpoint was written by {manifest.world_size} ranks"
+        f"rank {ctx.rank} has no saved RNG state (the checkpoint was written by {manifest.world_size} ranks"
         f"{', then resharded' if 'resharded' in manifest.run_record else ''}): its RNG was derived from "
-        f"(seed {ck.seed}, step {manifest.step}, rank {ck.rank}) -> {seed}"
+        f"(seed {ctx.seed}, step {manifest.step}, rank {ctx.rank}) -> {seed}"
     )
     return False
 
 
-def _settle(ck: Checkpointer, step: int, step_dir: Path, refused: list[Path]) -> None:
-    """Rank 0 after a load: set newer steps aside and point ``latest`` at the loaded step."""
-    job_dir = ck.job_dir
-    assert job_dir is not None
+def _settle(ctx: RestoreContext, step: int, step_dir: Path, refused: list[Path], event: EventFn) -> None:
+    """Rank 0 after a load: set newer steps aside and point ``latest`` at the loaded step.
+    Only in this job's own directory: a checkpoint loaded from elsewhere is only read."""
+    job_dir = ctx.job_dir
     if step_dir.resolve().parent != job_dir.resolve():
         return
     refused_names = {p.name for p in refused}
@@ -154,9 +189,9 @@ def _settle(ck: Checkpointer, step: int, step_dir: Path, refused: list[Path]) ->
         if newer <= step:
             continue
         tag = "corrupt" if path.name in refused_names else "superseded"
-        aside = job_dir / f".{tag}-{path.name}-g{ck.generation}"
+        aside = job_dir / f".{tag}-{path.name}-g{ctx.generation}"
         os.replace(path, aside)
-        ck.event("checkpoint_set_aside", path=str(path), to=aside.name)
+        event("checkpoint_set_aside", path=str(path), to=aside.name)
     if read_latest(job_dir) != step_dir_name(step):
         write_latest(job_dir, step)
     fsync_dir(job_dir)

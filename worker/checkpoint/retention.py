@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.checkpoint.layout import list_published, remove_tree, step_dir_name
+from worker.checkpoint.layout import list_published, load_manifest, remove_tree, step_dir_name
+from worker.checkpoint.owner import owned_by_other
 from worker.errors import CheckpointError
 from worker.failpoints import failpoint
 from worker.spec import RetentionSpec
@@ -79,12 +80,10 @@ def _best(checkpoints: Sequence[CheckpointInfo], policy: RetentionSpec) -> list[
 def published_infos(job_dir: Path) -> list[CheckpointInfo]:
     """The published steps of ``job_dir`` with the metrics their manifests hold (none for a
     manifest that cannot be read: it is never kept as "best")."""
-    from worker.checkpoint.verify import load_manifest
-
     infos = []
     for step, path in list_published(job_dir):
         try:
-            metrics = load_manifest(path).metrics
+            metrics = load_manifest(path, check_files=False).metrics
         except CheckpointError:
             metrics = {}
         infos.append(CheckpointInfo(step, metrics))
@@ -97,11 +96,18 @@ def apply_retention(
     *,
     newest: int,
     checkpoints: Sequence[CheckpointInfo] | None = None,
+    job: str | None = None,
 ) -> list[int]:
     """Delete what :func:`plan_retention` says, right after ``newest`` was published; returns
     the steps deleted. ``checkpoints``: the published steps and their metrics as the caller
     knows them (the control plane's registry); default: read from the manifests in ``job_dir``.
-    A step that cannot be deleted is logged and kept (the next publish tries again)."""
+    ``job``: the job applying it; nothing is deleted in a directory another job owns
+    (:mod:`worker.checkpoint.owner`). A step that cannot be deleted is logged and kept (the
+    next publish tries again)."""
+    other = owned_by_other(job_dir, job) if job is not None else None
+    if other is not None:
+        log.warning("retention deletes nothing in %s: it belongs to job %r, not %r", job_dir, other.job, job)
+        return []
     infos = published_infos(job_dir) if checkpoints is None else list(checkpoints)
     deleted = []
     for step in plan_retention(infos, policy, newest_verified=newest).delete:

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.checkpoint.manifest import ITEMSIZE, row_bytes
+from worker.checkpoint.manifest import ITEMSIZE, Shaped
 
 
 @dataclass(frozen=True, slots=True)
-class TensorInfo:
+class TensorInfo(Shaped):
     """What the planner needs to know about one tensor on this rank.
 
     ``local_rows`` is the global row range this rank holds for a ``sharded`` tensor (None for the
@@ -34,14 +34,6 @@ class TensorInfo:
     kind: str = "replicated"
     local_rows: tuple[int, int] | None = None
     owner: int | None = None
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def row_bytes(self) -> int:
-        return row_bytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True, slots=True)

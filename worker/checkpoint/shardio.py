@@ -14,9 +14,9 @@ from pathlib import Path
 import xxhash
 
 from worker.checkpoint.blocks import block_digests, file_digest
-from worker.checkpoint.commit import PieceRecord
+from worker.checkpoint.layout import shard_problem
 from worker.checkpoint.loadplan import ReadOp
-from worker.checkpoint.manifest import FileEntry, Manifest
+from worker.checkpoint.manifest import FileEntry, Manifest, Piece
 from worker.checkpoint.saveplan import Assignment
 from worker.errors import CorruptCheckpointError
 
@@ -35,12 +35,12 @@ def write_shard(
     *,
     block_size: int,
     after_first_piece: Callable[[], object] | None = None,
-) -> tuple[list[PieceRecord], FileEntry]:
+) -> tuple[list[tuple[str, Piece]], FileEntry]:
     """Write ``items`` (assignment, its bytes) to a new file, digest every block, fsync.
 
     Raises OSError (e.g. ENOSPC) as it comes; the caller aborts the save and removes staging.
     """
-    pieces: list[PieceRecord] = []
+    pieces: list[tuple[str, Piece]] = []
     all_blocks: list[str] = []
     offset = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -49,9 +49,7 @@ def write_shard(
             view = memoryview(data).cast("B")
             digests = block_digests(view, block_size)
             _write_all(fd, view)
-            pieces.append(
-                PieceRecord(a.name, path.name, offset, len(view), (a.start, a.stop), tuple(digests))
-            )
+            pieces.append((a.name, Piece(path.name, offset, len(view), (a.start, a.stop), tuple(digests))))
             all_blocks.extend(digests)
             offset += len(view)
             if i == 0 and after_first_piece is not None:
@@ -91,12 +89,10 @@ class ShardReader:
                 fd = os.open(self.step_dir / name, os.O_RDONLY)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.step_dir / name}: shard file is missing") from None
-            size = os.fstat(fd).st_size
-            if size != expected:
+            problem = shard_problem(self.step_dir / name, expected, os.fstat(fd).st_size)
+            if problem:
                 os.close(fd)
-                raise CorruptCheckpointError(
-                    f"{self.step_dir / name}: {size} bytes on disk, the manifest says {expected} (truncated?)"
-                )
+                raise CorruptCheckpointError(problem)
             self._fds[name] = fd
         return fd
 
@@ -126,6 +122,7 @@ class ShardReader:
         through a scratch buffer. Raises :class:`CorruptCheckpointError` naming file and offset.
         """
         for op in ops:
+            self._fd(op.file)  # the file is there with the size the manifest says before any buffer
             direct = len(op.copies) == 1 and op.copies[0].src == 0 and op.copies[0].nbytes == op.nbytes
             if direct:
                 c = op.copies[0]

@@ -6,13 +6,19 @@ initialise optimizer state before a load. Tensor names: ``model.<fqn>`` (paramet
 persistent buffers, e.g. norm running stats) and ``optim.state.<fqn>.<key>`` (moments, step).
 Non-tensor entries (``optim.param_groups.<fqn>.<key>``: lr, betas, weight decay...) are JSON
 extras.
+
+Tied and shared parameters: the model state dict names a tied tensor once per module that holds
+it (GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``, same memory; DCP keys its
+optimizer state by the first name only). The first name is the stored tensor; the others become
+``aliases`` (name -> stored name) and are not stored again. On load they need nothing: the live
+state dict's alias entries share memory with the stored one, which is filled in place.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +50,7 @@ class LiveState:
     extra: dict[str, Any]
     model_sd: dict[str, Any]
     optim_sd: dict[str, Any]
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> stored name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -102,14 +109,41 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer) -> LiveState:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     tensors: dict[str, LiveTensor] = {}
     extra: dict[str, Any] = {}
+    aliases = tied_names(model_sd, MODEL_PREFIX)
     for prefix, sd in ((MODEL_PREFIX, model_sd), (OPTIM_PREFIX, optim_sd)):
         for key, value in sd.items():
             name = prefix + key
+            if name in aliases:
+                continue
             if isinstance(value, torch.Tensor):
                 tensors[name] = _describe(name, value)
             else:
                 extra[name] = value
-    return LiveState(tensors=tensors, extra=_json_extras(extra), model_sd=model_sd, optim_sd=optim_sd)
+    return LiveState(
+        tensors=tensors, extra=_json_extras(extra), model_sd=model_sd, optim_sd=optim_sd, aliases=aliases
+    )
+
+
+def tied_names(state_dict: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{name: first name}`` for every entry that is the same tensor as an earlier one (same
+    memory, offset, shape, strides and dtype; for a DTensor, of its local shard). The first
+    name in state-dict order is the stored one: every rank builds the same model, so every rank
+    picks the same."""
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() == 0:
+            continue  # empty tensors may share a null pointer without being one tensor
+        ident = (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+                 local.stride(), local.dtype)  # fmt: skip
+        if ident in first:
+            out[prefix + key] = prefix + first[ident]
+        else:
+            first[ident] = key
+    return out
 
 
 def apply(

@@ -2,9 +2,10 @@
 
 The logical digest (``elastrain checkpoint digest``) is xxh3-128 over, in this order:
 
-1. for every tensor except ``per_rank`` ones, in name order: the JSON header
+1. for every stored tensor except ``per_rank`` ones, in name order: the JSON header
    ``[name, dtype, shape]`` and then its logical bytes (rows 0..N-1 in C order, however they
-   were split into pieces and files);
+   were split into pieces and files); a tied or shared tensor is stored, and counted, once;
+   then, when the manifest has aliases, ``aliases`` and their sorted JSON pairs;
 2. the canonical JSON (sorted keys, no spaces) of :func:`digest_meta` of the manifest's ``meta``:
    the trainer's progress without the keys that legitimately depend on the world size or the
    wall clock (:data:`EXCLUDED_PROGRESS_KEYS`, plus any listed in ``progress["digest_exclude"]``),
@@ -27,11 +28,11 @@ from typing import Any
 import xxhash
 
 from worker.checkpoint.blocks import file_digest
-from worker.checkpoint.layout import resolve_checkpoint
+from worker.checkpoint.layout import load_manifest, resolve_checkpoint
 from worker.checkpoint.loadplan import Need, plan_reads
-from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorEntry, manifest_from_json
+from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from worker.checkpoint.shardio import ShardReader
-from worker.errors import CheckpointError, CorruptCheckpointError
+from worker.errors import CheckpointError
 
 EXCLUDED_PROGRESS_KEYS = frozenset(
     {"batch_plan", "world_size", "topology", "wall_time", "elapsed_seconds", "spec_hash", "digest_exclude"}
@@ -60,16 +61,10 @@ def digest_meta(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_manifest(step_dir: Path) -> Manifest:
-    try:
-        data = (step_dir / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{step_dir}: manifest.json is missing") from None
-    return manifest_from_json(data)
-
-
 def _row_chunks(entry: TensorEntry) -> Iterator[tuple[int, int]]:
-    per = max(1, CHUNK_BYTES // max(1, entry.row_bytes))
+    if entry.nbytes == 0:  # no bytes to read, however many (empty) rows the shape has
+        return
+    per = max(1, CHUNK_BYTES // entry.row_bytes)
     for lo in range(0, entry.rows, per):
         yield lo, min(entry.rows, lo + per)
 
@@ -104,6 +99,8 @@ def logical_digest(path: str | Path) -> str:
             h.update(canonical_json([name, entry.dtype, list(entry.shape)]) + b"\0")
             for chunk in iter_tensor_bytes(reader, name):
                 h.update(chunk)
+    if m.aliases:  # only then, so the digest of a model without ties is what it always was
+        h.update(b"aliases\0" + canonical_json(sorted(m.aliases.items())))
     h.update(b"meta\0" + canonical_json(digest_meta(m.meta)))
     return h.hexdigest()
 
@@ -124,7 +121,7 @@ def verify_checkpoint(path: str | Path, *, limit: int = 100) -> tuple[Path, list
     directory and up to ``limit`` problems (empty: the checkpoint verifies)."""
     step_dir = resolve_checkpoint(path)
     try:
-        m = load_manifest(step_dir)
+        m = load_manifest(step_dir, check_files=False)
     except CheckpointError as exc:
         return step_dir, [Problem(MANIFEST_NAME, None, str(exc))]
     problems: list[Problem] = []

@@ -34,6 +34,8 @@ from worker.checkpoint.verify import logical_digest, verify_checkpoint
 from worker.spec import CheckpointSpec
 
 BATCH = 4
+VOCAB = 64
+MODEL = "mlp"  # --model
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -42,21 +44,40 @@ def emit(event: str, **fields: Any) -> None:
         sys.stdout.flush()
 
 
-def build(parallelism: str, world: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+def gpt2() -> nn.Module:
+    """A real third-party model with tied weights (``lm_head.weight`` is
+    ``transformer.wte.weight``) and dropout, built from a small config (no download)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def build(
+    parallelism: str, world: int, kind: str = "mlp"
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
     """(module to checkpoint, module to call, optimizer)."""
     torch.manual_seed(0)
+    if kind == "gpt2":
+        return _wrap(gpt2(), parallelism, world, blocks=lambda m: list(m.transformer.h))
     model = nn.Sequential(
         nn.Linear(12, 40), nn.LayerNorm(40), nn.ReLU(), nn.Dropout(0.1),
         nn.Linear(40, 24), nn.BatchNorm1d(24), nn.Linear(24, 5),
     )  # fmt: skip
+    return _wrap(model, parallelism, world, blocks=lambda m: [x for x in m if isinstance(x, nn.Linear)])
+
+
+def _wrap(
+    model: nn.Module, parallelism: str, world: int, *, blocks: Any
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
     if parallelism == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
+        for layer in blocks(model):
+            fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         runner: nn.Module = model
     else:
@@ -66,12 +87,15 @@ def build(parallelism: str, world: int) -> tuple[nn.Module, nn.Module, torch.opt
 
 def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    if MODEL == "gpt2":
+        ids = torch.randint(0, VOCAB, (BATCH, 12), generator=g)
+        return ids, ids
     return torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 5, generator=g)
 
 
 def train_step(runner: nn.Module, opt: torch.optim.Optimizer, seed: int, step: int, rank: int) -> float:
     x, y = batch(seed, step, rank)
-    loss = nn.functional.mse_loss(runner(x), y)
+    loss = runner(input_ids=x, labels=y).loss if MODEL == "gpt2" else nn.functional.mse_loss(runner(x), y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -125,7 +149,15 @@ def run_train(
             emit("saved", step=step, latest=read_latest(Path(args.dir)))
     ck.close()
     dist.barrier()
-    emit("finished", step=args.steps, digest=logical_digest(args.dir) if rank == 0 else None, stats=ck.stats)
+    emit("finished", step=args.steps, digest=logical_digest(args.dir) if rank == 0 else None, stats=ck.stats,
+         tied=tied(model))  # fmt: skip
+
+
+def tied(model: nn.Module) -> bool | None:
+    """Whether GPT-2's head is still its embedding (one Parameter); None for other models."""
+    if MODEL != "gpt2":
+        return None
+    return model.lm_head.weight is model.transformer.wte.weight  # type: ignore[union-attr,operator]
 
 
 def run_resave(args: argparse.Namespace) -> None:
@@ -134,7 +166,7 @@ def run_resave(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     for parallelism, source, destination in json.loads(args.jobs):
         args.parallelism = parallelism
-        model, runner, opt = build(parallelism, dist.get_world_size())
+        model, runner, opt = build(parallelism, dist.get_world_size(), MODEL)
         ck = checkpointer(args, destination, source)
         restored = ck.restore(model=model, optimizer=opt)
         assert restored is not None
@@ -144,7 +176,7 @@ def run_resave(args: argparse.Namespace) -> None:
         notes = [None] * dist.get_world_size()
         dist.all_gather_object(notes, [restored.rng_restored, restored.notes])
         emit("resaved", parallelism=parallelism, source=source, step=restored.step, rng=notes,
-             digest=logical_digest(destination) if rank == 0 else None)  # fmt: skip
+             digest=logical_digest(destination) if rank == 0 else None, tied=tied(model))  # fmt: skip
         losses = [train_step(runner, opt, args.seed, restored.step + i, rank) for i in (1, 2)]
         emit("continued", parallelism=parallelism, finite=all(math.isfinite(v) for v in losses))
 
@@ -161,6 +193,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="")
     parser.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
     parser.add_argument("--phase", choices=["train", "resave", "restore-only"], default="train")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--every", type=int, default=2)
@@ -172,6 +205,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--watchdog", type=float, default=150.0, help="dump stacks and exit if still running")
     args = parser.parse_args()
+    global MODEL
+    MODEL = args.model
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -180,7 +215,7 @@ def main() -> None:
     if args.phase == "resave":
         run_resave(args)
     else:
-        model, runner, opt = build(args.parallelism, dist.get_world_size())
+        model, runner, opt = build(args.parallelism, dist.get_world_size(), MODEL)
         random.seed(1000 + rank)
         np.random.seed(1000 + rank)
         torch.manual_seed(1000 + rank)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.checkpoint.api import Checkpointer
+from worker.checkpoint.checkpointer import Checkpointer
 from worker.spec import CheckpointSpec
 
 
@@ -25,10 +25,12 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
         optim.zero_grad()
 
 
-def checkpointer(root: Path, **cfg: Any) -> Checkpointer:
+def checkpointer(
+    root: Path, *, job: str = "unit", rank: int = 0, world_size: int = 1, **cfg: Any
+) -> Checkpointer:
     spec = CheckpointSpec(dir=str(root), **cfg)
     return Checkpointer(
-        spec, job="unit", spec_hash="h", data_version="1", rank=0, world_size=1, generation=0,
+        spec, job=job, spec_hash="h", data_version="1", rank=rank, world_size=world_size, generation=0,
         parallelism="ddp", seed=7, run_record={"who": "unit"}, block_size=128,
     )  # fmt: skip
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.checkpoint.blocks import block_digests, file_digest
-from worker.checkpoint.commit import Expected, PieceRecord, Report, TensorHeader, build_manifest
+from worker.checkpoint.commit import Expected, Report, build_manifest
 from worker.checkpoint.layout import staging_dir_name
-from worker.checkpoint.manifest import FileEntry, Manifest, row_bytes
+from worker.checkpoint.manifest import FileEntry, Manifest, Piece, TensorEntry, row_bytes
 from worker.checkpoint.publish import publish_staged
 from worker.checkpoint.saveplan import TensorInfo, fsdp_rows, plan_rank
 
@@ -48,7 +48,7 @@ def reports_for(
 ) -> tuple[list[Report], dict[str, bytes], dict[str, bytes]]:
     logical = {n: logical_bytes(n, d, s) for n, (d, s, _) in tensors.items()}
     headers = {
-        n: TensorHeader(d, s, k, int(n.split("/")[0][4:]) if k == "per_rank" else None)
+        n: TensorEntry(d, s, k, owner=int(n.split("/")[0][4:]) if k == "per_rank" else None)  # type: ignore[arg-type]
         for n, (d, s, k) in tensors.items()
     }
     reports, files = [], {}
@@ -60,9 +60,7 @@ def reports_for(
             rb = row_bytes(dtype, shape)
             chunk = logical[a.name][a.start * rb : a.stop * rb]
             digests = block_digests(chunk, block_size)
-            pieces.append(
-                PieceRecord(a.name, fname, len(data), len(chunk), (a.start, a.stop), tuple(digests))
-            )
+            pieces.append((a.name, Piece(fname, len(data), len(chunk), (a.start, a.stop), tuple(digests))))
             blocks += digests
             data += chunk
         files[fname] = bytes(data)

@@ -194,7 +194,7 @@ def test_saving_the_same_step_twice_is_a_no_op(tmp_path: Path) -> None:
 
 
 def test_disabled_without_dir(tmp_path: Path) -> None:
-    from worker.checkpoint.api import Checkpointer
+    from worker.checkpoint.checkpointer import Checkpointer
     from worker.spec import CheckpointSpec
 
     ck = Checkpointer(CheckpointSpec(), job="j", spec_hash="", data_version="", rank=0, world_size=1,

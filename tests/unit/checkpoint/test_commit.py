@@ -6,12 +6,12 @@ from tests.unit.checkpoint.synth import TENSORS, reports_for
 from worker.checkpoint.commit import (
     Expected,
     Report,
-    TensorHeader,
     build_manifest,
     decide,
     report_from_json,
     report_to_json,
 )
+from worker.checkpoint.manifest import TensorEntry
 
 EXP = Expected(step=10, generation=0, world_size=3)
 
@@ -65,7 +65,7 @@ def test_meta_digest_mismatch_aborts() -> None:
 def test_tensor_table_mismatch_aborts() -> None:
     reps = _reports()
     tensors = dict(reps[2].tensors)
-    tensors["model.a.bias"] = TensorHeader("float32", (8,), "replicated")
+    tensors["model.a.bias"] = TensorEntry("float32", (8,), "replicated")
     reps[2] = dataclasses.replace(reps[2], tensors=tensors)
     d = decide(EXP, reps, deadline_passed=False)
     assert d.action == "abort" and "tensor table" in d.reason
@@ -73,9 +73,9 @@ def test_tensor_table_mismatch_aborts() -> None:
 
 def test_piece_digest_that_does_not_match_its_size_aborts() -> None:
     reps = _reports()
-    piece = reps[1].pieces[0]
+    name, piece = reps[1].pieces[0]
     reps[1] = dataclasses.replace(
-        reps[1], pieces=(dataclasses.replace(piece, digests=()), *reps[1].pieces[1:])
+        reps[1], pieces=((name, dataclasses.replace(piece, digests=())), *reps[1].pieces[1:])
     )
     d = decide(EXP, reps, deadline_passed=False)
     assert d.action == "abort" and "block digests" in d.reason

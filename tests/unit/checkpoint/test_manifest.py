@@ -56,8 +56,10 @@ def test_invalid_manifests_are_refused(mutate, expect: str) -> None:  # type: ig
 
 
 def test_not_json_is_corrupt() -> None:
+    with pytest.raises(CorruptCheckpointError, match="not UTF-8"):
+        manifest_from_json(b"\x80\x03}q\x00.")
     with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
-        manifest_from_json(b"\x80\x03}q\x00.")  # a pickle is refused as data, never executed
+        manifest_from_json(b"cos\nsystem\n.")  # a pickle is refused as data, never executed
 
 
 def test_overlapping_pieces_in_a_file_are_refused() -> None:

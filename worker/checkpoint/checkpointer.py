@@ -1,0 +1,358 @@
+"""The trainer-facing checkpointer: ``should_save``, ``save``, ``restore``, ``close``, ``stats``.
+
+All ranks call ``save`` and ``restore`` collectively (same steps, same order). The job's
+checkpoint directory is ``cfg.dir`` (``<dir>/step-<8 digits>/``, ``<dir>/latest``). With
+``cfg.dir`` unset checkpointing is off: ``should_save`` is False, ``save`` does nothing and
+``restore`` returns None.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.checkpoint.asyncsave import AsyncWriter, Snapshot
+from worker.checkpoint.blocks import DEFAULT_BLOCK_SIZE
+from worker.checkpoint.coordinator import (
+    Coordinator,
+    InJobCoordinator,
+    KeyValueStore,
+    MemoryStore,
+    Outcome,
+    session_id,
+)
+from worker.checkpoint.engine import SaveJob, json_copy, new_job, persist
+from worker.checkpoint.export import hf_config_of
+from worker.checkpoint.interval import auto_interval_seconds, observed_mtbf, policy_from_spec, should_save
+from worker.checkpoint.layout import collect_orphans, parse_staging_dir, remove_tree, staging_dir_name
+from worker.checkpoint.manifest import MAX_BLOCK_SIZE
+from worker.checkpoint.owner import check_owner, claim
+from worker.checkpoint.restore import RestoreContext, Restored, restore
+from worker.checkpoint.retention import apply_retention
+from worker.checkpoint.rng import capture_rng
+from worker.checkpoint.state import capture, optimizer_owned
+from worker.errors import CheckpointError
+from worker.failpoints import failpoint
+from worker.spec import CheckpointSpec
+
+log = logging.getLogger("elastrain.checkpoint")
+EventHook = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(slots=True)
+class CheckpointStats:
+    """Counters for metrics (``elastrain_checkpoint_<name>``; ``_total`` ones are counters)."""
+
+    saves_total: int = 0
+    aborts_total: int = 0
+    verification_failures_total: int = 0
+    restores_total: int = 0
+    orphans_collected_total: int = 0
+    deleted_total: int = 0
+    blocking_seconds_total: float = 0.0
+    persist_seconds_total: float = 0.0
+    bytes_written_total: int = 0
+    bytes_read_total: int = 0
+    last_blocking_seconds: float = 0.0
+    last_persist_seconds: float = 0.0
+    last_published_step: int = -1
+    interval_seconds: float = 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"elastrain_checkpoint_{k}": float(getattr(self, k)) for k in self.__slots__}
+
+
+class Checkpointer:
+    """Sharded, two-phase, verified checkpoints for one rank of a job (see the package docs)."""
+
+    def __init__(
+        self,
+        cfg: CheckpointSpec,
+        *,
+        job: str,
+        spec_hash: str,
+        data_version: str,
+        rank: int,
+        world_size: int,
+        generation: int,
+        parallelism: str,
+        seed: int,
+        run_record: dict[str, Any],
+        coordinator: Coordinator | None = None,
+        store: KeyValueStore | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        timeout_s: float = 600.0,
+        on_event: EventHook | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.job, self.spec_hash, self.data_version = job, spec_hash, data_version
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self.parallelism, self.seed, self.run_record = parallelism, seed, run_record
+        self.block_size, self.timeout_s = block_size, timeout_s
+        self.job_dir = Path(cfg.dir) if cfg.dir else None
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise CheckpointError(f"block_size {block_size} must be between 1 and {MAX_BLOCK_SIZE} bytes")
+        self.stats = CheckpointStats()
+        self.policy = policy_from_spec(cfg)
+        self._on_event = on_event
+        self._store: KeyValueStore = MemoryStore()
+        self._coordinator = coordinator
+        self._writer = AsyncWriter()
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+        self._seq = 0
+        self._restores = 0
+        self._last_step: int | None = None
+        self._last_time = time.time()
+        self._started = self._last_time
+        self._parent_step: int | None = None
+        self._hf: tuple[nn.Module, dict[str, Any] | None] | None = None
+        self.session = "off"
+        if self.job_dir is not None:
+            # Before anything is written there: the directory belongs to this job or to none.
+            if rank == 0:
+                claim(self.job_dir, job)
+            else:
+                check_owner(self.job_dir, job)
+            self._store = store if store is not None else _default_store(world_size)
+            self.session = session_id(self._store, job=job, generation=generation, world_size=world_size)
+            self._coordinator = coordinator or InJobCoordinator(
+                self._store,
+                rank=rank,
+                world_size=world_size,
+                job=job,
+                job_dir=self.job_dir,
+                session=self.session,
+            )
+            if rank == 0:
+                self.job_dir.mkdir(parents=True, exist_ok=True)
+                removed = collect_orphans(self.job_dir, current_generation=generation)
+                self.stats.orphans_collected_total += len(removed)
+                if removed:
+                    self.event("checkpoint_orphans_collected", removed=removed)
+
+    @property
+    def enabled(self) -> bool:
+        return self.job_dir is not None
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Log a structured event (and hand it to ``on_event``)."""
+        fields = {"rank": self.rank, **fields}
+        level = logging.WARNING if "abort" in name or "refused" in name else logging.INFO
+        log.log(level, "%s %s", name, fields)
+        if self._on_event is not None:
+            self._on_event(name, fields)
+
+    # ------------------------------------------------------------ interval
+
+    def should_save(self, step: int, *, now: float) -> bool:
+        """Whether the interval policy wants ``step`` saved (the caller always saves the final step)."""
+        if not self.enabled:
+            return False
+        cost = self.stats.last_blocking_seconds or None
+        mtbf = observed_mtbf(
+            now - float(self.run_record.get("job_started_unix", self._started)), self.generation
+        )
+        if self.policy.mode == "auto":
+            every = auto_interval_seconds(self.policy, save_cost_s=cost, observed_mtbf_s=mtbf)
+            if abs(every - self.stats.interval_seconds) > 0.05 * max(every, 1e-9):
+                self.stats.interval_seconds = every
+                self.event("checkpoint_interval", seconds=round(every, 3), save_cost_s=cost, mtbf_s=mtbf)
+        return should_save(
+            self.policy, step=step, now=now, last_save_step=self._last_step, last_save_time=self._last_time,
+            save_cost_s=cost, observed_mtbf_s=mtbf,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------ save
+
+    def save(
+        self, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, progress: dict[str, Any],
+        metrics: dict[str, float],
+    ) -> None:  # fmt: skip
+        """Checkpoint ``step`` (collective). Sync: returns once published or aborted. Async:
+        finishes the previous async save first, captures progress, RNG, optimizer
+        hyper-parameters and module buffers, starts copying parameters and optimizer state on
+        the writer thread and returns; ``optimizer.step()`` waits for that copy (a step
+        pre-hook), and a caller that changes those tensors otherwise must call
+        :meth:`wait_snapshot` first (see :mod:`worker.checkpoint.asyncsave`). A failed save is
+        aborted, logged and counted; training goes on."""
+        if not self.enabled or step == self._last_step:
+            return
+        t0 = time.perf_counter()
+        self._writer.wait()
+        job = self._prepare(step, model, optimizer, progress, metrics)
+        self._last_step, self._last_time = step, time.time()
+        if self.cfg.async_save:
+            self._guard(optimizer)
+            deferred = optimizer_owned(model, optimizer)
+            snap = Snapshot(self._writer.buffers, job.items, eager=lambda t: not deferred(t))
+            snap.copy_eager()
+            self._writer.submit(lambda: self._persist_snapshot(job, snap), snapshot=snap)
+            self._blocked(time.perf_counter() - t0)
+        else:
+            self._persist(job)
+            self._blocked(time.perf_counter() - t0)
+
+    def wait_snapshot(self) -> None:
+        """The fence of an async save: block until the parameters and optimizer state of the
+        save in flight are copied (the optimizer step pre-hook calls it). A no-op, at once, when
+        no copy is pending (sync saves, or already fenced). The time blocked counts as blocking."""
+        waited = self._writer.wait_snapshot()
+        if waited:
+            self.stats.last_blocking_seconds += waited
+            self.stats.blocking_seconds_total += waited
+
+    def _guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fence before every ``optimizer.step()`` (a step pre-hook): the step cannot change
+        tensors while they are copied, whoever calls it."""
+        if optimizer in self._hooks:
+            return
+        fence = weakref.WeakMethod(self.wait_snapshot)  # the optimizer must not keep this alive
+
+        def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            method = fence()
+            if method is not None:
+                method()
+
+        self._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
+
+    def _persist_snapshot(self, job: SaveJob, snap: Snapshot) -> None:
+        """The writer thread, once the snapshot is copied. A failure (of the copy, or a failpoint
+        raising here) is reported, so every rank learns that the save is aborted."""
+        job.items = snap.items
+        error = snap.error
+        try:
+            failpoint("async_before_write")
+        except OSError as exc:
+            error = error or exc
+        self._persist(job, error=error)
+
+    def _blocked(self, seconds: float) -> None:
+        self.stats.last_blocking_seconds = seconds
+        self.stats.blocking_seconds_total += seconds
+
+    def _prepare(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, progress: dict[str, Any],
+        metrics: dict[str, float],
+    ) -> SaveJob:  # fmt: skip
+        assert self.job_dir is not None
+        self._seq += 1
+        live = capture(model, optimizer)
+        meta = {"progress": json_copy(progress, "progress"), "extra": live.extra}
+        hf = self._hf_config(model)
+        if hf is not None:
+            meta["hf"] = hf
+        context = {
+            "job": self.job, "parallelism": self.parallelism, "block_size": self.block_size, "meta": meta,
+            "metrics": json_copy(metrics, "metrics"), "run_record": json_copy(self.run_record, "run_record"),
+            "parent_step": self._parent_step, "spec_hash": self.spec_hash, "data_version": self.data_version,
+            "aliases": live.aliases,
+        }  # fmt: skip
+        if self.rank == 0:
+            self._collect_stale_staging(step)
+        return new_job(
+            live, step=step, generation=self.generation, seq=self._seq, rank=self.rank,
+            world_size=self.world_size, job_dir=self.job_dir, block_size=self.block_size, meta=meta,
+            rank_meta={"rng": capture_rng()}, context=context,
+        )  # fmt: skip
+
+    def _hf_config(self, model: nn.Module) -> dict[str, Any] | None:
+        """The Hugging Face config the export needs (see :mod:`worker.checkpoint.export`), found
+        once per model."""
+        if self._hf is None or self._hf[0] is not model:
+            self._hf = (model, hf_config_of(model))
+        return self._hf[1]
+
+    def _collect_stale_staging(self, step: int) -> None:
+        """Staging left by an aborted save of this generation (no other save is in flight)."""
+        assert self.job_dir is not None
+        current = staging_dir_name(step, self.generation)
+        for p in self.job_dir.iterdir():
+            if parse_staging_dir(p.name) is not None and p.name != current:
+                remove_tree(p)
+                self.stats.orphans_collected_total += 1
+
+    def _persist(self, job: SaveJob, error: Exception | None = None) -> None:
+        assert self._coordinator is not None
+        outcome, nbytes, seconds = persist(job, self._coordinator, timeout=self.timeout_s, error=error)
+        self.stats.persist_seconds_total += seconds
+        self.stats.last_persist_seconds = seconds
+        self.stats.bytes_written_total += nbytes
+        self._record_outcome(outcome, nbytes, seconds)
+
+    def _record_outcome(self, outcome: Outcome, nbytes: int, seconds: float) -> None:
+        if not outcome.published:
+            self.stats.aborts_total += 1
+            self.event(
+                "checkpoint_aborted", step=outcome.step, generation=outcome.generation, reason=outcome.reason
+            )
+            return
+        self.stats.saves_total += 1
+        self.stats.last_published_step = outcome.step
+        self._parent_step = outcome.step
+        self.event(
+            "checkpoint_published", step=outcome.step, path=outcome.path, bytes=nbytes,
+            persist_seconds=round(seconds, 4), background=self.cfg.async_save,
+        )  # fmt: skip
+        if self.rank == 0 and self.job_dir is not None:
+            deleted = apply_retention(self.job_dir, self.cfg.retention, newest=outcome.step, job=self.job)
+            self.stats.deleted_total += len(deleted)
+            if deleted:
+                self.event("checkpoint_retention_deleted", steps=deleted)
+
+    # ------------------------------------------------------------ restore / close
+
+    def restore(self, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored | None:
+        """Load per ``cfg.resume`` (collective); see :mod:`worker.checkpoint.restore`."""
+        if not self.enabled or self.cfg.resume == "never":
+            return None
+        self._writer.wait()
+        self._restores += 1
+        assert self.job_dir is not None
+        ctx = RestoreContext(
+            job_dir=self.job_dir, resume=self.cfg.resume, job=self.job, session=self.session, rank=self.rank,
+            world_size=self.world_size, generation=self.generation, seed=self.seed,
+            data_version=self.data_version, timeout_s=self.timeout_s, store=self._store,
+        )  # fmt: skip
+        result = restore(
+            ctx, model=model, optimizer=optimizer, attempt=self._restores, event=self.event,
+            on_refused=self._count_refused,
+        )  # fmt: skip
+        if result is not None:
+            self.stats.restores_total += 1
+            self.stats.bytes_read_total += result.bytes_read
+            self._parent_step = result.step
+            if self.job_dir is not None and result.path.parent.resolve() == self.job_dir.resolve():
+                self._last_step = result.step  # already in this job's directory: saving it again is a no-op
+        return result
+
+    def _count_refused(self) -> None:
+        self.stats.verification_failures_total += 1
+
+    def close(self) -> None:
+        """Wait for an in-flight async save to be published or aborted (its snapshot included)."""
+        self._writer.wait()
+
+    @property
+    def store(self) -> KeyValueStore:
+        return self._store
+
+
+def _default_store(world_size: int) -> KeyValueStore:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        store: KeyValueStore = dist.distributed_c10d._get_default_store()
+        return store
+    if world_size > 1:
+        raise CheckpointError(
+            "a checkpointer for several ranks needs a store (or an initialised process group)"
+        )
+    return MemoryStore()
