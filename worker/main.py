@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if spec.checkpoint.dir is None and env_dir:  # the service's storage for this job
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": env_dir})})
         info = dist.detect(os.environ, backend=spec.ddp.backend, cuda_available=torch.cuda.is_available())
+        if spec.checkpoint.dir is not None:  # it belongs to this job, before anything is written there
+            _own(Path(spec.checkpoint.dir), spec.name, main=info.is_main)
         events = Events(enabled=info.is_main, job=spec.name, rank=info.rank)
         if info.is_main and spec.checkpoint.dir is not None:  # the run dir `elastrain report` reads
             events.log_path = _run_dir(spec.checkpoint.dir) / "events.jsonl"
@@ -106,11 +108,12 @@ def _trainer(
     built: Built, info: DistInfo, *, events: Events, client: ServiceClient | None, generation: int
 ) -> Trainer:
     """The Trainer, complete: its checkpointer, this group's generation and its metrics."""
+    from worker.checkpoint.owner import job_identity
     from worker.metrics import WorkerMetrics
     from worker.trainer import Trainer
 
     spec = built.spec
-    job = os.environ.get("ELASTRAIN_JOB_ID", spec.name)
+    job = job_identity(os.environ, spec.name)
     return Trainer(
         built,
         info,
@@ -119,6 +122,14 @@ def _trainer(
         generation=generation,
         metrics=WorkerMetrics.from_env(job=job, rank=info.rank, world_size=info.world_size),
     )
+
+
+def _own(job_dir: Path, name: str, *, main: bool) -> None:
+    """Rank 0 claims the checkpoint directory for this job, the others check it (a directory
+    another job owns is a SpecError naming checkpoint.dir: see worker.checkpoint.owner)."""
+    from worker.checkpoint.owner import check_owner, claim, job_identity
+
+    (claim if main else check_owner)(job_dir, job_identity(os.environ, name))
 
 
 def _collective_timeout(raw: str) -> float:
@@ -201,12 +212,13 @@ def _checkpointer(
     if spec.checkpoint.dir is None:
         return None
     from worker.checkpoint import Checkpointer
+    from worker.checkpoint.owner import job_identity
     from worker.service_client import HttpCoordinator
     from worker.setup import spec_hash
 
     return Checkpointer(
         spec.checkpoint,
-        job=os.environ.get("ELASTRAIN_JOB_ID", spec.name),
+        job=job_identity(os.environ, spec.name),
         spec_hash=spec_hash(spec),
         data_version=spec.data.version,
         rank=info.rank,

@@ -60,7 +60,7 @@ def test_another_jobs_directory_is_refused_and_read_only_resume_leaves_it_alone(
     before = _tree(owned)
     taken = work(tmp_path, "b", spec(owned, name="b", seed=9))
     # Exit 1 today; 2 once worker/main.py claims the directory before the group starts.
-    assert taken.code != 0 and "Traceback" not in taken.stderr
+    assert taken.code == 2 and "Traceback" not in taken.stderr
     assert "field 'checkpoint.dir'" in taken.stderr and "belongs to job 'a'" in taken.stderr
     assert f"checkpoint.resume: {owned}" in taken.stderr
     assert _tree(owned) == before and taken.all("resumed") == []
