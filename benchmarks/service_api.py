@@ -51,11 +51,17 @@ class IdleScheduler:
         return f"idle://{launch_id}"
 
     def status(self, handle: str) -> Any:
-        from service.reconciler import SchedulerStatus
+        from service.launch.protocol import NodeStatus
 
-        return SchedulerStatus("running")
+        return NodeStatus("running")
 
     def cancel(self, handle: str) -> None:
+        return None
+
+    def log_dir(self, handle: str) -> Path | None:
+        return None
+
+    def close(self) -> None:
         return None
 
 

@@ -16,9 +16,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
 
 from service.api.metrics import Metrics
 from service.jobs import keys
@@ -26,7 +25,6 @@ from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
     Cancel,
     Launch,
-    NodeStatus,
     Observation,
     Policy,
     confirm_launch,
@@ -35,36 +33,12 @@ from service.jobs.machine import (
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
 from service.jobs.service import JobService, NotFoundError, NotLeaderError
+from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler
 from service.store import Fence, LeaderElection, StoreUnavailableError, Write
 from worker.errors import ElastrainError
 from worker.spec import JobSpec
 
 log = logging.getLogger("elastrain.reconciler")
-
-
-class Scheduler(Protocol):
-    """Launches node apps (one torchrun agent each). H3's TorchX scheduler implements it."""
-
-    def launch(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
-    ) -> str:
-        """Start one node; idempotent per ``launch_id`` (the same id returns the first handle)."""
-        ...
-
-    def status(self, handle: str) -> NodeStatus: ...
-
-    def cancel(self, handle: str) -> None:
-        """Idempotent: cancelling an ended or unknown app is not an error."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStatus:
-    state: Literal["running", "succeeded", "failed", "unknown"]
-    exit_code: int | None = None
-
-
-UNKNOWN = SchedulerStatus("unknown")
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -35,8 +34,9 @@ from service.coordinator import CheckpointCoordinator
 from service.etcd_server import EtcdServer
 from service.jobs.machine import Policy
 from service.jobs.service import JobService, ensure_worker_secret
+from service.launch.protocol import Scheduler
 from service.observability import InstrumentedStore
-from service.reconciler import LaunchContext, Reconciler, Scheduler
+from service.reconciler import LaunchContext, Reconciler
 from service.settings import Settings, SettingsError
 from service.store import EtcdStore, Fence, LeaderElection, StoreUnavailableError, leader_address
 
@@ -88,8 +88,8 @@ def leader_fence(election: LeaderElection, *, wait_s: float) -> Fence | None:
 
 
 def build_scheduler(settings: Settings, endpoints: list[str]) -> Scheduler:
-    from service.scheduler import SchedulerSettings
-    from service.scheduler_torchx import TorchXScheduler
+    from service.launch.apps import SchedulerSettings
+    from service.launch.torchx_scheduler import TorchXScheduler
 
     config = SchedulerSettings.from_settings(
         settings,
@@ -129,7 +129,7 @@ def etcd_for(settings: Settings) -> Iterator[list[str]]:
 
 
 def build_app(
-    settings: Settings, endpoints: list[str], *, scheduler: Any = None
+    settings: Settings, endpoints: list[str], *, scheduler: Scheduler | None = None
 ) -> tuple[FastAPI, Reconciler]:
     """The app and its reconciler (started by the app's lifespan)."""
     metrics = Metrics()
@@ -217,7 +217,7 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def serve(settings: Settings, *, scheduler: Any = None) -> int:
+def serve(settings: Settings, *, scheduler: Scheduler | None = None) -> int:
     """Run until SIGINT/SIGTERM. Returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threading.current_thread() is threading.main_thread():
@@ -235,7 +235,5 @@ def serve(settings: Settings, *, scheduler: Any = None) -> int:
         try:
             _Server(config).run()
         finally:
-            close = getattr(reconciler.scheduler, "close", None)
-            if callable(close):
-                close()
+            reconciler.scheduler.close()
     return 0

@@ -20,6 +20,7 @@ from service.api.routes import jobs as job_routes
 from service.api.schemas import CheckpointReportRequest
 from service.jobs.service import JobService, ensure_worker_secret
 from service.jobs.tokens import hash_token
+from service.launch.protocol import Scheduler
 from service.settings import Settings
 from service.store import KVStore
 from worker.spec import JobSpec
@@ -33,7 +34,7 @@ def create_app(
     *,
     api_token: str,
     jobs: JobService | None = None,
-    scheduler: Any = None,
+    scheduler: Scheduler | None = None,
     coordinator: Any = None,
     metrics: Metrics | None = None,
     secret: bytes | None = None,

@@ -12,6 +12,7 @@ from service.api.errors import ApiError
 from service.api.metrics import Metrics
 from service.jobs.cache import TTLCache
 from service.jobs.service import JobService
+from service.launch.protocol import Scheduler
 from service.settings import Settings
 
 
@@ -23,7 +24,8 @@ class Context:
     jobs: JobService
     metrics: Metrics
     api_token_hash: str
-    scheduler: Any = None
+    scheduler: Scheduler | None = None
+    """None: the app runs without a scheduler (tests of the API alone); logs are then unreadable."""
     coordinator: Any = None
     views: TTLCache[bytes] = field(default_factory=lambda: TTLCache[bytes](0.5))
     """Rendered GET /v1/jobs/{id} bodies; dropped on every write this instance makes."""

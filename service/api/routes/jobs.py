@@ -129,12 +129,11 @@ def job_logs(
     A node whose logs the service cannot read (kubernetes keeps them in the cluster) is named
     in ``note`` instead."""
     record = ctx.jobs.get(job_id)
-    log_dir = getattr(ctx.scheduler, "log_dir", None)
     out: dict[str, list[str]] = {}
     unreadable: list[str] = []
     for n in record.nodes:
         if n.handle and (node is None or n.index == node):
-            directory = log_dir(n.handle) if callable(log_dir) else None
+            directory = ctx.scheduler.log_dir(n.handle) if ctx.scheduler is not None else None
             if directory is None:
                 unreadable.append(n.launch_id)
             else:

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from service.etcd_server import EtcdServer
-from service.scheduler import SchedulerSettings
-from service.scheduler_torchx import LOCAL_PREFIX, NodeStatus, TorchXScheduler
+from service.launch.apps import SchedulerSettings
+from service.launch.protocol import NodeStatus
+from service.launch.torchx_scheduler import LOCAL_PREFIX, TorchXScheduler
 from worker.spec import JobSpec, parse_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

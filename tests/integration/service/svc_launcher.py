@@ -11,13 +11,15 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from service.reconciler import SchedulerStatus
+from service.launch.protocol import NodeStatus
 from service.server import serve
 from service.settings import load_settings
 from worker.spec import JobSpec
 
 
 class FileScheduler:
+    """The whole :class:`service.launch.protocol.Scheduler` protocol, on files."""
+
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -32,15 +34,15 @@ class FileScheduler:
                 log.write(launch_id + "\n")
         return f"file://{launch_id}"
 
-    def status(self, handle: str) -> SchedulerStatus:
+    def status(self, handle: str) -> NodeStatus:
         launch_id = handle.removeprefix("file://")
         if not (self.dir / f"{launch_id}.json").exists():
-            return SchedulerStatus("unknown")
+            return NodeStatus("unknown")
         try:
             raw = json.loads((self.dir / f"{launch_id}.status").read_text())
         except (OSError, ValueError):
-            return SchedulerStatus("running")
-        return SchedulerStatus(raw["state"], raw.get("exit_code"))
+            return NodeStatus("running")
+        return NodeStatus(raw["state"], raw.get("exit_code"))
 
     def cancel(self, handle: str) -> None:
         launch_id = handle.removeprefix("file://")
@@ -48,6 +50,13 @@ class FileScheduler:
             (self.dir / f"{launch_id}.status").write_text(json.dumps({"state": "failed", "exit_code": -15}))
         with (self.dir / "cancels.log").open("a") as log:
             log.write(launch_id + "\n")
+
+    def log_dir(self, handle: str) -> Path | None:
+        return None  # nothing runs, nothing logs
+
+    def close(self) -> None:
+        with (self.dir / "closed.log").open("a") as log:
+            log.write("closed\n")
 
 
 def main() -> int:

@@ -1,9 +1,9 @@
 """Launch, watch and cancel node apps through TorchX (``local_cwd`` processes or ``kubernetes`` jobs).
 
-:class:`TorchXScheduler` is the scheduler the reconciler drives (the ``launch``/``status``/
-``cancel`` protocol). Handles are strings that outlive this process:
+:class:`TorchXScheduler` is the scheduler the reconciler drives
+(:class:`service.launch.protocol.Scheduler`). Handles are strings that outlive this process:
 
-* ``local_cwd:<node dir>``: the node runs under :mod:`service.scheduler_exec`, which records its
+* ``local_cwd:<node dir>``: the node runs under :mod:`service.launch.node_exec`, which records its
   process group and exit code in the node directory (also holding ``spec.json`` and TorchX's
   per-node logs), so a restarted service still reads a node's state and can cancel it.
 * ``kubernetes://torchx/<namespace>:<volcano job>``: TorchX asks the API server.
@@ -25,23 +25,23 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from torchx import specs
 from torchx.runner import Runner
 from torchx.schedulers import get_scheduler_factories, local_scheduler
 
 import service
-from service.scheduler import (
+from service.launch.apps import (
     SchedulerSettings,
     finish_volcano_job,
     k8s_name,
     kubernetes_cfg,
     node_app,
 )
-from service.scheduler_exec import EXIT_FILE, NODE_FILE
+from service.launch.node_exec import EXIT_FILE, NODE_FILE
+from service.launch.protocol import NodeStatus
 from worker.errors import ElastrainError
 from worker.spec import JobSpec, spec_json
 
@@ -49,7 +49,6 @@ log = logging.getLogger("elastrain.scheduler")
 LOCAL_PREFIX = "local_cwd:"
 CANCELLED_FILE = "cancelled"
 SPEC_FILE = "spec.json"
-State = Literal["running", "succeeded", "failed", "unknown"]
 _RUNNING = {
     specs.AppState.UNSUBMITTED,
     specs.AppState.SUBMITTED,
@@ -60,16 +59,6 @@ _RUNNING = {
 
 class SchedulerError(ElastrainError):
     """A node app could not be launched or cancelled."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeStatus:
-    """What the scheduler knows about one node app. ``exit_code`` is known for ended local nodes
-    (``128 + signal`` when killed) and is ``0`` for any succeeded node."""
-
-    state: State
-    exit_code: int | None = None
-    message: str = ""
 
 
 def status_from_app_state(state: specs.AppState | None) -> NodeStatus:
@@ -88,7 +77,7 @@ def status_from_app_state(state: specs.AppState | None) -> NodeStatus:
 def status_from_records(
     node: Mapping[str, Any] | None, ended: Mapping[str, Any] | None, *, alive: bool, cancelled: bool
 ) -> NodeStatus:
-    """A local node's state from its records (see :mod:`service.scheduler_exec`). Pure."""
+    """A local node's state from its records (see :mod:`service.launch.node_exec`). Pure."""
     note = "cancelled" if cancelled else ""
     if ended is not None:
         code = int(ended["exit_code"])
@@ -158,7 +147,7 @@ class TorchXScheduler:
             module=self._settings.worker_module,
         )
         role = app.roles[0]
-        wrapper = ["-m", "service.scheduler_exec", "--state-dir", str(node_dir), "--"]
+        wrapper = ["-m", "service.launch.node_exec", "--state-dir", str(node_dir), "--"]
         role.args = [*wrapper, role.entrypoint, *role.args]
         role.entrypoint = sys.executable
         try:

@@ -13,7 +13,7 @@ dict, the Volcano Job TorchX's ``kubernetes`` scheduler would submit for one nod
 chart's tests and ``elastrain`` users can inspect without a cluster (a stable, documented shape:
 ``spec.tasks[0].template`` is the worker pod; :func:`worker_pod` picks it out).
 
-The I/O half, :class:`service.scheduler_torchx.TorchXScheduler`, launches, watches and cancels
+The I/O half, :class:`service.launch.torchx_scheduler.TorchXScheduler`, launches, watches and cancels
 these apps through a TorchX runner (``local_cwd`` processes or ``kubernetes`` jobs).
 """
 

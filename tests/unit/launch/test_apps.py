@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 from torchx import specs
 
-from service.rendezvous_config import RendezvousConfig
-from service.scheduler import (
+from service.launch.apps import (
     K8S_SPEC_PATH,
     SPEC_ENV,
     SchedulerSettings,
@@ -19,6 +18,7 @@ from service.scheduler import (
     resource_from_spec,
     worker_pod,
 )
+from service.rendezvous_config import RendezvousConfig
 from service.settings import Settings
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_spec
