@@ -130,7 +130,7 @@ def _parent(pid: int) -> int | None:
 def state_latency(endpoint: str, n: int = 200) -> tuple[float, float]:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from service.rendezvous import create_backend
+    from service.rendezvous.handler import create_backend
 
     backend, _, _ = create_backend(
         RendezvousParameters("etcd-v3", endpoint, f"lat-{uuid.uuid4().hex[:6]}", 1, 1)

@@ -5,7 +5,7 @@ Pure part (no I/O, no torch): :func:`node_app` turns (job, spec, node index) int
 
     python -m torch.distributed.run --nnodes MIN:MAX --nproc-per-node P
         --rdzv-backend etcd-v3 --rdzv-endpoint ETCD --rdzv-id JOB --max-restarts R
-        --rdzv-conf <service.rendezvous_config defaults> --module worker --config SPEC
+        --rdzv-conf <service.rendezvous.config defaults> --module worker --config SPEC
 
 with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's first-restart trap), ``ELASTRAIN_JOB_ID``
 and ``ELASTRAIN_NODE_INDEX`` in its environment. :func:`kubernetes_dryrun` returns, as a plain
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from torchx import specs
 
-from service.rendezvous_config import RendezvousConfig, rdzv_conf_arg
+from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_nodes, spec_json
 

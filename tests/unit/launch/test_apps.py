@@ -18,7 +18,7 @@ from service.launch.apps import (
     resource_from_spec,
     worker_pod,
 )
-from service.rendezvous_config import RendezvousConfig
+from service.rendezvous.config import RendezvousConfig
 from service.settings import Settings
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_spec

@@ -6,14 +6,14 @@ import base64
 
 import pytest
 
-from service.rendezvous_config import (
+from service.rendezvous.config import (
     RendezvousConfig,
     RendezvousConfigError,
     parse_config,
     parse_endpoints,
     rdzv_conf_arg,
 )
-from service.rendezvous_etcd import KeyValue, all_exist_txn, cas_txn, parse_cas
+from service.rendezvous.kv import KeyValue, all_exist_txn, cas_txn, parse_cas
 
 
 def test_defaults_are_the_documented_choices() -> None:

@@ -24,7 +24,7 @@ from typing import ParamSpec, TypeVar
 import torch.distributed as dist
 from etcd3gw.exceptions import Etcd3Exception
 
-from service.rendezvous_etcd import EtcdKV, EtcdUnavailableError
+from service.rendezvous.kv import EtcdKV, EtcdUnavailableError
 
 T = TypeVar("T")
 P = ParamSpec("P")

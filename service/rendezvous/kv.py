@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, TypeVar
 import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 
-from service.rendezvous_config import EtcdEndpoint
+from service.rendezvous.config import EtcdEndpoint
 from worker.errors import ElastrainError
 
 T = TypeVar("T")
