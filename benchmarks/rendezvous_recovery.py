@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 from service.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]

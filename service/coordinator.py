@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from service.api.metrics import Metrics
+from service.etcd.kv import Write
 from service.jobs import keys
 from service.jobs.model import JobRecord
 from service.jobs.service import InvalidRequestError, JobService
-from service.store import Write
 from worker.checkpoint.commit import Expected, Report, build_manifest, decide, report_from_json
 from worker.checkpoint.layout import (
     file_sizes,

@@ -182,7 +182,7 @@ class ServiceObservability:
 
 
 class InstrumentedStore:
-    """A ``KVStore`` (service.store) that counts and times every call of the store it wraps, with
+    """A ``KVStore`` (service.etcd.kv) that counts and times every call of the store it wraps, with
     the same semantics and errors: ``InstrumentedStore(EtcdStore(endpoints), obs)``."""
 
     def __init__(self, inner: Any, obs: ServiceObservability) -> None:

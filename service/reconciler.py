@@ -20,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.api.metrics import Metrics
+from service.etcd.client import EtcdUnavailableError
+from service.etcd.election import LeaderElection
+from service.etcd.kv import Fence, Write
 from service.jobs import keys
 from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
@@ -34,7 +37,6 @@ from service.jobs.machine import (
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
 from service.jobs.service import JobService, NotFoundError, NotLeaderError
 from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler
-from service.store import Fence, LeaderElection, StoreUnavailableError, Write
 from worker.errors import ElastrainError
 from worker.spec import JobSpec
 
@@ -155,7 +157,7 @@ class Reconciler:
         if resign:
             try:
                 self.election.resign()
-            except StoreUnavailableError as exc:
+            except EtcdUnavailableError as exc:
                 log.warning("could not resign leadership: %s", exc)
 
     def wake(self) -> None:
@@ -169,7 +171,7 @@ class Reconciler:
         while not self._stop.is_set():
             try:
                 self.run_once()
-            except StoreUnavailableError as exc:
+            except EtcdUnavailableError as exc:
                 self.metrics.pass_errors.labels("store_unavailable").inc()
                 log.warning("etcd unavailable: %s", exc)
             except Exception:
@@ -184,7 +186,7 @@ class Reconciler:
             try:
                 if self.election.fence is not None and not self.election.keep_alive():
                     log.warning("leader lease lost")
-            except StoreUnavailableError as exc:
+            except EtcdUnavailableError as exc:
                 log.warning("leader keep-alive failed: %s", exc)
 
     def _adopt_storage(self, records: list[JobRecord]) -> None:

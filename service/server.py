@@ -31,14 +31,16 @@ from service.api.app import create_app
 from service.api.forward import LeaderLookup
 from service.api.metrics import Metrics
 from service.coordinator import CheckpointCoordinator
-from service.etcd_server import EtcdServer
+from service.etcd.client import EtcdUnavailableError
+from service.etcd.election import LeaderElection, leader_address
+from service.etcd.kv import EtcdStore, Fence
+from service.etcd.server import EtcdServer
 from service.jobs.machine import Policy
 from service.jobs.service import JobService, ensure_worker_secret
 from service.launch.protocol import Scheduler
 from service.observability import InstrumentedStore
 from service.reconciler import LaunchContext, Reconciler
 from service.settings import Settings, SettingsError
-from service.store import EtcdStore, Fence, LeaderElection, StoreUnavailableError, leader_address
 
 log = logging.getLogger("elastrain.server")
 TOKEN_FILE_NAME = "api-token"
@@ -103,7 +105,7 @@ def wait_for_store(store: EtcdStore, endpoints: list[str], timeout_s: float = 60
     deadline = time.monotonic() + timeout_s
     while not store.healthy():
         if time.monotonic() > deadline:
-            raise StoreUnavailableError(
+            raise EtcdUnavailableError(
                 f"etcd at {','.join(endpoints)} did not answer within {timeout_s:.0f}s; "
                 "check --etcd / ELASTRAIN_ETCD"
             )

@@ -18,11 +18,11 @@ from service.api.metrics import Metrics, RequestMetrics
 from service.api.routes import health, workers
 from service.api.routes import jobs as job_routes
 from service.api.schemas import CheckpointReportRequest
+from service.etcd.kv import KVStore
 from service.jobs.service import JobService, ensure_worker_secret
 from service.jobs.tokens import hash_token
 from service.launch.protocol import Scheduler
 from service.settings import Settings
-from service.store import KVStore
 from worker.spec import JobSpec
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]

@@ -25,13 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.etcd.kv import Fence, KVStore, Write
 from service.jobs import keys
 from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done, merge_progress
 from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.paths import checkpoint_dir, resume_source
 from service.jobs.tokens import derive_worker_token, hash_token
-from service.store import Fence, KVStore, Write
 from worker.errors import ElastrainError
 from worker.failpoints import failpoint
 from worker.spec import JobSpec, parse_nodes, parse_spec, spec_json

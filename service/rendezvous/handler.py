@@ -39,7 +39,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
-from etcd3gw.exceptions import Etcd3Exception
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
@@ -53,8 +52,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from service.etcd.client import EtcdRefusedError, EtcdUnavailableError
 from service.rendezvous.config import RendezvousConfig, parse_config, parse_endpoints
-from service.rendezvous.kv import EtcdKV, EtcdUnavailableError
+from service.rendezvous.kv import EtcdKV
 from service.rendezvous.store import EtcdV3Store
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def _io(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return call(*args, **kwargs)
+        except EtcdRefusedError as exc:
+            raise RendezvousStateError(f"etcd refused a rendezvous operation: {exc.detail}") from exc
         except EtcdUnavailableError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
-        except Etcd3Exception as exc:
-            raise RendezvousStateError(f"etcd refused a rendezvous operation: {exc.detail_text}") from exc
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store, RendezvousConfig]:

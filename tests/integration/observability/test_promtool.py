@@ -17,11 +17,11 @@ import uvicorn
 from scripts.prometheus_tools import PROMETHEUS_DIR, PrometheusTools, check_all, check_config
 from service.api.app import create_app
 from service.api.metrics import Metrics
+from service.etcd.memory import MemoryStore
 from service.jobs.model import Recovery
 from service.observability import InstrumentedStore, ServiceObservability
 from service.ports import free_port
 from service.settings import Settings
-from service.store import MemoryStore
 from worker.metrics import ExportPlan, WorkerMetrics
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 from service.launch.apps import SchedulerSettings
 from service.launch.protocol import NodeStatus
 from service.launch.torchx_scheduler import LOCAL_PREFIX, TorchXScheduler

@@ -10,18 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from service.etcd.client import EtcdUnavailableError
+from service.etcd.election import LeaderElection
+from service.etcd.kv import EtcdStore, Fence, KVStore, Write, delete_if, put_if
+from service.etcd.memory import MemoryStore
 from service.jobs.service import JobService, NotLeaderError
-from service.store import (
-    EtcdStore,
-    Fence,
-    KVStore,
-    LeaderElection,
-    MemoryStore,
-    StoreUnavailableError,
-    Write,
-    delete_if,
-    put_if,
-)
 
 pytestmark = pytest.mark.integration
 
@@ -186,7 +179,7 @@ def test_list_prefix_is_ordered_and_pages(store: KVStore, etcd_prefix: str) -> N
 def test_unreachable_etcd_is_a_clear_error() -> None:
     store = EtcdStore("http://127.0.0.1:1", timeout_s=1)
     assert not store.healthy()
-    with pytest.raises(StoreUnavailableError, match="etcd is unreachable"):
+    with pytest.raises(EtcdUnavailableError, match="etcd is unreachable"):
         store.get("/x")
 
 

@@ -8,6 +8,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.metrics import Metrics
+from service.etcd.client import EtcdUnavailableError
+from service.etcd.kv import Write
+from service.etcd.memory import MemoryStore
 from service.jobs.model import JobRecord, JobState, NodeRecord, Recovery
 from service.observability import (
     InstrumentedStore,
@@ -16,7 +19,6 @@ from service.observability import (
     goodput,
     recovery_phases,
 )
-from service.store import MemoryStore, StoreUnavailableError, Write
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -133,9 +135,9 @@ def test_the_instrumented_store_counts_round_trips_and_keeps_semantics() -> None
 
     class Down:
         def get(self, key: str) -> None:
-            raise StoreUnavailableError("no quorum")
+            raise EtcdUnavailableError("no quorum")
 
     other = CollectorRegistry()
-    with pytest.raises(StoreUnavailableError):
+    with pytest.raises(EtcdUnavailableError):
         InstrumentedStore(Down(), ServiceObservability(other)).get("/k")
     assert sample(other, "elastrain_etcd_requests_total", op="get", outcome="error") == 1

@@ -17,9 +17,9 @@ from svc_fakes import stage_rank
 
 from service.api.app import create_app
 from service.coordinator import CheckpointCoordinator
+from service.etcd.memory import MemoryStore
 from service.jobs.service import JobService
 from service.settings import load_settings
-from service.store import MemoryStore
 from worker.checkpoint.commit import report_to_json
 
 TOKEN = "t" * 32

@@ -10,9 +10,9 @@ import pytest
 from svc_fakes import Clock, stage_rank
 
 from service.coordinator import CheckpointCoordinator
+from service.etcd.memory import MemoryStore
 from service.jobs.model import JobRecord
 from service.jobs.service import InvalidRequestError, JobService
-from service.store import MemoryStore
 from worker.checkpoint.commit import report_to_json
 from worker.checkpoint.layout import read_latest
 from worker.checkpoint.verify import verify_checkpoint
@@ -153,8 +153,8 @@ def test_a_publish_left_by_a_dead_service_is_finished_by_the_next(world: World) 
     """A service killed between its publish claim and the outcome leaves 'publishing' behind;
     the next instance finishes the round from the stored reports once the claim is stale."""
     from service.coordinator import STALE_CLAIM_S
+    from service.etcd.kv import Write
     from service.jobs import keys
-    from service.store import Write
 
     r0 = stage_rank(world.job_dir, job=world.job_id, step=10, generation=0, rank=0, world_size=2)
     r1 = stage_rank(world.job_dir, job=world.job_id, step=10, generation=0, rank=1, world_size=2)
@@ -173,8 +173,8 @@ def test_a_publish_left_by_a_dead_service_is_finished_by_the_next(world: World) 
 
 def test_a_dead_publisher_with_an_incomplete_round_is_aborted(world: World) -> None:
     from service.coordinator import STALE_CLAIM_S
+    from service.etcd.kv import Write
     from service.jobs import keys
-    from service.store import Write
 
     r0 = stage_rank(world.job_dir, job=world.job_id, step=10, generation=0, rank=0, world_size=2)
     world.jobs.store.put(keys.report(world.job_id, 10, 0, 0, 0), report_to_json(r0).encode())

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from service.etcd.memory import MemoryStore
 from service.jobs import keys
 from service.jobs.model import JobState, Progress
 from service.jobs.service import JobService
-from service.store import MemoryStore
 
 
 class Clock:

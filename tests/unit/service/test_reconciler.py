@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 from svc_fakes import Clock, FakeScheduler
 
+from service.etcd.election import LeaderElection
+from service.etcd.kv import put_if
+from service.etcd.memory import MemoryStore
 from service.jobs import keys
 from service.jobs.machine import Observation, reconcile
 from service.jobs.model import JobState, NodePhase
 from service.jobs.service import JobService, NotLeaderError
 from service.reconciler import LaunchContext, Reconciler
-from service.store import LeaderElection, MemoryStore, put_if
 from worker.spec import JobSpec
 
 SPEC = {
