@@ -23,11 +23,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from service.api.metrics import Metrics
 from service.etcd.kv import Write
 from service.jobs import keys
 from service.jobs.model import JobRecord
 from service.jobs.service import InvalidRequestError, JobService
+from service.metrics import Metrics
 from worker.checkpoint.commit import Expected, Report, build_manifest, decide, report_from_json
 from worker.checkpoint.layout import (
     file_sizes,
@@ -220,7 +220,7 @@ class CheckpointCoordinator:
             [Write(keys.report_round(record.id, step, generation, seq), None, None, prefix=True)]
         )
         self.metrics.published.inc()
-        self.metrics.obs.observe_publish(time.perf_counter() - started)
+        self.metrics.publish.observe(time.perf_counter() - started)
         self._retain(record, step)
         return result
 

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.api.metrics import Metrics
 from service.etcd.client import EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
@@ -37,6 +36,7 @@ from service.jobs.machine import (
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
 from service.jobs.service import JobService, NotFoundError, NotLeaderError
 from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler
+from service.metrics import Metrics
 from worker.errors import ElastrainError
 from worker.spec import JobSpec
 
@@ -228,7 +228,7 @@ class Reconciler:
                 self._launch(decision.job, action.node, fence)
             elif isinstance(action, Cancel):
                 self._cancel(action.node)
-        self.metrics.observe_job(decision.job, progress)
+        self.metrics.observe_job(decision.job, progress, now=self.clock())
         if decision.job.state.terminal and not record.state.terminal:
             self.jobs.flush_progress(job_id)
             self._adopt_storage([decision.job])

@@ -29,7 +29,6 @@ from fastapi import FastAPI
 
 from service.api.app import create_app
 from service.api.forward import LeaderLookup
-from service.api.metrics import Metrics
 from service.coordinator import CheckpointCoordinator
 from service.etcd.client import EtcdUnavailableError
 from service.etcd.election import LeaderElection, leader_address
@@ -38,7 +37,7 @@ from service.etcd.server import EtcdServer
 from service.jobs.machine import Policy
 from service.jobs.service import JobService, ensure_worker_secret
 from service.launch.protocol import Scheduler
-from service.observability import InstrumentedStore
+from service.metrics import InstrumentedStore, Metrics
 from service.reconciler import LaunchContext, Reconciler
 from service.settings import Settings, SettingsError
 
@@ -137,7 +136,7 @@ def build_app(
     metrics = Metrics()
     etcd = EtcdStore(endpoints)
     wait_for_store(etcd, endpoints)
-    store = InstrumentedStore(etcd, metrics.obs)
+    store = InstrumentedStore(etcd, metrics)
     token, where = resolve_api_token(settings)
     log.info("API token: %s", where)
     scheduler = scheduler if scheduler is not None else build_scheduler(settings, endpoints)
@@ -149,7 +148,7 @@ def build_app(
         settings.checkpoint_root,
         ensure_worker_secret(store),
         fence_source=lambda: leader_fence(election, wait_s=2 * settings.reconcile_interval_s + 1),
-        on_fence_refused=metrics.obs.fenced_refusals.inc,
+        on_fence_refused=metrics.fenced_refusals.inc,
         heartbeat_write_s=settings.heartbeat_timeout_s / 4,
     )
     coordinator = CheckpointCoordinator(jobs, metrics=metrics)

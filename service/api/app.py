@@ -14,7 +14,7 @@ from service.api import errors
 from service.api.deps import Context
 from service.api.forward import ForwardToLeader, LeaderLookup
 from service.api.limits import BodyLimit
-from service.api.metrics import Metrics, RequestMetrics
+from service.api.request_metrics import RequestMetrics
 from service.api.routes import health, workers
 from service.api.routes import jobs as job_routes
 from service.api.schemas import CheckpointReportRequest
@@ -22,6 +22,7 @@ from service.etcd.kv import KVStore
 from service.jobs.service import JobService, ensure_worker_secret
 from service.jobs.tokens import hash_token
 from service.launch.protocol import Scheduler
+from service.metrics import Metrics
 from service.settings import Settings
 from worker.spec import JobSpec
 

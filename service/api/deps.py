@@ -9,10 +9,10 @@ from fastapi import Depends, Request
 
 from service.api.auth import Principal, authorize, bearer
 from service.api.errors import ApiError
-from service.api.metrics import Metrics
 from service.jobs.cache import TTLCache
 from service.jobs.service import JobService
 from service.launch.protocol import Scheduler
+from service.metrics import Metrics
 from service.settings import Settings
 
 

@@ -61,18 +61,17 @@ def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextD
     record = _job(ctx, job_id, auth, request, recent=True)
     report = Progress(**body.model_dump(), time=ctx.jobs.clock())
     ctx.jobs.report_progress(record, report)
-    ctx.metrics.observe_job(record, report)
+    ctx.metrics.observe_job(record, report, now=report.time)
     if record.state == JobState.RECOVERING:  # a progress report can close a recovery too
         _observe_recovery(ctx, record, ctx.jobs.get(job_id))
     return _ack(record)
 
 
 def _observe_recovery(ctx: Context, before: JobRecord, after: JobRecord) -> None:
-    if before.state == JobState.RECOVERING and after.state == JobState.RUNNING and after.recoveries:
-        seconds = after.recoveries[-1].seconds
-        if seconds is not None:
-            ctx.metrics.recovery.observe(seconds)
-            ctx.metrics.obs.observe_recovery(before.id, after.recoveries[-1])
+    """A recovery that this write completed (its first step done) is observed once."""
+    ended = before.state == JobState.RECOVERING and after.state == JobState.RUNNING
+    if ended and after.recoveries and after.recoveries[-1].seconds is not None:
+        ctx.metrics.observe_recovery(before.id, after.recoveries[-1])
 
 
 @router.post("/workers/events", response_model=Ack, responses=_WRITE)

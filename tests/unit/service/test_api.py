@@ -196,7 +196,7 @@ def test_worker_progress_and_events_show_in_status(client: TestClient) -> None:
     assert (got["step"], got["samples_per_s"], got["loss"], got["world_size"]) == (7, 123.5, 0.25, 2)
     assert error(client.post(f"{base}/events", json={"kind": "boom"}, headers=AUTH), 422)["field"] == "kind"
     metrics = client.get("/metrics").text
-    assert f'elastrain_job_step{{job="{job["id"]}"}} 7.0' in metrics
+    assert f'elastrain_job_step{{job_id="{job["id"]}"}} 7.0' in metrics
 
 
 def test_openapi_documents_the_spec_body(client: TestClient) -> None:
