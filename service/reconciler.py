@@ -35,7 +35,7 @@ from service.jobs.machine import (
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
 from service.jobs.service import JobService, NotFoundError, NotLeaderError
-from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler
+from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
 from service.metrics import Metrics
 from worker.errors import ElastrainError
 from worker.spec import JobSpec
@@ -51,16 +51,21 @@ class LaunchContext:
     etcd_endpoints: tuple[str, ...] = ()
 
 
-def launch_env(job: JobRecord, node: NodeRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
+def service_env(job: JobRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
+    """What the service tells every node of ``job``; who the node is (job id, node index, launch
+    id) its scheduler adds (:func:`service.launch.apps.node_env`)."""
     return {
-        "ELASTRAIN_JOB_ID": job.id,
-        "ELASTRAIN_NODE_INDEX": str(node.index),
-        "ELASTRAIN_LAUNCH_ID": node.launch_id,
         "ELASTRAIN_SERVICE_URL": ctx.service_url,
         "ELASTRAIN_WORKER_TOKEN": worker_token,
         "ELASTRAIN_CHECKPOINT_DIR": job.checkpoint_dir,
         "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
     }
+
+
+def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLaunch:
+    """The launch of ``node`` of ``job`` that the reconciler asks its scheduler for. Pure."""
+    spec = JobSpec.model_validate_json(json.dumps(job.spec))
+    return NodeLaunch(job.id, spec, node.index, node.launch_id, env)
 
 
 ADOPT_EVERY_S = 10.0
@@ -262,10 +267,9 @@ class Reconciler:
         return out
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
-        env = launch_env(record, node, self.launch_ctx, self.jobs.worker_token(record.id))
-        spec = JobSpec.model_validate_json(json.dumps(record.spec))
+        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))
         try:
-            handle = self.scheduler.launch(record.id, spec, node.index, env, launch_id=node.launch_id)
+            handle = self.scheduler.launch(node_launch(record, node, env))
         except Exception as exc:
             log.warning("launch of %s failed: %s", node.launch_id, exc)
             message = str(exc) or type(exc).__name__

@@ -5,7 +5,7 @@ implements it; tests implement it with fakes (in memory, or files a test process
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -27,14 +27,26 @@ class NodeStatus:
 UNKNOWN = NodeStatus("unknown")
 
 
+@dataclass(frozen=True, slots=True)
+class NodeLaunch:
+    """One launch of one node slot of a job: what the reconciler asks a scheduler to start."""
+
+    job_id: str
+    spec: JobSpec
+    node_index: int
+    launch_id: str
+    """Unique to this launch of this slot; a scheduler launches each id at most once."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """What the service tells the node (its URL, the worker token, the checkpoint directory,
+    the etcd endpoints); who the node is, the scheduler adds (``service.launch.apps.node_env``)."""
+
+
 class Scheduler(Protocol):
     """Launches node apps (one torchrun agent each), all of a job sharing one rendezvous id."""
 
-    def launch(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
-    ) -> str:
-        """Start one node; returns its handle. Idempotent per ``launch_id`` (the same id returns
-        the first launch's handle and starts nothing)."""
+    def launch(self, node: NodeLaunch) -> str:
+        """Start one node; returns its handle. Idempotent per ``node.launch_id`` (the same id
+        returns the first launch's handle and starts nothing)."""
         ...
 
     def status(self, handle: str) -> NodeStatus:

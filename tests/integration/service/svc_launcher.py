@@ -1,20 +1,19 @@
 """Run ``elastrain serve`` with a file-backed fake scheduler (a separate process, so tests can
 ``kill -9`` it). The scheduler keeps everything in ``--nodes-dir``: ``<launch id>.json`` per
-launch (with the env it was given), one line per launch in ``launches.log``, and the status a
-test sets in ``<launch id>.status`` (running until then)."""
+launch (with the environment a node would get), one line per launch in ``launches.log``, and
+the status a test sets in ``<launch id>.status`` (running until then)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
-from service.launch.protocol import NodeStatus
+from service.launch.apps import node_env
+from service.launch.protocol import NodeLaunch, NodeStatus
 from service.server import serve
 from service.settings import load_settings
-from worker.spec import JobSpec
 
 
 class FileScheduler:
@@ -24,15 +23,15 @@ class FileScheduler:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def launch(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
-    ) -> str:
-        record = self.dir / f"{launch_id}.json"
+    def launch(self, node: NodeLaunch) -> str:
+        record = self.dir / f"{node.launch_id}.json"
         if not record.exists():  # idempotent per launch id
-            record.write_text(json.dumps({"job": job_id, "node": node_index, "env": dict(env)}))
+            # the environment a real node would get (who it is, and what the service told it)
+            launched = {"job": node.job_id, "node": node.node_index, "env": node_env(node)}
+            record.write_text(json.dumps(launched))
             with (self.dir / "launches.log").open("a") as log:
-                log.write(launch_id + "\n")
-        return f"file://{launch_id}"
+                log.write(node.launch_id + "\n")
+        return f"file://{node.launch_id}"
 
     def status(self, handle: str) -> NodeStatus:
         launch_id = handle.removeprefix("file://")

@@ -4,15 +4,13 @@ plane's tests."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
 from pathlib import Path
 
-from service.launch.protocol import UNKNOWN, NodeStatus
+from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus
 from worker.checkpoint.commit import Report, TensorHeader
 from worker.checkpoint.layout import shard_file_name, staging_dir_name
 from worker.checkpoint.saveplan import TensorInfo, split_replicated
 from worker.checkpoint.shardio import write_shard
-from worker.spec import JobSpec
 
 
 class Clock:
@@ -31,24 +29,21 @@ class FakeScheduler:
     :class:`service.launch.protocol.Scheduler` protocol."""
 
     def __init__(self) -> None:
-        self.launches: list[tuple[str, int, dict[str, str]]] = []
+        self.launches: list[NodeLaunch] = []
         self.calls: list[str] = []
         self.states: dict[str, NodeStatus] = {}
         self.cancelled: list[str] = []
         self.refuse: str | None = None
         self.closed = False
 
-    def launch(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
-    ) -> str:
-        assert spec.name and env["ELASTRAIN_JOB_ID"] == job_id and env["ELASTRAIN_LAUNCH_ID"] == launch_id
+    def launch(self, node: NodeLaunch) -> str:
         if self.refuse:
             raise RuntimeError(self.refuse)
-        handle = f"fake://{launch_id}"
-        self.calls.append(launch_id)
+        handle = f"fake://{node.launch_id}"
+        self.calls.append(node.launch_id)
         if handle in self.states:
             return handle  # idempotent per launch id, like the TorchX scheduler
-        self.launches.append((job_id, node_index, dict(env)))
+        self.launches.append(node)
         self.states[handle] = NodeStatus("running")
         return handle
 
@@ -72,7 +67,7 @@ class FakeScheduler:
 
     @property
     def launch_ids(self) -> list[str]:
-        return [env["ELASTRAIN_LAUNCH_ID"] for _, _, env in self.launches]
+        return [node.launch_id for node in self.launches]
 
 
 BLOCK = 1 << 20

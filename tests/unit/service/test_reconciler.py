@@ -16,8 +16,7 @@ from service.jobs import keys
 from service.jobs.machine import Observation, reconcile
 from service.jobs.model import JobState, NodePhase
 from service.jobs.service import JobService, NotLeaderError
-from service.reconciler import LaunchContext, Reconciler
-from worker.spec import JobSpec
+from service.reconciler import LaunchContext, Reconciler, node_launch
 
 SPEC = {
     "name": "demo",
@@ -57,9 +56,11 @@ def test_submitted_job_is_launched_once_and_runs(world: World) -> None:
     r = world.reconciler()
     assert r.run_once()
     assert world.scheduler.launch_ids == [f"{job_id}-n0-a0", f"{job_id}-n1-a0"]
-    env = world.scheduler.launches[0][2]
-    assert env["ELASTRAIN_SERVICE_URL"] == "http://svc:8080"
-    assert env["ELASTRAIN_WORKER_TOKEN"] == world.jobs.worker_token(job_id)
+    first = world.scheduler.launches[0]
+    assert (first.job_id, first.node_index, first.spec.name) == (job_id, 0, "demo")
+    assert first.env["ELASTRAIN_SERVICE_URL"] == "http://svc:8080"
+    assert first.env["ELASTRAIN_WORKER_TOKEN"] == world.jobs.worker_token(job_id)
+    assert first.env["ELASTRAIN_CHECKPOINT_DIR"] == world.jobs.get(job_id).checkpoint_dir
     r.run_once()
     record = world.jobs.get(job_id)
     assert record.state == JobState.RUNNING and all(n.handle for n in record.nodes)
@@ -94,21 +95,11 @@ def test_relaunch_of_an_orphaned_intent_that_did_launch_starts_nothing_new(world
     decision = reconcile(stored, Observation(now=world.clock()))
     put_if(world.store, keys.job(job_id), decision.job.to_json(), revision)
     node = decision.job.nodes[0]
-    world.scheduler.launch(
-        job_id, world_spec(world, job_id), 0, _env(job_id, node.launch_id), launch_id=node.launch_id
-    )
+    world.scheduler.launch(node_launch(decision.job, node, {}))
     world.reconciler().run_once()  # crash happened after launching, before recording the handle
     assert world.scheduler.calls == [node.launch_id, node.launch_id]
     assert len(world.scheduler.launches) == 1
     assert world.jobs.get(job_id).nodes[0].handle == f"fake://{node.launch_id}"
-
-
-def world_spec(world: World, job_id: str) -> JobSpec:
-    return JobSpec.model_validate_json(json.dumps(world.jobs.get(job_id).spec))
-
-
-def _env(job_id: str, launch_id: str) -> dict[str, str]:
-    return {"ELASTRAIN_JOB_ID": job_id, "ELASTRAIN_LAUNCH_ID": launch_id}
 
 
 def test_failed_node_is_relaunched_then_the_job_fails_when_restarts_run_out(world: World) -> None:
