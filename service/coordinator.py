@@ -40,7 +40,6 @@ from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, manifest_from_js
 from worker.checkpoint.publish import abort_staged, publish_staged
 from worker.checkpoint.retention import CheckpointInfo, apply_retention
 from worker.errors import ElastrainError
-from worker.spec import RetentionSpec
 
 log = logging.getLogger("elastrain.coordinator")
 
@@ -260,9 +259,7 @@ class CheckpointCoordinator:
         return out
 
     def _retain(self, record: JobRecord, newest: int) -> None:
-        policy = RetentionSpec.model_validate_json(
-            json.dumps(record.spec.get("checkpoint", {}).get("retention", {}))
-        )
+        policy = record.spec.checkpoint.retention
         entries = [json.loads(e.value) for e in self.store.list_prefix(keys.checkpoints(record.id))]
         infos = [CheckpointInfo(int(e["step"]), e.get("metrics", {})) for e in entries]
         job_dir = Path(record.checkpoint_dir)

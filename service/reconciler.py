@@ -38,7 +38,6 @@ from service.jobs.service import JobService, NotFoundError, NotLeaderError
 from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
 from service.metrics import Metrics
 from worker.errors import ElastrainError
-from worker.spec import JobSpec
 
 log = logging.getLogger("elastrain.reconciler")
 
@@ -64,8 +63,7 @@ def service_env(job: JobRecord, ctx: LaunchContext, worker_token: str) -> dict[s
 
 def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLaunch:
     """The launch of ``node`` of ``job`` that the reconciler asks its scheduler for. Pure."""
-    spec = JobSpec.model_validate_json(json.dumps(job.spec))
-    return NodeLaunch(job.id, spec, node.index, node.launch_id, env)
+    return NodeLaunch(job.id, job.spec, node.index, node.launch_id, env)
 
 
 ADOPT_EVERY_S = 10.0

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from service.api.errors import ApiError
 from service.jobs.events import WorkerEvent
 from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress
+from worker.errors import SpecError
+from worker.spec import JobSpec, describe
 
 
 def body_of(component: str) -> dict[str, Any]:
@@ -16,6 +19,20 @@ def body_of(component: str) -> dict[str, Any]:
     models that app.py puts into the schema's components."""
     ref = {"$ref": f"#/components/schemas/{component}"}
     return {"content": {"application/json": {"schema": ref}}, "required": True}
+
+
+def spec_from_body(body: bytes) -> JobSpec:
+    """The JobSpec a request body holds, parsed once (the JSON and the spec together): 400
+    ``malformed_json`` when the body is not JSON, :class:`SpecError` (422, naming the field)
+    when it is JSON but not a valid spec. The spec travels on as this value."""
+    try:
+        return JobSpec.model_validate_json(body)
+    except ValidationError as exc:
+        broken = next((e for e in exc.errors() if e["type"] == "json_invalid"), None)
+        if broken is not None:
+            message = f"the request body is not valid JSON ({broken['msg']}); send a JobSpec"
+            raise ApiError(400, "malformed_json", message) from None
+        raise SpecError(describe(exc)) from None
 
 
 class _Request(BaseModel):
@@ -266,5 +283,5 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
         events=list(record.events[-20:]),
         updated_at=record.updated_at,
         finished_at=record.finished_at,
-        spec=record.spec,
+        spec=record.spec.model_dump(mode="json", by_alias=True),
     )

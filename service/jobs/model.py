@@ -1,7 +1,10 @@
 """The job record: what etcd holds about one job, and the values the state machine trades in.
 
 Records are frozen pydantic models serialised as JSON; a change is a ``model_copy`` that the
-caller writes back with a compare-and-set on the key's mod_revision.
+caller writes back with a compare-and-set on the key's mod_revision. A record carries its spec
+as the :class:`~worker.spec.JobSpec` value (parsed once, at the API's edge), stored as the
+spec's JSON with its aliases, as submitted. :meth:`JobRecord.from_json` is the one place a
+stored record is decoded.
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+from worker.spec import JobSpec
 
 MAX_EVENTS = 50
 MAX_RECOVERIES = 20
@@ -106,7 +111,7 @@ class Recovery(_Frozen):
 class JobRecord(_Frozen):
     id: str
     name: str
-    spec: dict[str, Any]
+    spec: JobSpec
     spec_hash: str
     state: JobState = JobState.PENDING
     state_since: float
@@ -134,11 +139,17 @@ class JobRecord(_Frozen):
     updated_at: float
     finished_at: float | None = None
 
+    @field_serializer("spec")
+    def _spec_as_submitted(self, spec: JobSpec) -> dict[str, Any]:
+        return spec.model_dump(mode="json", by_alias=True)
+
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> JobRecord:
+        """Decode a stored record: the one place that does (every reader of etcd's job keys
+        calls it), so a record that cannot be decoded is handled in one place."""
         return cls.model_validate_json(raw)
 
     @property

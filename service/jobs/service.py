@@ -34,7 +34,7 @@ from service.jobs.paths import checkpoint_dir, resume_source
 from service.jobs.tokens import derive_worker_token, hash_token
 from worker.errors import ElastrainError
 from worker.failpoints import failpoint
-from worker.spec import JobSpec, parse_nodes, parse_spec, spec_json
+from worker.spec import JobSpec, parse_nodes, spec_json
 
 
 class NotFoundError(ElastrainError):
@@ -206,10 +206,10 @@ class JobService:
 
     # ------------------------------------------------------------------ writes
 
-    def create(self, body: bytes, *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
-        """Validate and store a new job; with ``idempotency_key`` the same key returns the same
-        job (second value False). Raises SpecError (invalid spec) or ConflictError."""
-        spec = parse_spec(body)
+    def create(self, spec: JobSpec, *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        """Store a new job for ``spec`` (parsed at the API's edge); with ``idempotency_key`` the
+        same key returns the same job (second value False). Raises SpecError (a path outside the
+        storage root) or ConflictError."""
         spec_hash = hashlib.sha256(spec_json(spec).encode()).hexdigest()
         fence = self.fence()  # taken before the reads the write depends on
         for _ in range(10):
@@ -251,7 +251,7 @@ class JobService:
         record = JobRecord(
             id=job_id,
             name=spec.name,
-            spec=spec.model_dump(mode="json", by_alias=True),
+            spec=spec,
             spec_hash=spec_hash,
             state_since=now,
             desired_nodes=spec.initial_nodes or hi,

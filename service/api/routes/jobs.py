@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import Context, ContextDep, require_api
-from service.api.errors import ApiError, error_responses
+from service.api.errors import error_responses
 from service.api.schemas import (
     CheckpointList,
     JobList,
@@ -20,6 +19,7 @@ from service.api.schemas import (
     ScaleRequest,
     body_of,
     public,
+    spec_from_body,
     summary,
 )
 from service.jobs.model import JobState
@@ -48,14 +48,8 @@ async def submit_job(
     ] = None,
 ) -> JSONResponse:
     """Submit a JobSpec. With ``Idempotency-Key`` the same key returns the same job (200)."""
-    body = await request.body()
-    try:
-        json.loads(body)
-    except ValueError as exc:
-        raise ApiError(
-            400, "malformed_json", f"the request body is not valid JSON ({exc}); send a JobSpec"
-        ) from None
-    record, created = await run_in_threadpool(ctx.jobs.create, body, idempotency_key=idempotency_key)
+    spec = spec_from_body(await request.body())
+    record, created = await run_in_threadpool(ctx.jobs.create, spec, idempotency_key=idempotency_key)
     view = public(record, None).model_dump(mode="json")
     headers = {"Location": f"/v1/jobs/{record.id}"}
     return JSONResponse(view, status_code=201 if created else 200, headers=headers)

@@ -3,7 +3,6 @@ mod_revision, all-or-nothing commits, leader fencing, leases, ordered prefix lis
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from service.etcd.election import LeaderElection
 from service.etcd.kv import EtcdStore, Fence, KVStore, Write, delete_if, put_if
 from service.etcd.memory import MemoryStore
 from service.jobs.service import JobService, NotLeaderError
+from worker.spec import parse_spec
 
 pytestmark = pytest.mark.integration
 
@@ -94,14 +94,14 @@ def test_every_job_write_of_a_stale_leader_is_refused_by_the_store(
         "micro_batch_size": 4,
         "max_steps": 5,
     }
-    record, created = jobs.create(json.dumps(spec).encode())
+    record, created = jobs.create(parse_spec(spec))
     assert created and jobs.scale(record.id, 2).desired_nodes == 2 and refused == []
 
     store.lease_revoke(stale.lease_id)  # paused past its lease: etcd dropped the leader key
     new = LeaderElection(store, "new", ttl_s=5, key=leader_key)
     assert new.campaign() is not None
     writes = {
-        "submit": lambda: jobs.create(json.dumps(spec | {"name": "again"}).encode()),
+        "submit": lambda: jobs.create(parse_spec(spec | {"name": "again"})),
         "scale": lambda: jobs.scale(record.id, 3),
         "cancel": lambda: jobs.cancel(record.id),
         "heartbeat": lambda: jobs.heartbeat(record.id, "l0", 0, 5),
@@ -127,7 +127,7 @@ def test_a_standby_refuses_writes_before_sending_them(store: KVStore, tmp_path: 
     )
     with pytest.raises(NotLeaderError, match="not the leader"):
         jobs.create(
-            json.dumps(
+            parse_spec(
                 {
                     "name": "x",
                     "model": {"name": "mlp"},
@@ -135,7 +135,7 @@ def test_a_standby_refuses_writes_before_sending_them(store: KVStore, tmp_path: 
                     "micro_batch_size": 4,
                     "max_steps": 5,
                 }
-            ).encode()
+            )
         )
     assert refused == []  # nothing reached the store
 

@@ -14,6 +14,17 @@ from service.etcd.memory import MemoryStore
 from service.jobs.model import JobRecord, JobState, NodeRecord, Progress, Recovery
 from service.jobs.recovery import estimated_goodput, goodput, recovery_phases
 from service.metrics import InstrumentedStore, Metrics
+from worker.spec import parse_spec
+
+SPEC = parse_spec(
+    {
+        "name": "j",
+        "model": {"name": "mlp"},
+        "data": {"name": "synthetic"},
+        "micro_batch_size": 1,
+        "max_steps": 1,
+    }
+)
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -54,7 +65,7 @@ def record(**over: object) -> JobRecord:
     base: dict[str, object] = dict(
         id="job-1",
         name="n",
-        spec={},
+        spec=SPEC,
         spec_hash="h",
         state=JobState.RUNNING,
         state_since=0.0,

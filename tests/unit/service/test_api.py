@@ -61,6 +61,8 @@ def test_submit_get_list_scale_cancel(client: TestClient) -> None:
     assert job["state"] == "PENDING" and job["desired_nodes"] == 3 and job["nodes_range"] == "1:3"
     assert job["checkpoint_dir"].endswith(f"/checkpoints/{job['id']}")
     assert job["spec"]["checkpoint"]["dir"] == job["checkpoint_dir"]
+    assert job["spec"]["checkpoint"]["async"] is False  # the spec as JSON, with its aliases
+    assert job["spec"]["optimizer"]["betas"] == [0.9, 0.99]
     got = client.get(f"/v1/jobs/{job['id']}", headers=AUTH).json()
     assert got["id"] == job["id"] and got["events"][0]["kind"] == "submitted"
     listed = client.get("/v1/jobs", headers=AUTH).json()

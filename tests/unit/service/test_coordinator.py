@@ -16,6 +16,7 @@ from service.jobs.service import InvalidRequestError, JobService
 from worker.checkpoint.commit import report_to_json
 from worker.checkpoint.layout import read_latest
 from worker.checkpoint.verify import verify_checkpoint
+from worker.spec import parse_spec
 
 SPEC = {
     "name": "ck",
@@ -33,7 +34,7 @@ class World:
         self.clock = Clock()
         self.jobs = JobService(MemoryStore(clock=self.clock), root, b"k" * 32, clock=self.clock)
         self.coord = CheckpointCoordinator(self.jobs, clock=self.clock)
-        record, _ = self.jobs.create(json.dumps(SPEC).encode())
+        record, _ = self.jobs.create(parse_spec(SPEC))
         self.job_id = record.id
         self.job_dir = Path(record.checkpoint_dir)
 

@@ -23,6 +23,17 @@ from service.jobs.machine import (
     request_scale,
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, Progress
+from worker.spec import parse_spec
+
+SPEC = parse_spec(
+    {
+        "name": "j",
+        "model": {"name": "mlp"},
+        "data": {"name": "synthetic"},
+        "micro_batch_size": 1,
+        "max_steps": 1,
+    }
+)
 
 S = JobState
 
@@ -39,7 +50,7 @@ def job(
     return JobRecord(
         id="j-1",
         name="j",
-        spec={},
+        spec=SPEC,
         spec_hash="h",
         state=state,
         state_since=0.0,

@@ -10,6 +10,7 @@ from service.etcd.memory import MemoryStore
 from service.jobs import keys
 from service.jobs.model import JobState, Progress
 from service.jobs.service import JobService
+from worker.spec import parse_spec
 
 
 class Clock:
@@ -28,7 +29,7 @@ def setup(tmp_path: Path) -> tuple[JobService, MemoryStore, Clock, str]:
     clock = Clock()
     store = MemoryStore()
     jobs = JobService(store, tmp_path, b"k" * 32, clock=clock, progress_flush_s=5.0)
-    record, _ = jobs.create(json.dumps(SPEC).encode())
+    record, _ = jobs.create(parse_spec(SPEC))
     return jobs, store, clock, record.id
 
 

@@ -3,7 +3,6 @@ after a restart, recovers failed nodes, fences a stale leader."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from service.jobs.machine import Observation, reconcile
 from service.jobs.model import JobState, NodePhase
 from service.jobs.service import JobService, NotLeaderError
 from service.reconciler import LaunchContext, Reconciler, node_launch
+from worker.spec import parse_spec
 
 SPEC = {
     "name": "demo",
@@ -42,7 +42,7 @@ class World:
         return Reconciler(self.jobs, self.scheduler, election, launch=ctx, clock=self.clock)
 
     def submit(self, **change: object) -> str:
-        record, _ = self.jobs.create(json.dumps(SPEC | change).encode())
+        record, _ = self.jobs.create(parse_spec(SPEC | change))
         return record.id
 
 
