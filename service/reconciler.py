@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from service.checkpoints.adopt import StorageAdoption
 from service.etcd.client import EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
@@ -82,7 +83,7 @@ class Reconciler:
         policy: Policy | None = None,
         interval_s: float = 1.0,
         idle_interval_s: float = 5.0,
-        coordinator: object = None,
+        storage: StorageAdoption | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.jobs = jobs
@@ -96,7 +97,8 @@ class Reconciler:
         self.busy = True
         """Whether the last pass saw a job in motion (not RUNNING or terminal) or acted."""
         self._wake = threading.Event()
-        self.coordinator = coordinator
+        self.storage = storage
+        """Reconciles the checkpoint registry with storage (None: no checkpoint duties)."""
         self.clock = clock
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -193,14 +195,13 @@ class Reconciler:
                 log.warning("leader keep-alive failed: %s", exc)
 
     def _adopt_storage(self, records: list[JobRecord]) -> None:
-        """Let the coordinator reconcile its registry with storage (steps published in-job,
-        renamed but unrecorded, staging that can never publish)."""
-        adopt = getattr(self.coordinator, "adopt", None)
-        if not callable(adopt):
+        """Reconcile the checkpoint registry with storage (steps published in-job, renamed but
+        unrecorded, staging that can never publish)."""
+        if self.storage is None:
             return
         for record in records:
             try:
-                adopt(record)
+                self.storage.adopt(record)
             except (ElastrainError, OSError) as exc:
                 self.metrics.pass_errors.labels("adopt").inc()
                 log.warning("job %s: reconciling checkpoints with storage failed: %s", record.id, exc)

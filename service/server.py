@@ -29,7 +29,7 @@ from fastapi import FastAPI
 
 from service.api.app import create_app
 from service.api.forward import LeaderLookup
-from service.coordinator import CheckpointCoordinator
+from service.checkpoints.service import Checkpoints
 from service.etcd.client import EtcdUnavailableError
 from service.etcd.election import LeaderElection, leader_address
 from service.etcd.kv import EtcdStore, Fence
@@ -151,7 +151,7 @@ def build_app(
         on_fence_refused=metrics.fenced_refusals.inc,
         heartbeat_write_s=settings.heartbeat_timeout_s / 4,
     )
-    coordinator = CheckpointCoordinator(jobs, metrics=metrics)
+    checkpoints = Checkpoints.build(jobs, metrics=metrics)
     reconciler = Reconciler(
         jobs,
         scheduler,
@@ -163,7 +163,7 @@ def build_app(
         ),
         interval_s=settings.reconcile_interval_s,
         idle_interval_s=settings.reconcile_idle_interval_s,
-        coordinator=coordinator,
+        storage=checkpoints.storage,
     )
     jobs.on_job_write = lambda job_id: reconciler.wake()
 
@@ -181,7 +181,7 @@ def build_app(
         api_token=token,
         jobs=jobs,
         scheduler=scheduler,
-        coordinator=coordinator,
+        checkpoints=checkpoints,
         metrics=metrics,
         leader=lambda: reconciler.is_leader,
         forward=LeaderLookup(lambda: leader_address(store)),

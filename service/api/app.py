@@ -18,6 +18,7 @@ from service.api.request_metrics import RequestMetrics
 from service.api.routes import health, workers
 from service.api.routes import jobs as job_routes
 from service.api.schemas import CheckpointReportRequest
+from service.checkpoints.service import Checkpoints
 from service.etcd.kv import KVStore
 from service.jobs.service import JobService, ensure_worker_secret
 from service.jobs.tokens import hash_token
@@ -36,7 +37,7 @@ def create_app(
     api_token: str,
     jobs: JobService | None = None,
     scheduler: Scheduler | None = None,
-    coordinator: Any = None,
+    checkpoints: Checkpoints | None = None,
     metrics: Metrics | None = None,
     secret: bytes | None = None,
     clock: Callable[[], float] = time.time,
@@ -66,7 +67,7 @@ def create_app(
         metrics=metrics,
         api_token_hash=hash_token(api_token),
         scheduler=scheduler,
-        coordinator=coordinator,
+        checkpoints=checkpoints,
         extra={"leader": leader},
     )
     service.on_change = ctx.views.drop

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from service.api.auth import Principal, authorize, bearer
 from service.api.errors import ApiError
+from service.checkpoints.service import Checkpoints
 from service.jobs.cache import TTLCache
 from service.jobs.service import JobService
 from service.launch.protocol import Scheduler
@@ -26,7 +27,8 @@ class Context:
     api_token_hash: str
     scheduler: Scheduler | None = None
     """None: the app runs without a scheduler (tests of the API alone); logs are then unreadable."""
-    coordinator: Any = None
+    checkpoints: Checkpoints | None = None
+    """None: the app runs without checkpoint duties (tests of the API alone)."""
     views: TTLCache[bytes] = field(default_factory=lambda: TTLCache[bytes](0.5))
     """Rendered GET /v1/jobs/{id} bodies; dropped on every write this instance makes."""
     extra: dict[str, Any] = field(default_factory=dict)

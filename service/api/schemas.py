@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from service.api.errors import ApiError
+from service.checkpoints.results import CheckpointEntry
 from service.jobs.events import WorkerEvent
 from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress
 from worker.errors import SpecError
@@ -170,63 +171,9 @@ class JobList(BaseModel):
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last.")
 
 
-class _Open(BaseModel):
-    """An answer built from the coordinator's records: the declared fields are always there;
-    fields a newer coordinator adds pass through."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-class CheckpointOutcome(_Open):
-    """Where one reported step stands (the fields of ``worker.checkpoint.coordinator.Outcome``)."""
-
-    status: Literal["pending", "published", "aborted"]
-    published: bool
-    step: int
-    generation: int
-    reason: str
-    path: str | None = Field(description="The published step's directory.")
-
-
-class CheckpointEntry(_Open):
-    step: int
-    generation: int
-    world_size: int
-    bytes: int
-    files: int
-    published_at: float
-    verified: bool
-    dir: str
-
-
 class CheckpointList(BaseModel):
     job: str
     checkpoints: list[CheckpointEntry] = Field(description="Published checkpoints, oldest first.")
-
-
-class ResumeCheckpoint(_Open):
-    step: int
-    dir: str
-    world_size: int = Field(description="The world size it was saved at.")
-    generation: int
-    bytes: int
-    reshard: bool = Field(description="True when the requested world size differs from the saved one.")
-
-
-class RankLoadPlan(_Open):
-    """What one rank reads; with ``rank`` given, ``ops`` lists every read."""
-
-    reads: int
-    bytes: int
-    files: list[str]
-
-
-class ResumeAnswer(BaseModel):
-    job: str
-    checkpoint: ResumeCheckpoint | None = Field(
-        description="The newest verified checkpoint; null: start fresh."
-    )
-    load_plan: dict[str, RankLoadPlan] | None = Field(description="Rank -> its reads, for ?world_size=.")
 
 
 class Health(BaseModel):

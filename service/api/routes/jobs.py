@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -104,12 +104,12 @@ def cancel_job(job_id: str, ctx: ContextDep) -> JobPublic:
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointList, responses=error_responses(*_JOB))
-def list_checkpoints(job_id: str, ctx: ContextDep) -> dict[str, Any]:
+def list_checkpoints(job_id: str, ctx: ContextDep) -> CheckpointList:
     """Published checkpoints, oldest first: step, world size, bytes, time, verified, directory."""
     record = ctx.jobs.get(job_id)
-    if ctx.coordinator is None:
-        return {"job": job_id, "checkpoints": []}
-    return {"job": job_id, "checkpoints": ctx.coordinator.published(record)}
+    if ctx.checkpoints is None:
+        return CheckpointList(job=job_id, checkpoints=[])
+    return CheckpointList(job=job_id, checkpoints=ctx.checkpoints.registry.published(record))
 
 
 @router.get("/jobs/{job_id}/logs", response_model=JobLogs, responses=error_responses(*_JOB, 422))

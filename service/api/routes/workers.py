@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
@@ -14,14 +14,14 @@ from service.api.errors import ApiError, error_responses, from_validation
 from service.api.schemas import (
     MAX_WORLD_SIZE,
     Ack,
-    CheckpointOutcome,
     CheckpointReportRequest,
     HeartbeatRequest,
     ProgressRequest,
-    ResumeAnswer,
     WorkerEventRequest,
     body_of,
 )
+from service.checkpoints.results import CheckpointOutcome, ResumeAnswer
+from service.checkpoints.service import Checkpoints
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.tokens import hash_token
 
@@ -39,6 +39,12 @@ def _job(ctx: Context, job_id: str, principal: str, request: Request, *, recent:
     if principal == "worker" and hash_token(token) != record.worker_token_hash:
         raise ApiError(403, "forbidden", f"this worker token does not belong to job {job_id!r}")
     return record
+
+
+def _checkpoints(ctx: Context) -> Checkpoints:
+    if ctx.checkpoints is None:
+        raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
+    return ctx.checkpoints
 
 
 def _ack(record: JobRecord) -> Ack:
@@ -95,7 +101,7 @@ async def checkpoint_report(
     ctx: ContextDep,
     request: Request,
     seq: Annotated[int, Query(ge=0, description="Save number within the generation")] = 0,
-) -> dict[str, Any]:
+) -> CheckpointOutcome:
     """Phase 1 report of one rank (the JSON of ``worker.checkpoint.commit.report_to_json``).
     The answer says whether the step is pending, published or aborted (the fields of
     ``worker.checkpoint.coordinator.Outcome`` plus ``status``). Idempotent per rank."""
@@ -107,10 +113,8 @@ async def checkpoint_report(
         err = from_validation(list(exc.errors(include_url=False)))
         hint = "send a rank's checkpoint report (the JSON of worker.checkpoint.commit.report_to_json)"
         raise ApiError(err.status, err.code, f"{err.message}; {hint}", field=err.field) from None
-    if ctx.coordinator is None:
-        raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
-    result: dict[str, Any] = await run_in_threadpool(ctx.coordinator.report, record, body, seq=seq)
-    return result
+    checkpoints = _checkpoints(ctx)
+    return await run_in_threadpool(checkpoints.publisher.report, record, body, seq=seq)
 
 
 @router.get(
@@ -126,13 +130,10 @@ def checkpoint_outcome(
     request: Request,
     generation: Annotated[int, Query(ge=0)] = 0,
     seq: Annotated[int, Query(ge=0)] = 0,
-) -> dict[str, Any]:
+) -> CheckpointOutcome:
     """Whether a reported step was published, is pending or was aborted."""
     record = _job(ctx, job_id, auth, request)
-    if ctx.coordinator is None:
-        raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
-    result: dict[str, Any] = ctx.coordinator.outcome(record, step, generation, seq=seq)
-    return result
+    return _checkpoints(ctx).publisher.outcome(record, step, generation, seq=seq)
 
 
 @router.get("/resume", response_model=ResumeAnswer, responses=_READ)
@@ -143,10 +144,9 @@ def resume(
     request: Request,
     world_size: Annotated[int | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
     rank: Annotated[int | None, Query(ge=0)] = None,
-) -> dict[str, Any]:
+) -> ResumeAnswer:
     """The newest published, verified checkpoint and the load plan for ``world_size``."""
     record = _job(ctx, job_id, auth, request)
-    if ctx.coordinator is None:
-        return {"job": job_id, "checkpoint": None, "load_plan": None}
-    result: dict[str, Any] = ctx.coordinator.resume(record, world_size=world_size, rank=rank)
-    return result
+    if ctx.checkpoints is None:
+        return ResumeAnswer(job=job_id, checkpoint=None, load_plan=None)
+    return ctx.checkpoints.resumes.resume(record, world_size=world_size, rank=rank)

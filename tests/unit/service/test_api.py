@@ -16,9 +16,10 @@ with warnings.catch_warnings():
 from svc_fakes import stage_rank
 
 from service.api.app import create_app
-from service.coordinator import CheckpointCoordinator
+from service.checkpoints.service import Checkpoints
 from service.etcd.memory import MemoryStore
 from service.jobs.service import JobService
+from service.metrics import Metrics
 from service.settings import load_settings
 from worker.checkpoint.commit import report_to_json
 
@@ -212,7 +213,8 @@ def test_checkpoint_reports_publish_and_show_in_checkpoints_and_resume(tmp_path:
     settings = load_settings(data_dir=tmp_path)
     store = MemoryStore()
     jobs = JobService(store, settings.checkpoint_root, b"k" * 32)
-    app = create_app(settings, store, api_token=TOKEN, jobs=jobs, coordinator=CheckpointCoordinator(jobs))
+    checkpoints = Checkpoints.build(jobs, metrics=Metrics())
+    app = create_app(settings, store, api_token=TOKEN, jobs=jobs, checkpoints=checkpoints, metrics=Metrics())
     with TestClient(app, raise_server_exceptions=False) as client:
         job = submit(client, SPEC | {"nodes": "2"})
         worker = {"Authorization": f"Bearer {jobs.worker_token(job['id'])}"}
