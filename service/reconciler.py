@@ -12,7 +12,6 @@ loses no job and launches no node twice.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ from service.etcd.client import EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
+from service.jobs.errors import NotFoundError, NotLeaderError
 from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
     Cancel,
@@ -35,7 +35,7 @@ from service.jobs.machine import (
     reconcile,
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
-from service.jobs.service import JobService, NotFoundError, NotLeaderError
+from service.jobs.parts import JobParts
 from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
 from service.metrics import Metrics
 from worker.errors import ElastrainError
@@ -74,11 +74,12 @@ ADOPT_EVERY_S = 10.0
 class Reconciler:
     def __init__(
         self,
-        jobs: JobService,
+        parts: JobParts,
         scheduler: Scheduler,
         election: LeaderElection,
         *,
         launch: LaunchContext,
+        wake: threading.Event | None = None,
         metrics: Metrics | None = None,
         policy: Policy | None = None,
         interval_s: float = 1.0,
@@ -86,7 +87,10 @@ class Reconciler:
         storage: StorageAdoption | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.jobs = jobs
+        self.jobs = parts.records
+        self.progress = parts.progress
+        self.heartbeats = parts.heartbeats
+        self.writes = parts.writes
         self.scheduler = scheduler
         self.election = election
         self.launch_ctx = launch
@@ -96,7 +100,8 @@ class Reconciler:
         self.idle_interval_s = max(interval_s, idle_interval_s)
         self.busy = True
         """Whether the last pass saw a job in motion (not RUNNING or terminal) or acted."""
-        self._wake = threading.Event()
+        self._wake = wake or threading.Event()
+        """Set to run the next pass now (the server sets it on every job write)."""
         self.storage = storage
         """Reconciles the checkpoint registry with storage (None: no checkpoint duties)."""
         self.clock = clock
@@ -214,7 +219,7 @@ class Reconciler:
         """One job's pass. ``known``: the record and revision just listed (saves a read; a write
         that raced in since makes the compare-and-set fail and the next pass decide again)."""
         stored, revision = known if known is not None else self.jobs.get_versioned(job_id)
-        progress = self.jobs.progress(job_id)
+        progress = self.progress.newest(job_id)
         record = merge_progress(stored, progress)
         if progress is not None and progress.time > record.state_since:
             # a step after re-forming
@@ -234,9 +239,9 @@ class Reconciler:
                 self._cancel(action.node)
         self.metrics.observe_job(decision.job, progress, now=self.clock())
         if decision.job.state.terminal and not record.state.terminal:
-            self.jobs.flush_progress(job_id)
+            self.progress.flush(job_id)
             self._adopt_storage([decision.job])
-            self.jobs.commit(
+            self.writes.commit(
                 [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
             )
         return decision.job
@@ -250,20 +255,8 @@ class Reconciler:
                 except Exception as exc:
                     log.warning("status of %s failed: %s", node.handle, exc)
                     statuses[node.launch_id] = UNKNOWN
-        return Observation(now=self.clock(), statuses=statuses, last_seen=self._last_seen(record.id))
-
-    def _last_seen(self, job_id: str) -> dict[str, float]:
-        """Per launch id, the oldest of its ranks' newest heartbeat times."""
-        prefix = keys.heartbeats(job_id)
-        out: dict[str, float] = {}
-        for entry in self.jobs.store.list_prefix(prefix):
-            launch_id = entry.key[len(prefix) :].split("/", 1)[0]
-            try:
-                seen = float(json.loads(entry.value)["time"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            out[launch_id] = min(out.get(launch_id, seen), seen)
-        return out
+        last_seen = self.heartbeats.last_seen(record.id)
+        return Observation(now=self.clock(), statuses=statuses, last_seen=last_seen)
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
         env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))

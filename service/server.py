@@ -35,7 +35,8 @@ from service.etcd.election import LeaderElection, leader_address
 from service.etcd.kv import EtcdStore, Fence
 from service.etcd.server import EtcdServer
 from service.jobs.machine import Policy
-from service.jobs.service import JobService, ensure_worker_secret
+from service.jobs.parts import JobParts
+from service.jobs.service import ensure_worker_secret
 from service.launch.protocol import Scheduler
 from service.metrics import InstrumentedStore, Metrics
 from service.reconciler import LaunchContext, Reconciler
@@ -143,20 +144,23 @@ def build_app(
     election = LeaderElection(
         store, holder_id(settings), ttl_s=settings.leader_ttl_s, address=settings.instance_address
     )
-    jobs = JobService(
+    wake = threading.Event()  # any write of a job wakes the reconciler at once
+    parts = JobParts.build(
         store,
-        settings.checkpoint_root,
-        ensure_worker_secret(store),
+        storage_root=settings.checkpoint_root,
+        secret=ensure_worker_secret(store),
         fence_source=lambda: leader_fence(election, wait_s=2 * settings.reconcile_interval_s + 1),
         on_fence_refused=metrics.fenced_refusals.inc,
+        on_job_write=lambda job_id: wake.set(),
         heartbeat_write_s=settings.heartbeat_timeout_s / 4,
     )
-    checkpoints = Checkpoints.build(jobs, metrics=metrics)
+    checkpoints = Checkpoints.build(parts.records, metrics=metrics)
     reconciler = Reconciler(
-        jobs,
+        parts,
         scheduler,
         election,
         launch=LaunchContext(service_url=settings.service_url, etcd_endpoints=tuple(endpoints)),
+        wake=wake,
         metrics=metrics,
         policy=Policy(
             heartbeat_timeout_s=settings.heartbeat_timeout_s, startup_timeout_s=settings.startup_timeout_s
@@ -165,7 +169,6 @@ def build_app(
         idle_interval_s=settings.reconcile_idle_interval_s,
         storage=checkpoints.storage,
     )
-    jobs.on_job_write = lambda job_id: reconciler.wake()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -179,7 +182,7 @@ def build_app(
         settings,
         store,
         api_token=token,
-        jobs=jobs,
+        parts=parts,
         scheduler=scheduler,
         checkpoints=checkpoints,
         metrics=metrics,

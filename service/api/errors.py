@@ -23,9 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
 from service.etcd.client import EtcdUnavailableError
+from service.jobs.errors import ConflictError, InvalidRequestError, NotFoundError, NotLeaderError
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError
-from service.jobs.service import ConflictError, InvalidRequestError, NotFoundError, NotLeaderError
 from worker.errors import ElastrainError, SpecError
 
 log = logging.getLogger("elastrain.api")

@@ -25,8 +25,9 @@ from service.checkpoints.results import OUTCOME_RECORD, CheckpointOutcome, Publi
 from service.checkpoints.retention import retain
 from service.etcd.kv import Write
 from service.jobs import keys
+from service.jobs.errors import InvalidRequestError
 from service.jobs.model import JobRecord
-from service.jobs.service import InvalidRequestError, JobService
+from service.jobs.writes import LeaderWrites
 from service.metrics import Metrics
 from worker.checkpoint.commit import Expected, Report, build_manifest, decide, report_from_json
 from worker.checkpoint.layout import file_sizes, staging_dir_name
@@ -59,13 +60,13 @@ class Publisher:
 
     def __init__(
         self,
-        jobs: JobService,
+        writes: LeaderWrites,
         registry: Registry,
         *,
         metrics: Metrics,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._jobs = jobs
+        self._writes = writes
         self._registry = registry
         self._metrics = metrics
         self._clock = clock
@@ -85,7 +86,7 @@ class Publisher:
             return self._finish_abort(
                 record, report, seq, f"step {step} is older than the published step {newest}"
             )
-        self._jobs.put(keys.report(record.id, step, generation, report.rank, seq), body)
+        self._writes.put(keys.report(record.id, step, generation, report.rank, seq), body)
         reports = self._round(record.id, step, generation, seq)
         expected = Expected(step, generation, report.world_size)
         staging = Path(record.checkpoint_dir) / staging_dir_name(step, generation)
@@ -101,7 +102,7 @@ class Publisher:
 
     def outcome(self, record: JobRecord, step: int, generation: int, *, seq: int = 0) -> CheckpointOutcome:
         """Where a reported step stands; finishes a publish whose publisher died."""
-        found = self._jobs.store.get(keys.outcome(record.id, step, generation, seq))
+        found = self._writes.store.get(keys.outcome(record.id, step, generation, seq))
         if found is None:
             return CheckpointOutcome.of("pending", step, generation, "not all ranks have reported")
         stored = OUTCOME_RECORD.validate_json(found.value)
@@ -126,7 +127,7 @@ class Publisher:
         """Finish an interrupted publish (idempotent: publish_staged keeps a step already renamed
         into place and only moves ``latest``), or abort it when the round cannot complete."""
         key = keys.outcome(record.id, step, generation, seq)
-        if not self._jobs.commit([Write(key, self._claim(), revision)]):
+        if not self._writes.commit([Write(key, self._claim(), revision)]):
             return CheckpointOutcome.of("pending", step, generation, "publishing")  # taken over by another
         reports = self._round(record.id, step, generation, seq)
         if not reports or len(reports) < reports[0].world_size:
@@ -140,7 +141,7 @@ class Publisher:
 
     def _round(self, job_id: str, step: int, generation: int, seq: int) -> list[Report]:
         out = []
-        for entry in self._jobs.store.list_prefix(keys.report_round(job_id, step, generation, seq)):
+        for entry in self._writes.store.list_prefix(keys.report_round(job_id, step, generation, seq)):
             try:
                 out.append(report_from_json(entry.value))
             except ValueError:
@@ -151,7 +152,7 @@ class Publisher:
         step, generation = report.step, report.generation
         result = CheckpointOutcome.of("aborted", step, generation, reason)
         key = keys.outcome(record.id, step, generation, seq)
-        if self._jobs.commit([Write(key, result.model_dump_json().encode(), 0)]):
+        if self._writes.commit([Write(key, result.model_dump_json().encode(), 0)]):
             self._metrics.aborted.inc()
             try:
                 abort_staged(Path(record.checkpoint_dir) / staging_dir_name(step, generation), reason)
@@ -164,7 +165,7 @@ class Publisher:
     ) -> CheckpointOutcome:
         """Record a claimed step as aborted and collect its staging."""
         result = CheckpointOutcome.of("aborted", step, generation, reason)
-        self._jobs.put(key, result.model_dump_json().encode())
+        self._writes.put(key, result.model_dump_json().encode())
         self._metrics.aborted.inc()
         with contextlib.suppress(OSError):
             abort_staged(Path(record.checkpoint_dir) / staging_dir_name(step, generation), reason)
@@ -175,7 +176,7 @@ class Publisher:
     ) -> CheckpointOutcome:
         step, generation = expected.step, expected.generation
         key = keys.outcome(record.id, step, generation, seq)
-        if not self._jobs.commit([Write(key, self._claim(), 0)]):
+        if not self._writes.commit([Write(key, self._claim(), 0)]):
             return self.outcome(record, step, generation, seq=seq)
         return self._publish_claimed(record, expected, reports, seq, reason)
 
@@ -193,8 +194,8 @@ class Publisher:
             return self._aborted(record, key, step, generation, f"publishing failed: {exc}")
         self._registry.record(record, manifest, path, verified=True)
         result = CheckpointOutcome.of("published", step, generation, reason, str(path))
-        self._jobs.put(key, result.model_dump_json().encode())
-        self._jobs.commit(
+        self._writes.put(key, result.model_dump_json().encode())
+        self._writes.commit(
             [Write(keys.report_round(record.id, step, generation, seq), None, None, prefix=True)]
         )
         self._metrics.published.inc()

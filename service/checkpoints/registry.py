@@ -43,7 +43,7 @@ class Registry:
             dir=str(path),
             metrics=manifest.metrics,
         )
-        self._jobs.put(keys.checkpoint(record.id, manifest.step), entry.model_dump_json().encode())
+        self._jobs.writes.put(keys.checkpoint(record.id, manifest.step), entry.model_dump_json().encode())
 
         def newest(r: JobRecord) -> JobRecord:
             if r.last_published_step is not None and r.last_published_step >= manifest.step:
@@ -57,4 +57,4 @@ class Registry:
 
     def drop(self, job_id: str, step: int) -> None:
         """Forget a step (its directory is gone). Idempotent."""
-        self._jobs.commit([Write(keys.checkpoint(job_id, step), None, None)])
+        self._jobs.writes.commit([Write(keys.checkpoint(job_id, step), None, None)])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from service.checkpoints.registry import Registry
 from service.checkpoints.results import RankLoadPlan, ResumeAnswer, ResumeCheckpoint
+from service.jobs.errors import InvalidRequestError
 from service.jobs.model import JobRecord
-from service.jobs.service import InvalidRequestError
 from worker.checkpoint.layout import list_published
 from worker.checkpoint.loadplan import bytes_read, needs_for_rank, plan_reads
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, manifest_from_json

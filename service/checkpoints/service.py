@@ -30,7 +30,7 @@ class Checkpoints:
         registry = Registry(jobs, clock=clock)
         return cls(
             registry=registry,
-            publisher=Publisher(jobs, registry, metrics=metrics, clock=clock),
+            publisher=Publisher(jobs.writes, registry, metrics=metrics, clock=clock),
             resumes=ResumePlanner(registry),
             storage=StorageAdoption(registry),
         )

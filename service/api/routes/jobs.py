@@ -79,7 +79,7 @@ async def get_job(job_id: str, ctx: ContextDep) -> Response:
 
 
 def _render(ctx: Context, job_id: str) -> bytes:
-    body = public(ctx.jobs.get(job_id), ctx.jobs.progress(job_id)).model_dump_json().encode()
+    body = public(ctx.jobs.get(job_id), ctx.progress.newest(job_id)).model_dump_json().encode()
     ctx.views.put(job_id, body)
     return body
 
@@ -92,7 +92,7 @@ def _render(ctx: Context, job_id: str) -> bytes:
 )
 def scale_job(job_id: str, body: ScaleRequest, ctx: ContextDep) -> JobPublic:
     """Set the desired node count within the job's ``nodes`` range; the reconciler acts on it."""
-    return public(ctx.jobs.scale(job_id, body.nodes), ctx.jobs.progress(job_id))
+    return public(ctx.jobs.scale(job_id, body.nodes), ctx.progress.newest(job_id))
 
 
 @router.delete(
@@ -100,7 +100,7 @@ def scale_job(job_id: str, body: ScaleRequest, ctx: ContextDep) -> JobPublic:
 )
 def cancel_job(job_id: str, ctx: ContextDep) -> JobPublic:
     """Cancel a job. Idempotent: cancelling a finished or cancelling job returns it unchanged."""
-    return public(ctx.jobs.cancel(job_id), ctx.jobs.progress(job_id))
+    return public(ctx.jobs.cancel(job_id), ctx.progress.newest(job_id))
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointList, responses=error_responses(*_JOB))

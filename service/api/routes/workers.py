@@ -57,7 +57,7 @@ def heartbeat(
 ) -> Ack:
     """A rank is alive. The answer says whether the job is being cancelled."""
     record = _job(ctx, job_id, auth, request, recent=True)
-    ctx.jobs.heartbeat(job_id, body.launch_id, body.local_rank, body.step)
+    ctx.heartbeats.beat(job_id, body.launch_id, body.local_rank, body.step)
     return _ack(record)
 
 
@@ -66,10 +66,9 @@ def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextD
     """Newest training progress (rank 0): step, samples seen, samples/s, loss, world size."""
     record = _job(ctx, job_id, auth, request, recent=True)
     report = Progress(**body.model_dump(), time=ctx.jobs.clock())
-    ctx.jobs.report_progress(record, report)
+    ctx.progress.report(record, report)
     ctx.metrics.observe_job(record, report, now=report.time)
-    if record.state == JobState.RECOVERING:  # a progress report can close a recovery too
-        _observe_recovery(ctx, record, ctx.jobs.get(job_id))
+    _observe_recovery(ctx, record, ctx.jobs.progress_reported(record, report))  # may end a recovery
     return _ack(record)
 
 

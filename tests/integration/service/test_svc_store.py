@@ -13,7 +13,8 @@ from service.etcd.client import EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import EtcdStore, Fence, KVStore, Write, delete_if, put_if
 from service.etcd.memory import MemoryStore
-from service.jobs.service import JobService, NotLeaderError
+from service.jobs.errors import NotLeaderError
+from service.jobs.parts import JobParts
 from worker.spec import parse_spec
 
 pytestmark = pytest.mark.integration
@@ -83,9 +84,14 @@ def test_every_job_write_of_a_stale_leader_is_refused_by_the_store(
     stale = old.campaign()
     assert stale is not None
     refused: list[int] = []
-    jobs = JobService(
-        store, tmp_path, b"k" * 32, fence_source=lambda: stale, on_fence_refused=lambda: refused.append(1)
+    parts = JobParts.build(
+        store,
+        storage_root=tmp_path,
+        secret=b"k" * 32,
+        fence_source=lambda: stale,
+        on_fence_refused=lambda: refused.append(1),
     )
+    jobs = parts.records
     spec = {
         "name": "fenced",
         "model": {"name": "mlp"},
@@ -104,8 +110,8 @@ def test_every_job_write_of_a_stale_leader_is_refused_by_the_store(
         "submit": lambda: jobs.create(parse_spec(spec | {"name": "again"})),
         "scale": lambda: jobs.scale(record.id, 3),
         "cancel": lambda: jobs.cancel(record.id),
-        "heartbeat": lambda: jobs.heartbeat(record.id, "l0", 0, 5),
-        "cleanup": lambda: jobs.commit([Write(f"{etcd_prefix}/j/", None, None, prefix=True)]),
+        "heartbeat": lambda: parts.heartbeats.beat(record.id, "l0", 0, 5),
+        "cleanup": lambda: parts.writes.commit([Write(f"{etcd_prefix}/j/", None, None, prefix=True)]),
     }
     for what, write in writes.items():
         with pytest.raises(NotLeaderError, match="etcd refused"):
@@ -116,15 +122,21 @@ def test_every_job_write_of_a_stale_leader_is_refused_by_the_store(
     assert [r.name for r in jobs.list()[0] if r.name == "again"] == []
     assert len(refused) == len(writes)
 
-    leader = JobService(store, tmp_path, b"k" * 32, fence_source=lambda: new.fence)
+    leader = JobParts.build(
+        store, storage_root=tmp_path, secret=b"k" * 32, fence_source=lambda: new.fence
+    ).records
     assert leader.scale(record.id, 3).desired_nodes == 3
 
 
 def test_a_standby_refuses_writes_before_sending_them(store: KVStore, tmp_path: Path) -> None:
     refused: list[int] = []
-    jobs = JobService(
-        store, tmp_path, b"k" * 32, fence_source=lambda: None, on_fence_refused=lambda: refused.append(1)
-    )
+    jobs = JobParts.build(
+        store,
+        storage_root=tmp_path,
+        secret=b"k" * 32,
+        fence_source=lambda: None,
+        on_fence_refused=lambda: refused.append(1),
+    ).records
     with pytest.raises(NotLeaderError, match="not the leader"):
         jobs.create(
             parse_spec(

@@ -18,7 +18,7 @@ from svc_fakes import stage_rank
 from service.api.app import create_app
 from service.checkpoints.service import Checkpoints
 from service.etcd.memory import MemoryStore
-from service.jobs.service import JobService
+from service.jobs.parts import JobParts
 from service.metrics import Metrics
 from service.settings import load_settings
 from worker.checkpoint.commit import report_to_json
@@ -212,9 +212,12 @@ def test_openapi_documents_the_spec_body(client: TestClient) -> None:
 def test_checkpoint_reports_publish_and_show_in_checkpoints_and_resume(tmp_path: Path) -> None:
     settings = load_settings(data_dir=tmp_path)
     store = MemoryStore()
-    jobs = JobService(store, settings.checkpoint_root, b"k" * 32)
+    parts = JobParts.build(store, storage_root=settings.checkpoint_root, secret=b"k" * 32)
+    jobs = parts.records
     checkpoints = Checkpoints.build(jobs, metrics=Metrics())
-    app = create_app(settings, store, api_token=TOKEN, jobs=jobs, checkpoints=checkpoints, metrics=Metrics())
+    app = create_app(
+        settings, store, api_token=TOKEN, parts=parts, checkpoints=checkpoints, metrics=Metrics()
+    )
     with TestClient(app, raise_server_exceptions=False) as client:
         job = submit(client, SPEC | {"nodes": "2"})
         worker = {"Authorization": f"Bearer {jobs.worker_token(job['id'])}"}

@@ -16,8 +16,9 @@ from service.checkpoints.service import Checkpoints
 from service.etcd.kv import Write
 from service.etcd.memory import MemoryStore
 from service.jobs import keys
+from service.jobs.errors import InvalidRequestError
 from service.jobs.model import JobRecord
-from service.jobs.service import InvalidRequestError, JobService
+from service.jobs.parts import JobParts
 from service.metrics import Metrics
 from worker.checkpoint.commit import report_to_json
 from worker.checkpoint.layout import read_latest
@@ -38,7 +39,8 @@ SPEC = {
 class World:
     def __init__(self, root: Path) -> None:
         self.clock = Clock()
-        self.jobs = JobService(MemoryStore(clock=self.clock), root, b"k" * 32, clock=self.clock)
+        store = MemoryStore(clock=self.clock)
+        self.jobs = JobParts.build(store, storage_root=root, secret=b"k" * 32, clock=self.clock).records
         self.ck = Checkpoints.build(self.jobs, metrics=Metrics(), clock=self.clock)
         record, _ = self.jobs.create(parse_spec(SPEC))
         self.job_id = record.id

@@ -12,9 +12,10 @@ from service.etcd.election import LeaderElection
 from service.etcd.kv import put_if
 from service.etcd.memory import MemoryStore
 from service.jobs import keys
+from service.jobs.errors import NotLeaderError
 from service.jobs.machine import Observation, reconcile
 from service.jobs.model import JobState, NodePhase
-from service.jobs.service import JobService, NotLeaderError
+from service.jobs.parts import JobParts
 from service.reconciler import LaunchContext, Reconciler, node_launch
 from worker.spec import parse_spec
 
@@ -33,13 +34,21 @@ class World:
     def __init__(self, tmp_path: Path) -> None:
         self.clock = Clock()
         self.store = MemoryStore(clock=self.clock)
-        self.jobs = JobService(self.store, tmp_path, b"k" * 32, clock=self.clock)
+        self.woken: list[str] = []
+        self.parts = JobParts.build(
+            self.store,
+            storage_root=tmp_path,
+            secret=b"k" * 32,
+            on_job_write=self.woken.append,
+            clock=self.clock,
+        )
+        self.jobs = self.parts.records
         self.scheduler = FakeScheduler()
 
     def reconciler(self, holder: str = "a") -> Reconciler:
         election = LeaderElection(self.store, holder, ttl_s=10, clock=self.clock)
         ctx = LaunchContext(service_url="http://svc:8080", etcd_endpoints=("http://e:2379",))
-        return Reconciler(self.jobs, self.scheduler, election, launch=ctx, clock=self.clock)
+        return Reconciler(self.parts, self.scheduler, election, launch=ctx, clock=self.clock)
 
     def submit(self, **change: object) -> str:
         record, _ = self.jobs.create(parse_spec(SPEC | change))
@@ -156,7 +165,7 @@ def test_hung_node_without_heartbeats_is_replaced(world: World) -> None:
     r = world.reconciler()
     r.run_once()
     r.run_once()
-    world.jobs.heartbeat(job_id, f"{job_id}-n0-a0", 0, step=5)
+    world.parts.heartbeats.beat(job_id, f"{job_id}-n0-a0", 0, step=5)
     world.clock.advance(5)
     r.run_once()
     assert world.jobs.get(job_id).state == JobState.RUNNING
@@ -197,8 +206,7 @@ def test_passes_slow_down_while_every_job_runs_steadily_and_a_write_wakes_them(w
     of a job record (a submit, scale, cancel, worker event), brings the next pass forward."""
     job_id = world.submit(nodes="1:3", initial_nodes=1)
     r = world.reconciler()
-    woken: list[str] = []
-    world.jobs.on_job_write = woken.append
+    woken = world.woken
     r.run_once()  # launches: in motion
     assert r.busy
     r.run_once()  # the node runs: RUNNING, nothing to do
