@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 from service.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def _parent(pid: int) -> int | None:
 def state_latency(endpoint: str, n: int = 200) -> tuple[float, float]:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from service.rendezvous import create_backend
+    from service.rendezvous.handler import create_backend
 
     backend, _, _ = create_backend(
         RendezvousParameters("etcd-v3", endpoint, f"lat-{uuid.uuid4().hex[:6]}", 1, 1)

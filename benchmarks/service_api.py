@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,17 +44,21 @@ SPEC = {
 class IdleScheduler:
     """Launches nothing; every node reports running."""
 
-    def launch(
-        self, job_id: str, spec: Any, node_index: int, env: Mapping[str, str], *, launch_id: str
-    ) -> str:
-        return f"idle://{launch_id}"
+    def launch(self, node: Any) -> str:
+        return f"idle://{node.launch_id}"
 
     def status(self, handle: str) -> Any:
-        from service.reconciler import SchedulerStatus
+        from service.launch.protocol import NodeStatus
 
-        return SchedulerStatus("running")
+        return NodeStatus("running")
 
     def cancel(self, handle: str) -> None:
+        return None
+
+    def log_dir(self, handle: str) -> Path | None:
+        return None
+
+    def close(self) -> None:
         return None
 
 

@@ -12,21 +12,22 @@ loses no job and launches no node twice.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
 
-from service.api.metrics import Metrics
+from service.checkpoints.adopt import StorageAdoption
+from service.etcd.client import EtcdUnavailableError
+from service.etcd.election import LeaderElection
+from service.etcd.kv import Fence, Write
 from service.jobs import keys
+from service.jobs.errors import NotFoundError, NotLeaderError
 from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
     Cancel,
     Launch,
-    NodeStatus,
     Observation,
     Policy,
     confirm_launch,
@@ -34,37 +35,12 @@ from service.jobs.machine import (
     reconcile,
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
-from service.jobs.service import JobService, NotFoundError, NotLeaderError
-from service.store import Fence, LeaderElection, StoreUnavailableError, Write
+from service.jobs.parts import JobParts
+from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
+from service.metrics import Metrics
 from worker.errors import ElastrainError
-from worker.spec import JobSpec
 
 log = logging.getLogger("elastrain.reconciler")
-
-
-class Scheduler(Protocol):
-    """Launches node apps (one torchrun agent each). H3's TorchX scheduler implements it."""
-
-    def launch(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
-    ) -> str:
-        """Start one node; idempotent per ``launch_id`` (the same id returns the first handle)."""
-        ...
-
-    def status(self, handle: str) -> NodeStatus: ...
-
-    def cancel(self, handle: str) -> None:
-        """Idempotent: cancelling an ended or unknown app is not an error."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStatus:
-    state: Literal["running", "succeeded", "failed", "unknown"]
-    exit_code: int | None = None
-
-
-UNKNOWN = SchedulerStatus("unknown")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +51,20 @@ class LaunchContext:
     etcd_endpoints: tuple[str, ...] = ()
 
 
-def launch_env(job: JobRecord, node: NodeRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
+def service_env(job: JobRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
+    """What the service tells every node of ``job``; who the node is (job id, node index, launch
+    id) its scheduler adds (:func:`service.launch.apps.node_env`)."""
     return {
-        "ELASTRAIN_JOB_ID": job.id,
-        "ELASTRAIN_NODE_INDEX": str(node.index),
-        "ELASTRAIN_LAUNCH_ID": node.launch_id,
         "ELASTRAIN_SERVICE_URL": ctx.service_url,
         "ELASTRAIN_WORKER_TOKEN": worker_token,
         "ELASTRAIN_CHECKPOINT_DIR": job.checkpoint_dir,
         "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
     }
+
+
+def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLaunch:
+    """The launch of ``node`` of ``job`` that the reconciler asks its scheduler for. Pure."""
+    return NodeLaunch(job.id, job.spec, node.index, node.launch_id, env)
 
 
 ADOPT_EVERY_S = 10.0
@@ -94,19 +74,23 @@ ADOPT_EVERY_S = 10.0
 class Reconciler:
     def __init__(
         self,
-        jobs: JobService,
+        parts: JobParts,
         scheduler: Scheduler,
         election: LeaderElection,
         *,
         launch: LaunchContext,
+        wake: threading.Event | None = None,
         metrics: Metrics | None = None,
         policy: Policy | None = None,
         interval_s: float = 1.0,
         idle_interval_s: float = 5.0,
-        coordinator: object = None,
+        storage: StorageAdoption | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.jobs = jobs
+        self.jobs = parts.records
+        self.progress = parts.progress
+        self.heartbeats = parts.heartbeats
+        self.writes = parts.writes
         self.scheduler = scheduler
         self.election = election
         self.launch_ctx = launch
@@ -116,8 +100,10 @@ class Reconciler:
         self.idle_interval_s = max(interval_s, idle_interval_s)
         self.busy = True
         """Whether the last pass saw a job in motion (not RUNNING or terminal) or acted."""
-        self._wake = threading.Event()
-        self.coordinator = coordinator
+        self._wake = wake or threading.Event()
+        """Set to run the next pass now (the server sets it on every job write)."""
+        self.storage = storage
+        """Reconciles the checkpoint registry with storage (None: no checkpoint duties)."""
         self.clock = clock
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -181,7 +167,7 @@ class Reconciler:
         if resign:
             try:
                 self.election.resign()
-            except StoreUnavailableError as exc:
+            except EtcdUnavailableError as exc:
                 log.warning("could not resign leadership: %s", exc)
 
     def wake(self) -> None:
@@ -195,7 +181,7 @@ class Reconciler:
         while not self._stop.is_set():
             try:
                 self.run_once()
-            except StoreUnavailableError as exc:
+            except EtcdUnavailableError as exc:
                 self.metrics.pass_errors.labels("store_unavailable").inc()
                 log.warning("etcd unavailable: %s", exc)
             except Exception:
@@ -210,18 +196,17 @@ class Reconciler:
             try:
                 if self.election.fence is not None and not self.election.keep_alive():
                     log.warning("leader lease lost")
-            except StoreUnavailableError as exc:
+            except EtcdUnavailableError as exc:
                 log.warning("leader keep-alive failed: %s", exc)
 
     def _adopt_storage(self, records: list[JobRecord]) -> None:
-        """Let the coordinator reconcile its registry with storage (steps published in-job,
-        renamed but unrecorded, staging that can never publish)."""
-        adopt = getattr(self.coordinator, "adopt", None)
-        if not callable(adopt):
+        """Reconcile the checkpoint registry with storage (steps published in-job, renamed but
+        unrecorded, staging that can never publish)."""
+        if self.storage is None:
             return
         for record in records:
             try:
-                adopt(record)
+                self.storage.adopt(record)
             except (ElastrainError, OSError) as exc:
                 self.metrics.pass_errors.labels("adopt").inc()
                 log.warning("job %s: reconciling checkpoints with storage failed: %s", record.id, exc)
@@ -234,7 +219,7 @@ class Reconciler:
         """One job's pass. ``known``: the record and revision just listed (saves a read; a write
         that raced in since makes the compare-and-set fail and the next pass decide again)."""
         stored, revision = known if known is not None else self.jobs.get_versioned(job_id)
-        progress = self.jobs.progress(job_id)
+        progress = self.progress.newest(job_id)
         record = merge_progress(stored, progress)
         if progress is not None and progress.time > record.state_since:
             # a step after re-forming
@@ -252,11 +237,11 @@ class Reconciler:
                 self._launch(decision.job, action.node, fence)
             elif isinstance(action, Cancel):
                 self._cancel(action.node)
-        self.metrics.observe_job(decision.job, progress)
+        self.metrics.observe_job(decision.job, progress, now=self.clock())
         if decision.job.state.terminal and not record.state.terminal:
-            self.jobs.flush_progress(job_id)
+            self.progress.flush(job_id)
             self._adopt_storage([decision.job])
-            self.jobs.commit(
+            self.writes.commit(
                 [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
             )
         return decision.job
@@ -270,26 +255,13 @@ class Reconciler:
                 except Exception as exc:
                     log.warning("status of %s failed: %s", node.handle, exc)
                     statuses[node.launch_id] = UNKNOWN
-        return Observation(now=self.clock(), statuses=statuses, last_seen=self._last_seen(record.id))
-
-    def _last_seen(self, job_id: str) -> dict[str, float]:
-        """Per launch id, the oldest of its ranks' newest heartbeat times."""
-        prefix = keys.heartbeats(job_id)
-        out: dict[str, float] = {}
-        for entry in self.jobs.store.list_prefix(prefix):
-            launch_id = entry.key[len(prefix) :].split("/", 1)[0]
-            try:
-                seen = float(json.loads(entry.value)["time"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            out[launch_id] = min(out.get(launch_id, seen), seen)
-        return out
+        last_seen = self.heartbeats.last_seen(record.id)
+        return Observation(now=self.clock(), statuses=statuses, last_seen=last_seen)
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
-        env = launch_env(record, node, self.launch_ctx, self.jobs.worker_token(record.id))
-        spec = JobSpec.model_validate_json(json.dumps(record.spec))
+        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))
         try:
-            handle = self.scheduler.launch(record.id, spec, node.index, env, launch_id=node.launch_id)
+            handle = self.scheduler.launch(node_launch(record, node, env))
         except Exception as exc:
             log.warning("launch of %s failed: %s", node.launch_id, exc)
             message = str(exc) or type(exc).__name__

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.observability import goodput, recovery_phases
+from service.jobs.recovery import goodput, recovery_phases
 from worker.errors import ElastrainError
 
 EVENTS_FILE = "events.jsonl"

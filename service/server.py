@@ -23,22 +23,24 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from service.api.app import create_app
 from service.api.forward import LeaderLookup
-from service.api.metrics import Metrics
-from service.coordinator import CheckpointCoordinator
-from service.etcd_server import EtcdServer
+from service.checkpoints.service import Checkpoints
+from service.etcd.client import EtcdUnavailableError
+from service.etcd.election import LeaderElection, leader_address
+from service.etcd.kv import EtcdStore, Fence
+from service.etcd.server import EtcdServer
 from service.jobs.machine import Policy
-from service.jobs.service import JobService, ensure_worker_secret
-from service.observability import InstrumentedStore
-from service.reconciler import LaunchContext, Reconciler, Scheduler
+from service.jobs.parts import JobParts
+from service.jobs.service import ensure_worker_secret
+from service.launch.protocol import Scheduler
+from service.metrics import InstrumentedStore, Metrics
+from service.reconciler import LaunchContext, Reconciler
 from service.settings import Settings, SettingsError
-from service.store import EtcdStore, Fence, LeaderElection, StoreUnavailableError, leader_address
 
 log = logging.getLogger("elastrain.server")
 TOKEN_FILE_NAME = "api-token"
@@ -88,8 +90,8 @@ def leader_fence(election: LeaderElection, *, wait_s: float) -> Fence | None:
 
 
 def build_scheduler(settings: Settings, endpoints: list[str]) -> Scheduler:
-    from service.scheduler import SchedulerSettings
-    from service.scheduler_torchx import TorchXScheduler
+    from service.launch.apps import SchedulerSettings
+    from service.launch.torchx_scheduler import TorchXScheduler
 
     config = SchedulerSettings.from_settings(
         settings,
@@ -103,7 +105,7 @@ def wait_for_store(store: EtcdStore, endpoints: list[str], timeout_s: float = 60
     deadline = time.monotonic() + timeout_s
     while not store.healthy():
         if time.monotonic() > deadline:
-            raise StoreUnavailableError(
+            raise EtcdUnavailableError(
                 f"etcd at {','.join(endpoints)} did not answer within {timeout_s:.0f}s; "
                 "check --etcd / ELASTRAIN_ETCD"
             )
@@ -129,42 +131,44 @@ def etcd_for(settings: Settings) -> Iterator[list[str]]:
 
 
 def build_app(
-    settings: Settings, endpoints: list[str], *, scheduler: Any = None
+    settings: Settings, endpoints: list[str], *, scheduler: Scheduler | None = None
 ) -> tuple[FastAPI, Reconciler]:
     """The app and its reconciler (started by the app's lifespan)."""
     metrics = Metrics()
     etcd = EtcdStore(endpoints)
     wait_for_store(etcd, endpoints)
-    store = InstrumentedStore(etcd, metrics.obs)
+    store = InstrumentedStore(etcd, metrics)
     token, where = resolve_api_token(settings)
     log.info("API token: %s", where)
     scheduler = scheduler if scheduler is not None else build_scheduler(settings, endpoints)
     election = LeaderElection(
         store, holder_id(settings), ttl_s=settings.leader_ttl_s, address=settings.instance_address
     )
-    jobs = JobService(
+    wake = threading.Event()  # any write of a job wakes the reconciler at once
+    parts = JobParts.build(
         store,
-        settings.checkpoint_root,
-        ensure_worker_secret(store),
+        storage_root=settings.checkpoint_root,
+        secret=ensure_worker_secret(store),
         fence_source=lambda: leader_fence(election, wait_s=2 * settings.reconcile_interval_s + 1),
-        on_fence_refused=metrics.obs.fenced_refusals.inc,
+        on_fence_refused=metrics.fenced_refusals.inc,
+        on_job_write=lambda job_id: wake.set(),
         heartbeat_write_s=settings.heartbeat_timeout_s / 4,
     )
-    coordinator = CheckpointCoordinator(jobs, metrics=metrics)
+    checkpoints = Checkpoints.build(parts.records, metrics=metrics)
     reconciler = Reconciler(
-        jobs,
+        parts,
         scheduler,
         election,
         launch=LaunchContext(service_url=settings.service_url, etcd_endpoints=tuple(endpoints)),
+        wake=wake,
         metrics=metrics,
         policy=Policy(
             heartbeat_timeout_s=settings.heartbeat_timeout_s, startup_timeout_s=settings.startup_timeout_s
         ),
         interval_s=settings.reconcile_interval_s,
         idle_interval_s=settings.reconcile_idle_interval_s,
-        coordinator=coordinator,
+        storage=checkpoints.storage,
     )
-    jobs.on_job_write = lambda job_id: reconciler.wake()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -178,9 +182,9 @@ def build_app(
         settings,
         store,
         api_token=token,
-        jobs=jobs,
+        parts=parts,
         scheduler=scheduler,
-        coordinator=coordinator,
+        checkpoints=checkpoints,
         metrics=metrics,
         leader=lambda: reconciler.is_leader,
         forward=LeaderLookup(lambda: leader_address(store)),
@@ -217,7 +221,7 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def serve(settings: Settings, *, scheduler: Any = None) -> int:
+def serve(settings: Settings, *, scheduler: Scheduler | None = None) -> int:
     """Run until SIGINT/SIGTERM. Returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threading.current_thread() is threading.main_thread():
@@ -235,7 +239,5 @@ def serve(settings: Settings, *, scheduler: Any = None) -> int:
         try:
             _Server(config).run()
         finally:
-            close = getattr(reconciler.scheduler, "close", None)
-            if callable(close):
-                close()
+            reconciler.scheduler.close()
     return 0

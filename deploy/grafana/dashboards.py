@@ -5,8 +5,10 @@ checks they equal this generator's output).
     python -m scripts.deploy_tools sync          # then copy them into the Helm chart
 
 Every panel's queries are plain PromQL over the metrics of ``worker/metrics.py`` and the
-service; Grafana variables used: ``$datasource``, ``$job_id`` (a regex over worker ``job_id``
-labels) and ``$__rate_interval``/``$__range``.
+service (``service/metrics.py``); Grafana variables used: ``$datasource``, ``$job_id`` (a regex
+over the ``job_id`` label, which the workers' and the service's per-job series both carry; the
+``job`` label is Prometheus's scrape job and never selects a training job) and
+``$__rate_interval``/``$__range``.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ def panel(
     return {"title": title, "type": kind, "description": description, "unit": unit, "targets": targets}
 
 
-def quantiles(metric: str, by: str, sel: str = "") -> list[dict[str, Any]]:
+def quantiles(metric: str, by: str = "", sel: str = "") -> list[dict[str, Any]]:
+    """p50/p95/p99 of a histogram, per ``by`` label (over all series when empty)."""
     selector = f"{{{sel}}}" if sel else ""
-    inner = f"sum by ({by}, le) (rate({metric}_bucket{selector}[{RI}]))"
-    legend = "{{" + by.split(",")[0].strip() + "}}"
-    return [q(f"histogram_quantile({p}, {inner})", f"{legend} p{round(p * 100)}") for p in (0.5, 0.95, 0.99)]
+    inner = f"sum by ({by + ', ' if by else ''}le) (rate({metric}_bucket{selector}[{RI}]))"
+    legend = "{{" + by.split(",")[0].strip() + "}} " if by else ""
+    return [q(f"histogram_quantile({p}, {inner})", f"{legend}p{round(p * 100)}") for p in (0.5, 0.95, 0.99)]
 
 
 def marks(*extra: dict[str, Any]) -> dict[str, Any]:
@@ -109,6 +112,12 @@ THROUGHPUT = (
         panel("Step latency", quantiles("elastrain_worker_step_duration_seconds", "job_id", J), unit="s"),
         panel("Global step", [q(f"max by (job_id) (elastrain_worker_step{{{J}}})", "{{job_id}}")]),
         panel(
+            "Reported samples per second (service view)",
+            [q(f"max by (job_id) (elastrain_job_samples_per_second{{{J}}})", "{{job_id}}")],
+            unit="reqps",
+            description="What rank 0 last reported to the service (every few seconds).",
+        ),
+        panel(
             "Data wait share of step time",
             [
                 q(
@@ -173,7 +182,7 @@ RECOVERY = (
         panel("Jobs by state", [q("sum by (state) (elastrain_jobs)", "{{state}}")]),
         panel(
             "Recovery time (failure to first step)",
-            quantiles("elastrain_job_recovery_seconds", "job"),
+            quantiles("elastrain_job_recovery_seconds"),
             unit="s",
         ),
         panel(
@@ -198,13 +207,18 @@ RECOVERY = (
         ),
         panel("Nodes per job", [q(f"elastrain_job_nodes{{{J}}}", "{{job_id}}")]),
         panel(
+            "Restarts per job (service view)",
+            [q(f"max by (job_id) (elastrain_job_restarts{{{J}}})", "{{job_id}}")],
+            description="Recoveries the service counted (a node lost, or the group re-formed).",
+        ),
+        panel(
             "API requests by route and status",
             [q(f"sum by (route, status) (rate(elastrain_api_requests_total[{RI}]))", "{{route}} {{status}}")],
             unit="reqps",
         ),
         panel(
             "Reconciler pass duration",
-            quantiles("elastrain_reconciler_pass_duration_seconds", "job"),
+            quantiles("elastrain_reconciler_pass_duration_seconds"),
             unit="s",
         ),
         panel(
@@ -285,7 +299,7 @@ CHECKPOINT = (
         ),
         panel(
             "Service: publish latency",
-            quantiles("elastrain_checkpoint_publish_duration_seconds", "job"),
+            quantiles("elastrain_checkpoint_publish_duration_seconds"),
             unit="s",
         ),
     ],

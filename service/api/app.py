@@ -14,14 +14,18 @@ from service.api import errors
 from service.api.deps import Context
 from service.api.forward import ForwardToLeader, LeaderLookup
 from service.api.limits import BodyLimit
-from service.api.metrics import Metrics, RequestMetrics
+from service.api.request_metrics import RequestMetrics
 from service.api.routes import health, workers
 from service.api.routes import jobs as job_routes
 from service.api.schemas import CheckpointReportRequest
-from service.jobs.service import JobService, ensure_worker_secret
+from service.checkpoints.service import Checkpoints
+from service.etcd.kv import KVStore
+from service.jobs.parts import JobParts
+from service.jobs.service import ensure_worker_secret
 from service.jobs.tokens import hash_token
+from service.launch.protocol import Scheduler
+from service.metrics import Metrics
 from service.settings import Settings
-from service.store import KVStore
 from worker.spec import JobSpec
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -32,9 +36,9 @@ def create_app(
     store: KVStore,
     *,
     api_token: str,
-    jobs: JobService | None = None,
-    scheduler: Any = None,
-    coordinator: Any = None,
+    parts: JobParts | None = None,
+    scheduler: Scheduler | None = None,
+    checkpoints: Checkpoints | None = None,
     metrics: Metrics | None = None,
     secret: bytes | None = None,
     clock: Callable[[], float] = time.time,
@@ -44,12 +48,13 @@ def create_app(
     lifespan: Lifespan | None = None,
 ) -> FastAPI:
     """Build the app. ``store`` must be reachable (the worker-token secret is read from it)
-    unless ``jobs`` (a JobService on the same store) is given. With ``forward`` (and ``leader``)
-    a standby passes writes to the leader's published address (:mod:`service.api.forward`)."""
+    unless ``parts`` (the job duties, built on the same store) are given. With ``forward`` (and
+    ``leader``) a standby passes writes to the leader's published address
+    (:mod:`service.api.forward`)."""
     metrics = metrics or Metrics()
-    service = jobs or JobService(
-        store, settings.checkpoint_root, secret or ensure_worker_secret(store), clock
-    )
+    if parts is None:
+        secret = secret or ensure_worker_secret(store)
+        parts = JobParts.build(store, storage_root=settings.checkpoint_root, secret=secret, clock=clock)
     app = FastAPI(
         title="elastrain",
         version="0.1.0",
@@ -58,16 +63,18 @@ def create_app(
         # BodyLimit refuses these on any route, before routing: over the size limit, nested too deep.
         responses=errors.error_responses(413, 422),
     )
-    ctx = app.state.ctx = Context(
+    app.state.ctx = Context(
         settings=settings,
-        jobs=service,
+        jobs=parts.records,
+        progress=parts.progress,
+        heartbeats=parts.heartbeats,
+        views=parts.views,
         metrics=metrics,
         api_token_hash=hash_token(api_token),
+        leader=leader or (lambda: False),
         scheduler=scheduler,
-        coordinator=coordinator,
-        extra={"leader": leader},
+        checkpoints=checkpoints,
     )
-    service.on_change = ctx.views.drop
     errors.install(app, on_error=lambda code: metrics.errors.labels(code).inc())
     app.include_router(job_routes.router)
     app.include_router(workers.router)
@@ -80,7 +87,7 @@ def create_app(
             own_url=settings.instance_address,
             holder=holder,
             on_forward=lambda outcome: metrics.forwarded.labels(outcome).inc(),
-            forget=service.forget,
+            forget=parts.records.forget,
         )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outside: bounds what is forwarded
     app.add_middleware(RequestMetrics, metrics=metrics)

@@ -2,32 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
 
 from fastapi import Depends, Request
 
 from service.api.auth import Principal, authorize, bearer
 from service.api.errors import ApiError
-from service.api.metrics import Metrics
+from service.checkpoints.service import Checkpoints
 from service.jobs.cache import TTLCache
+from service.jobs.heartbeats import Heartbeats
+from service.jobs.progress import ProgressBuffer
 from service.jobs.service import JobService
+from service.launch.protocol import Scheduler
+from service.metrics import Metrics
 from service.settings import Settings
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Context:
     """Everything a request may use; one per app, on ``app.state.ctx``."""
 
     settings: Settings
     jobs: JobService
+    progress: ProgressBuffer
+    heartbeats: Heartbeats
+    views: TTLCache[bytes]
+    """Rendered GET /v1/jobs/{id} bodies; dropped on every write this instance makes."""
     metrics: Metrics
     api_token_hash: str
-    scheduler: Any = None
-    coordinator: Any = None
-    views: TTLCache[bytes] = field(default_factory=lambda: TTLCache[bytes](0.5))
-    """Rendered GET /v1/jobs/{id} bodies; dropped on every write this instance makes."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    leader: Callable[[], bool]
+    """Whether this instance leads (runs the reconciler)."""
+    scheduler: Scheduler | None = None
+    """None: the app runs without a scheduler (tests of the API alone); logs are then unreadable."""
+    checkpoints: Checkpoints | None = None
+    """None: the app runs without checkpoint duties (tests of the API alone)."""
 
 
 # Dependencies are ``async def`` on purpose: they do no I/O, and FastAPI would run plain

@@ -22,10 +22,10 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
+from service.etcd.client import EtcdUnavailableError
+from service.jobs.errors import ConflictError, InvalidRequestError, NotFoundError, NotLeaderError
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError
-from service.jobs.service import ConflictError, InvalidRequestError, NotFoundError, NotLeaderError
-from service.store import StoreUnavailableError
 from worker.errors import ElastrainError, SpecError
 
 log = logging.getLogger("elastrain.api")
@@ -110,7 +110,7 @@ def from_domain(exc: ElastrainError) -> ApiError:
         return ApiError(422, "invalid_request", message)
     if isinstance(exc, ConflictError):
         return ApiError(409, "conflict", message)
-    if isinstance(exc, (StoreUnavailableError, NotLeaderError)):
+    if isinstance(exc, (EtcdUnavailableError, NotLeaderError)):
         return ApiError(503, "unavailable", f"{message}; retry in a few seconds")
     return ApiError(400, "bad_request", message)
 

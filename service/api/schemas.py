@@ -14,10 +14,15 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationError,
 )
 
+from service.api.errors import ApiError
+from service.checkpoints.results import CheckpointEntry
 from service.jobs.events import WorkerEvent
 from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress
+from worker.errors import SpecError
+from worker.spec import JobSpec, describe
 
 
 def body_of(component: str) -> dict[str, Any]:
@@ -41,6 +46,20 @@ def _decimal(value: object) -> object:
 
 ParamInt = Annotated[int, BeforeValidator(_decimal)]
 """The type of every integer path and query parameter."""
+
+
+def spec_from_body(body: bytes) -> JobSpec:
+    """The JobSpec a request body holds, parsed once (the JSON and the spec together): 400
+    ``malformed_json`` when the body is not JSON, :class:`SpecError` (422, naming the field)
+    when it is JSON but not a valid spec. The spec travels on as this value."""
+    try:
+        return JobSpec.model_validate_json(body)
+    except ValidationError as exc:
+        broken = next((e for e in exc.errors() if e["type"] == "json_invalid"), None)
+        if broken is not None:
+            message = f"the request body is not valid JSON ({broken['msg']}); send a JobSpec"
+            raise ApiError(400, "malformed_json", message) from None
+        raise SpecError(describe(exc)) from None
 
 
 class _Request(BaseModel):
@@ -178,63 +197,9 @@ class JobList(BaseModel):
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last.")
 
 
-class _Open(BaseModel):
-    """An answer built from the coordinator's records: the declared fields are always there;
-    fields a newer coordinator adds pass through."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-class CheckpointOutcome(_Open):
-    """Where one reported step stands (the fields of ``worker.checkpoint.coordinator.Outcome``)."""
-
-    status: Literal["pending", "published", "aborted"]
-    published: bool
-    step: int
-    generation: int
-    reason: str
-    path: str | None = Field(description="The published step's directory.")
-
-
-class CheckpointEntry(_Open):
-    step: int
-    generation: int
-    world_size: int
-    bytes: int
-    files: int
-    published_at: float
-    verified: bool
-    dir: str
-
-
 class CheckpointList(BaseModel):
     job: str
     checkpoints: list[CheckpointEntry] = Field(description="Published checkpoints, oldest first.")
-
-
-class ResumeCheckpoint(_Open):
-    step: int
-    dir: str
-    world_size: int = Field(description="The world size it was saved at.")
-    generation: int
-    bytes: int
-    reshard: bool = Field(description="True when the requested world size differs from the saved one.")
-
-
-class RankLoadPlan(_Open):
-    """What one rank reads; with ``rank`` given, ``ops`` lists every read."""
-
-    reads: int
-    bytes: int
-    files: list[str]
-
-
-class ResumeAnswer(BaseModel):
-    job: str
-    checkpoint: ResumeCheckpoint | None = Field(
-        description="The newest verified checkpoint; null: start fresh."
-    )
-    load_plan: dict[str, RankLoadPlan] | None = Field(description="Rank -> its reads, for ?world_size=.")
 
 
 class Health(BaseModel):
@@ -291,5 +256,5 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
         events=list(record.events[-20:]),
         updated_at=record.updated_at,
         finished_at=record.finished_at,
-        spec=record.spec,
+        spec=record.spec.model_dump(mode="json", by_alias=True),
     )

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service.observability import recovery_phases
+from service.jobs.recovery import recovery_phases
 from service.report import ReportError, build_report, load_run
 
 PNG_SIZE = (10.0, 6.0)

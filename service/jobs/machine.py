@@ -11,9 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
 
-from service.jobs.model import MAX_RECOVERIES, JobRecord, JobState, NodePhase, NodeRecord, Recovery, launch_id
+from service.jobs.model import (
+    MAX_RECOVERIES,
+    JobRecord,
+    JobState,
+    NodePhase,
+    NodeRecord,
+    NodeStatus,
+    Recovery,
+    launch_id,
+)
 from worker.errors import ElastrainError
 
 S = JobState
@@ -36,16 +44,6 @@ class IllegalTransitionError(ElastrainError):
     def __init__(self, message: str, *, code: str = "illegal_transition") -> None:
         super().__init__(message)
         self.code = code
-
-
-class NodeStatus(Protocol):
-    """What a scheduler says about one node app."""
-
-    @property
-    def state(self) -> Literal["running", "succeeded", "failed", "unknown"]: ...
-
-    @property
-    def exit_code(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,21 @@
 """The job record: what etcd holds about one job, and the values the state machine trades in.
 
 Records are frozen pydantic models serialised as JSON; a change is a ``model_copy`` that the
-caller writes back with a compare-and-set on the key's mod_revision.
+caller writes back with a compare-and-set on the key's mod_revision. A record carries its spec
+as the :class:`~worker.spec.JobSpec` value (parsed once, at the API's edge), stored as the
+spec's JSON with its aliases, as submitted. :meth:`JobRecord.from_json` is the one place a
+stored record is decoded.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+from worker.spec import JobSpec
 
 MAX_EVENTS = 50
 MAX_RECOVERIES = 20
@@ -59,6 +65,20 @@ class NodePhase(StrEnum):
         return self in (NodePhase.SUCCEEDED, NodePhase.FAILED, NodePhase.LOST, NodePhase.STOPPED)
 
 
+NodeState = Literal["running", "succeeded", "failed", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """What a scheduler says about one node app (the value the state machine reasons about and
+    every scheduler returns). ``exit_code`` is known for ended local nodes (``128 + signal``
+    when killed) and is ``0`` for any succeeded node."""
+
+    state: NodeState
+    exit_code: int | None = None
+    message: str = ""
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -106,7 +126,7 @@ class Recovery(_Frozen):
 class JobRecord(_Frozen):
     id: str
     name: str
-    spec: dict[str, Any]
+    spec: JobSpec
     spec_hash: str
     state: JobState = JobState.PENDING
     state_since: float
@@ -134,11 +154,17 @@ class JobRecord(_Frozen):
     updated_at: float
     finished_at: float | None = None
 
+    @field_serializer("spec")
+    def _spec_as_submitted(self, spec: JobSpec) -> dict[str, Any]:
+        return spec.model_dump(mode="json", by_alias=True)
+
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> JobRecord:
+        """Decode a stored record: the one place that does (every reader of etcd's job keys
+        calls it), so a record that cannot be decoded is handled in one place."""
         return cls.model_validate_json(raw)
 
     @property

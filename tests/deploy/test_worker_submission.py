@@ -12,8 +12,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from service import scheduler
 from service import settings as settings_module
+from service.launch import apps, dryrun
+from service.launch.protocol import NodeLaunch
 from tests.deploy.helpers import NAMESPACE, SCENARIOS, Obj, Renderer, chart_values, find, one
 from tests.deploy.netpol import selector_matches
 from tests.deploy.pss import restricted_violations
@@ -61,8 +62,9 @@ def _settings(objects: list[Obj], monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def _dryrun(objects: list[Obj], monkeypatch: pytest.MonkeyPatch, node_index: int = 0) -> dict[str, Any]:
     settings = _settings(objects, monkeypatch)
-    sched = scheduler.SchedulerSettings.from_settings(settings)
-    job: dict[str, Any] = scheduler.kubernetes_dryrun("job-7", SPEC, node_index, settings=sched)
+    sched = apps.SchedulerSettings.from_settings(settings)
+    node = NodeLaunch("job-7", SPEC, node_index, f"job-7-n{node_index}-a0")
+    job: dict[str, Any] = dryrun.kubernetes_dryrun(node, sched)
     json.dumps(job)  # a plain, serialisable request
     return job
 
@@ -91,7 +93,7 @@ def test_worker_pod_uses_the_charts_names(
     assert job["apiVersion"] == "batch.volcano.sh/v1alpha1" and job["kind"] == "Job"
     assert job["metadata"]["namespace"] == NAMESPACE
     assert job["spec"]["queue"] == values["workers"]["queue"]
-    pod = scheduler.worker_pod(job)
+    pod = dryrun.worker_pod(job)
     spec = pod["spec"]
     (container,) = spec["containers"]
     assert container["image"] == env["ELASTRAIN_WORKER_IMAGE"] == "elastrain/worker:0.1.0"
@@ -124,7 +126,7 @@ def test_chart_policies_select_the_worker_pods(
 ) -> None:
     """NetworkPolicy and PodMonitor select workers by labels: the submitted pods carry them."""
     objects = render(scenario, api_versions=("monitoring.coreos.com/v1",))
-    labels = scheduler.worker_pod(_dryrun(objects, monkeypatch))["metadata"]["labels"]
+    labels = dryrun.worker_pod(_dryrun(objects, monkeypatch))["metadata"]["labels"]
     policy = one(objects, "NetworkPolicy", "elastrain-workers")
     assert selector_matches(policy["spec"]["podSelector"], labels)
     for monitor in find(objects, "PodMonitor"):
@@ -134,7 +136,7 @@ def test_chart_policies_select_the_worker_pods(
 
 
 def test_worker_pod_is_a_valid_pod(render: Renderer, monkeypatch: pytest.MonkeyPatch) -> None:
-    pod = scheduler.worker_pod(_dryrun(render(), monkeypatch))
+    pod = dryrun.worker_pod(_dryrun(render(), monkeypatch))
     obj = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -145,12 +147,12 @@ def test_worker_pod_is_a_valid_pod(render: Renderer, monkeypatch: pytest.MonkeyP
 
 
 def test_worker_pod_meets_the_restricted_profile(render: Renderer, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = scheduler.worker_pod(_dryrun(render(), monkeypatch))["spec"]
+    spec = dryrun.worker_pod(_dryrun(render(), monkeypatch))["spec"]
     assert restricted_violations(spec) == []
 
 
 def test_worker_pod_exposes_metrics_for_scraping(render: Renderer, monkeypatch: pytest.MonkeyPatch) -> None:
-    pod = scheduler.worker_pod(_dryrun(render(), monkeypatch))
+    pod = dryrun.worker_pod(_dryrun(render(), monkeypatch))
     port = chart_values()["workers"]["metricsPort"]
     assert port in {p["containerPort"] for p in pod["spec"]["containers"][0].get("ports", [])}
     annotations = pod["metadata"]["annotations"]

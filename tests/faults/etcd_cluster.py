@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from service.etcd_server import find_etcd_binary
+from service.etcd.server import find_etcd_binary
 from service.ports import free_port
 
 

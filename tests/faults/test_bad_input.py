@@ -31,7 +31,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from svc_process import ServiceProcess, job_spec
 
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 from tests.faults.conftest import Reference, seeded
 from tests.integration.launch import REPO, run_worker, write_spec
 from tests.integration.worker.test_resume import spec

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 from tests.faults.conftest import seeded
 from tests.faults.test_sigstop import worker_pids
 from tests.integration.launch import REPO, worker_env, write_spec

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from svc_process import ServiceProcess, job_spec, wait_for
 
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 from tests.faults.conftest import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]

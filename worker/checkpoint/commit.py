@@ -22,11 +22,6 @@ from worker.errors import CorruptCheckpointError
 Action = Literal["publish", "wait", "abort"]
 
 
-#: Deprecated name of a report's tensor table entry (a :class:`TensorEntry` without pieces),
-#: kept only for tests/unit/service/svc_fakes.py until it imports ``TensorEntry``.
-TensorHeader = TensorEntry
-
-
 @dataclass(frozen=True)
 class Report:
     """One rank's phase-1 result: the files it staged, its pieces as (tensor name, piece), and

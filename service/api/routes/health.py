@@ -32,8 +32,7 @@ def readyz(ctx: ContextDep) -> dict[str, Any]:
         raise ApiError(
             503, "not_ready", "etcd does not answer (no quorum or unreachable); check the etcd members"
         )
-    leader = ctx.extra.get("leader")
-    return {"ready": True, "leader": bool(leader() if callable(leader) else False)}
+    return {"ready": True, "leader": ctx.leader()}
 
 
 @router.get("/metrics", response_class=Response, responses={200: _PROMETHEUS}, openapi_extra=_PUBLIC)

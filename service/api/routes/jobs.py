@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import Context, ContextDep, require_api
-from service.api.errors import ApiError, error_responses
+from service.api.errors import error_responses
 from service.api.schemas import (
     CheckpointList,
     JobList,
@@ -21,6 +20,7 @@ from service.api.schemas import (
     ScaleRequest,
     body_of,
     public,
+    spec_from_body,
     summary,
 )
 from service.jobs.model import JobState
@@ -49,14 +49,8 @@ async def submit_job(
     ] = None,
 ) -> JSONResponse:
     """Submit a JobSpec. With ``Idempotency-Key`` the same key returns the same job (200)."""
-    body = await request.body()
-    try:
-        json.loads(body)
-    except ValueError as exc:
-        raise ApiError(
-            400, "malformed_json", f"the request body is not valid JSON ({exc}); send a JobSpec"
-        ) from None
-    record, created = await run_in_threadpool(ctx.jobs.create, body, idempotency_key=idempotency_key)
+    spec = spec_from_body(await request.body())
+    record, created = await run_in_threadpool(ctx.jobs.create, spec, idempotency_key=idempotency_key)
     view = public(record, None).model_dump(mode="json")
     headers = {"Location": f"/v1/jobs/{record.id}"}
     return JSONResponse(view, status_code=201 if created else 200, headers=headers)
@@ -86,7 +80,7 @@ async def get_job(job_id: str, ctx: ContextDep) -> Response:
 
 
 def _render(ctx: Context, job_id: str) -> bytes:
-    body = public(ctx.jobs.get(job_id), ctx.jobs.progress(job_id)).model_dump_json().encode()
+    body = public(ctx.jobs.get(job_id), ctx.progress.newest(job_id)).model_dump_json().encode()
     ctx.views.put(job_id, body)
     return body
 
@@ -99,7 +93,7 @@ def _render(ctx: Context, job_id: str) -> bytes:
 )
 def scale_job(job_id: str, body: ScaleRequest, ctx: ContextDep) -> JobPublic:
     """Set the desired node count within the job's ``nodes`` range; the reconciler acts on it."""
-    return public(ctx.jobs.scale(job_id, body.nodes), ctx.jobs.progress(job_id))
+    return public(ctx.jobs.scale(job_id, body.nodes), ctx.progress.newest(job_id))
 
 
 @router.delete(
@@ -107,16 +101,16 @@ def scale_job(job_id: str, body: ScaleRequest, ctx: ContextDep) -> JobPublic:
 )
 def cancel_job(job_id: str, ctx: ContextDep) -> JobPublic:
     """Cancel a job. Idempotent: cancelling a finished or cancelling job returns it unchanged."""
-    return public(ctx.jobs.cancel(job_id), ctx.jobs.progress(job_id))
+    return public(ctx.jobs.cancel(job_id), ctx.progress.newest(job_id))
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointList, responses=error_responses(*_JOB))
-def list_checkpoints(job_id: str, ctx: ContextDep) -> dict[str, Any]:
+def list_checkpoints(job_id: str, ctx: ContextDep) -> CheckpointList:
     """Published checkpoints, oldest first: step, world size, bytes, time, verified, directory."""
     record = ctx.jobs.get(job_id)
-    if ctx.coordinator is None:
-        return {"job": job_id, "checkpoints": []}
-    return {"job": job_id, "checkpoints": ctx.coordinator.published(record)}
+    if ctx.checkpoints is None:
+        return CheckpointList(job=job_id, checkpoints=[])
+    return CheckpointList(job=job_id, checkpoints=ctx.checkpoints.registry.published(record))
 
 
 @router.get("/jobs/{job_id}/logs", response_model=JobLogs, responses=error_responses(*_JOB, 422))
@@ -130,12 +124,11 @@ def job_logs(
     A node whose logs the service cannot read (kubernetes keeps them in the cluster) is named
     in ``note`` instead."""
     record = ctx.jobs.get(job_id)
-    log_dir = getattr(ctx.scheduler, "log_dir", None)
     out: dict[str, list[str]] = {}
     unreadable: list[str] = []
     for n in record.nodes:
         if n.handle and (node is None or n.index == node):
-            directory = log_dir(n.handle) if callable(log_dir) else None
+            directory = ctx.scheduler.log_dir(n.handle) if ctx.scheduler is not None else None
             if directory is None:
                 unreadable.append(n.launch_id)
             else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import ValidationError
@@ -14,15 +14,15 @@ from service.api.errors import ApiError, error_responses, from_validation
 from service.api.schemas import (
     MAX_WORLD_SIZE,
     Ack,
-    CheckpointOutcome,
     CheckpointReportRequest,
     HeartbeatRequest,
     ParamInt,
     ProgressRequest,
-    ResumeAnswer,
     WorkerEventRequest,
     body_of,
 )
+from service.checkpoints.results import CheckpointOutcome, ResumeAnswer
+from service.checkpoints.service import Checkpoints
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.tokens import hash_token
 
@@ -42,6 +42,12 @@ def _job(ctx: Context, job_id: str, principal: str, request: Request, *, recent:
     return record
 
 
+def _checkpoints(ctx: Context) -> Checkpoints:
+    if ctx.checkpoints is None:
+        raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
+    return ctx.checkpoints
+
+
 def _ack(record: JobRecord) -> Ack:
     return Ack(state=record.state, cancel_requested=record.cancel_requested)
 
@@ -52,7 +58,7 @@ def heartbeat(
 ) -> Ack:
     """A rank is alive. The answer says whether the job is being cancelled."""
     record = _job(ctx, job_id, auth, request, recent=True)
-    ctx.jobs.heartbeat(job_id, body.launch_id, body.local_rank, body.step)
+    ctx.heartbeats.beat(job_id, body.launch_id, body.local_rank, body.step)
     return _ack(record)
 
 
@@ -61,19 +67,17 @@ def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextD
     """Newest training progress (rank 0): step, samples seen, samples/s, loss, world size."""
     record = _job(ctx, job_id, auth, request, recent=True)
     report = Progress(**body.model_dump(), time=ctx.jobs.clock())
-    ctx.jobs.report_progress(record, report)
-    ctx.metrics.observe_job(record, report)
-    if record.state == JobState.RECOVERING:  # a progress report can close a recovery too
-        _observe_recovery(ctx, record, ctx.jobs.get(job_id))
+    ctx.progress.report(record, report)
+    ctx.metrics.observe_job(record, report, now=report.time)
+    _observe_recovery(ctx, record, ctx.jobs.progress_reported(record, report))  # may end a recovery
     return _ack(record)
 
 
 def _observe_recovery(ctx: Context, before: JobRecord, after: JobRecord) -> None:
-    if before.state == JobState.RECOVERING and after.state == JobState.RUNNING and after.recoveries:
-        seconds = after.recoveries[-1].seconds
-        if seconds is not None:
-            ctx.metrics.recovery.observe(seconds)
-            ctx.metrics.obs.observe_recovery(before.id, after.recoveries[-1])
+    """A recovery that this write completed (its first step done) is observed once."""
+    ended = before.state == JobState.RECOVERING and after.state == JobState.RUNNING
+    if ended and after.recoveries and after.recoveries[-1].seconds is not None:
+        ctx.metrics.observe_recovery(before.id, after.recoveries[-1])
 
 
 @router.post("/workers/events", response_model=Ack, responses=_WRITE)
@@ -97,7 +101,7 @@ async def checkpoint_report(
     ctx: ContextDep,
     request: Request,
     seq: Annotated[ParamInt, Query(ge=0, description="Save number within the generation")] = 0,
-) -> dict[str, Any]:
+) -> CheckpointOutcome:
     """Phase 1 report of one rank (the JSON of ``worker.checkpoint.commit.report_to_json``).
     The answer says whether the step is pending, published or aborted (the fields of
     ``worker.checkpoint.coordinator.Outcome`` plus ``status``). Idempotent per rank."""
@@ -109,10 +113,8 @@ async def checkpoint_report(
         err = from_validation(list(exc.errors(include_url=False)))
         hint = "send a rank's checkpoint report (the JSON of worker.checkpoint.commit.report_to_json)"
         raise ApiError(err.status, err.code, f"{err.message}; {hint}", field=err.field) from None
-    if ctx.coordinator is None:
-        raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
-    result: dict[str, Any] = await run_in_threadpool(ctx.coordinator.report, record, body, seq=seq)
-    return result
+    checkpoints = _checkpoints(ctx)
+    return await run_in_threadpool(checkpoints.publisher.report, record, body, seq=seq)
 
 
 @router.get(
@@ -128,13 +130,10 @@ def checkpoint_outcome(
     request: Request,
     generation: Annotated[ParamInt, Query(ge=0)] = 0,
     seq: Annotated[ParamInt, Query(ge=0)] = 0,
-) -> dict[str, Any]:
+) -> CheckpointOutcome:
     """Whether a reported step was published, is pending or was aborted."""
     record = _job(ctx, job_id, auth, request)
-    if ctx.coordinator is None:
-        raise ApiError(501, "not_supported", "this service runs without a checkpoint coordinator")
-    result: dict[str, Any] = ctx.coordinator.outcome(record, step, generation, seq=seq)
-    return result
+    return _checkpoints(ctx).publisher.outcome(record, step, generation, seq=seq)
 
 
 @router.get("/resume", response_model=ResumeAnswer, responses=_READ)
@@ -145,10 +144,9 @@ def resume(
     request: Request,
     world_size: Annotated[ParamInt | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
     rank: Annotated[ParamInt | None, Query(ge=0)] = None,
-) -> dict[str, Any]:
+) -> ResumeAnswer:
     """The newest published, verified checkpoint and the load plan for ``world_size``."""
     record = _job(ctx, job_id, auth, request)
-    if ctx.coordinator is None:
-        return {"job": job_id, "checkpoint": None, "load_plan": None}
-    result: dict[str, Any] = ctx.coordinator.resume(record, world_size=world_size, rank=rank)
-    return result
+    if ctx.checkpoints is None:
+        return ResumeAnswer(job=job_id, checkpoint=None, load_plan=None)
+    return ctx.checkpoints.resumes.resume(record, world_size=world_size, rank=rank)

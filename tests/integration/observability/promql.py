@@ -12,8 +12,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 VARIABLES = {"$__rate_interval": "1m", "$__range": "5m", "$__interval": "15s", "$job_id": ".*"}
-# Defined in service/observability.py, not yet registered and observed by the service (see H5's
-# report for the wiring). The test checks the service really lacks them, so the list stays true.
+# Defined in service/metrics.py, not yet observed by the service. The test checks the service
+# really lacks them, so the list stays true.
 NEEDS_SERVICE_WIRING: tuple[str, ...] = ()
 _COMPARISONS = ("==", "!=", ">=", "<=", ">", "<")
 _NUMBER = re.compile(r"^\s*-?\d+(\.\d+)?([eE][-+]?\d+)?\s*$")
@@ -85,5 +85,5 @@ def exempt_reason(signal: str, *, service_page: str) -> str | None:
             assert name not in service_page, (
                 f"the service now exports {name}: drop it from NEEDS_SERVICE_WIRING"
             )
-            return "defined in service/observability.py, not yet wired into the service"
+            return "defined in service/metrics.py, not yet wired into the service"
     return None

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from scripts.prometheus_tools import PROMETHEUS_DIR, PrometheusServer, PrometheusTools
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 from tests.integration.launch import REPO, worker_env
 from tests.integration.observability.promql import exempt_reason, expressions, signals
 from tests.integration.service.svc_process import ServiceProcess, wait_for

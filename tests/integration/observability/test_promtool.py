@@ -16,12 +16,11 @@ import uvicorn
 
 from scripts.prometheus_tools import PROMETHEUS_DIR, PrometheusTools, check_all, check_config
 from service.api.app import create_app
-from service.api.metrics import Metrics
+from service.etcd.memory import MemoryStore
 from service.jobs.model import Recovery
-from service.observability import InstrumentedStore, ServiceObservability
+from service.metrics import InstrumentedStore, Metrics
 from service.ports import free_port
 from service.settings import Settings
-from service.store import MemoryStore
 from worker.metrics import ExportPlan, WorkerMetrics
 
 pytestmark = pytest.mark.integration
@@ -94,12 +93,11 @@ def test_worker_exporter_page_passes_promtool(prom_tools: PrometheusTools, tmp_p
 
 
 @pytest.fixture
-def service_url(tmp_path: Path) -> Iterator[tuple[str, ServiceObservability]]:
-    """The service app (service.api.app.create_app) with the additions of service.observability
-    on its registry, under uvicorn on a loopback port."""
+def service_url(tmp_path: Path) -> Iterator[tuple[str, Metrics]]:
+    """The service app (service.api.app.create_app) with its metrics and an instrumented store,
+    under uvicorn on a loopback port."""
     metrics = Metrics()
-    obs = metrics.obs
-    store = InstrumentedStore(MemoryStore(), obs)
+    store = InstrumentedStore(MemoryStore(), metrics)
     settings = Settings(data_dir=tmp_path / "data", storage_root=tmp_path / "ck", etcd="")
     app = create_app(settings, store, api_token=TOKEN, metrics=metrics)
     port = free_port()
@@ -110,16 +108,14 @@ def service_url(tmp_path: Path) -> Iterator[tuple[str, ServiceObservability]]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", obs
+        yield f"http://127.0.0.1:{port}", metrics
     finally:
         server.should_exit = True
         thread.join(timeout=10)
 
 
-def test_service_page_passes_promtool(
-    prom_tools: PrometheusTools, service_url: tuple[str, ServiceObservability]
-) -> None:
-    url, obs = service_url
+def test_service_page_passes_promtool(prom_tools: PrometheusTools, service_url: tuple[str, Metrics]) -> None:
+    url, metrics = service_url
     auth = {"Authorization": f"Bearer {TOKEN}"}
     spec = {
         "name": "promtool",
@@ -131,7 +127,7 @@ def test_service_page_passes_promtool(
     assert httpx.post(f"{url}/v1/jobs", json=spec, headers=auth).status_code == 201
     assert httpx.get(f"{url}/v1/jobs/nope", headers=auth).status_code == 404
     assert httpx.get(f"{url}/v1/jobs").status_code == 401
-    obs.observe_recovery(
+    metrics.observe_recovery(
         "j",
         Recovery(
             reason="test",
@@ -143,7 +139,7 @@ def test_service_page_passes_promtool(
             first_step_at=3.0,
         ),
     )
-    obs.observe_publish(0.01)
+    metrics.publish.observe(0.01)
     page = httpx.get(f"{url}/metrics").content
     for name in (
         b"elastrain_api_requests_total",

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("rdzv_worker.py")

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from service.etcd_server import EtcdServer
-from service.scheduler import SchedulerSettings
-from service.scheduler_torchx import LOCAL_PREFIX, NodeStatus, TorchXScheduler
+from service.etcd.server import EtcdServer
+from service.launch.apps import SchedulerSettings
+from service.launch.protocol import NodeLaunch, NodeStatus
+from service.launch.torchx_scheduler import LOCAL_PREFIX, TorchXScheduler
 from worker.spec import JobSpec, parse_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -58,6 +59,9 @@ class Job:
         if not self.events_path.exists():
             return []
         return [json.loads(x) for x in self.events_path.read_text().splitlines() if x.strip()]
+
+    def node(self, spec: JobSpec, index: int, *, attempt: int = 0) -> NodeLaunch:
+        return NodeLaunch(self.id, spec, index, f"{self.id}-n{index}-a{attempt}", self.env)
 
     def wait(self, what: str, predicate: Any, handles: list[str], timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -98,14 +102,19 @@ def test_two_local_nodes_go_from_running_to_succeeded(
 ) -> None:
     job = Job(scheduler, tmp_path, agent_env)
     spec = tiny_spec("2")
-    first = scheduler.launch(job.id, spec, 0, job.env, launch_id=f"{job.id}-n0-a0")
-    second = scheduler.launch(job.id, spec, 1, job.env, launch_id=f"{job.id}-n1-a0")
+    plan = scheduler.dryrun(job.node(spec, 0))
+    first = scheduler.schedule(plan)  # exactly the plan: its handle, its command
+    second = scheduler.launch(job.node(spec, 1))
     handles = [first, second]
+    assert first == plan.handle
     # The same launch id again starts nothing and returns the same handle.
-    assert scheduler.launch(job.id, spec, 0, job.env, launch_id=f"{job.id}-n0-a0") == first
+    assert scheduler.launch(job.node(spec, 0)) == first
 
     job.wait("a world of 2", lambda: job.worlds() == {2}, handles)
     assert [scheduler.status(h).state for h in handles] == ["running", "running"]
+    wrapper = json.loads((plan.node_dir / "node.json").read_text())["pid"]
+    running = Path(f"/proc/{wrapper}/cmdline").read_bytes().decode().split("\0")[:-1]
+    assert running == plan.command  # the process is the planned one
 
     job.stop_path.touch()
     job.wait(
@@ -126,8 +135,8 @@ def test_a_killed_node_reports_failed_and_cancel_is_idempotent(
 ) -> None:
     job = Job(scheduler, tmp_path, agent_env)
     spec = tiny_spec("1:2")
-    survivor = scheduler.launch(job.id, spec, 0, job.env)
-    victim = scheduler.launch(job.id, spec, 1, job.env)
+    survivor = scheduler.launch(job.node(spec, 0))
+    victim = scheduler.launch(job.node(spec, 1))
     handles = [survivor, victim]
     job.wait("a world of 2", lambda: job.worlds() == {2}, handles)
 
@@ -169,7 +178,7 @@ def test_cancel_kills_a_node_whose_worker_ignores_sigterm(
     try:
         job = Job(sched, tmp_path, agent_env)
         job.env["RDZV_TEST_IGNORE_SIGTERM"] = "1"
-        handle = sched.launch(job.id, tiny_spec("1"), 0, job.env)
+        handle = sched.launch(job.node(tiny_spec("1"), 0))
         job.wait("the node to train", lambda: job.worlds() == {1}, [handle])
         worker = job.events()[-1]["pid"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from svc_process import ServiceProcess
 
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 
 
 @pytest.fixture(scope="session")

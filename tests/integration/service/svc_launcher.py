@@ -1,46 +1,47 @@
 """Run ``elastrain serve`` with a file-backed fake scheduler (a separate process, so tests can
 ``kill -9`` it). The scheduler keeps everything in ``--nodes-dir``: ``<launch id>.json`` per
-launch (with the env it was given), one line per launch in ``launches.log``, and the status a
-test sets in ``<launch id>.status`` (running until then)."""
+launch (with the environment a node would get), one line per launch in ``launches.log``, and
+the status a test sets in ``<launch id>.status`` (running until then)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
-from service.reconciler import SchedulerStatus
+from service.launch.apps import node_env
+from service.launch.protocol import NodeLaunch, NodeStatus
 from service.server import serve
 from service.settings import load_settings
-from worker.spec import JobSpec
 
 
 class FileScheduler:
+    """The whole :class:`service.launch.protocol.Scheduler` protocol, on files."""
+
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def launch(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
-    ) -> str:
-        record = self.dir / f"{launch_id}.json"
+    def launch(self, node: NodeLaunch) -> str:
+        record = self.dir / f"{node.launch_id}.json"
         if not record.exists():  # idempotent per launch id
-            record.write_text(json.dumps({"job": job_id, "node": node_index, "env": dict(env)}))
+            # the environment a real node would get (who it is, and what the service told it)
+            launched = {"job": node.job_id, "node": node.node_index, "env": node_env(node)}
+            record.write_text(json.dumps(launched))
             with (self.dir / "launches.log").open("a") as log:
-                log.write(launch_id + "\n")
-        return f"file://{launch_id}"
+                log.write(node.launch_id + "\n")
+        return f"file://{node.launch_id}"
 
-    def status(self, handle: str) -> SchedulerStatus:
+    def status(self, handle: str) -> NodeStatus:
         launch_id = handle.removeprefix("file://")
         if not (self.dir / f"{launch_id}.json").exists():
-            return SchedulerStatus("unknown")
+            return NodeStatus("unknown")
         try:
             raw = json.loads((self.dir / f"{launch_id}.status").read_text())
         except (OSError, ValueError):
-            return SchedulerStatus("running")
-        return SchedulerStatus(raw["state"], raw.get("exit_code"))
+            return NodeStatus("running")
+        return NodeStatus(raw["state"], raw.get("exit_code"))
 
     def cancel(self, handle: str) -> None:
         launch_id = handle.removeprefix("file://")
@@ -48,6 +49,13 @@ class FileScheduler:
             (self.dir / f"{launch_id}.status").write_text(json.dumps({"state": "failed", "exit_code": -15}))
         with (self.dir / "cancels.log").open("a") as log:
             log.write(launch_id + "\n")
+
+    def log_dir(self, handle: str) -> Path | None:
+        return None  # nothing runs, nothing logs
+
+    def close(self) -> None:
+        with (self.dir / "closed.log").open("a") as log:
+            log.write("closed\n")
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.etcd_server import EtcdServer, EtcdStartError
+from service.etcd.server import EtcdServer, EtcdStartError
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 from svc_process import ROOT, ServiceProcess, job_spec, wait_for
 
 from service.cli import main
-from service.etcd_server import EtcdServer
+from service.etcd.server import EtcdServer
 
 pytestmark = pytest.mark.integration
 

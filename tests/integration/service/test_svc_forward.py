@@ -13,9 +13,9 @@ import httpx
 import pytest
 from svc_process import ServiceProcess, job_spec, wait_for
 
-from service.etcd_server import EtcdServer
+from service.etcd.kv import EtcdStore
+from service.etcd.server import EtcdServer
 from service.jobs import keys
-from service.store import EtcdStore
 
 pytestmark = pytest.mark.integration
 

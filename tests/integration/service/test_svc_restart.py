@@ -9,10 +9,10 @@ import httpx
 import pytest
 from svc_process import ServiceProcess, job_spec, wait_for
 
-from service.etcd_server import EtcdServer
+from service.etcd.kv import EtcdStore, put_if
+from service.etcd.server import EtcdServer
 from service.jobs import keys
 from service.jobs.model import JobRecord, JobState, NodePhase
-from service.store import EtcdStore, put_if
 
 pytestmark = pytest.mark.integration
 

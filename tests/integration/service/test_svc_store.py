@@ -3,25 +3,19 @@ mod_revision, all-or-nothing commits, leader fencing, leases, ordered prefix lis
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from service.jobs.service import JobService, NotLeaderError
-from service.store import (
-    EtcdStore,
-    Fence,
-    KVStore,
-    LeaderElection,
-    MemoryStore,
-    StoreUnavailableError,
-    Write,
-    delete_if,
-    put_if,
-)
+from service.etcd.client import EtcdUnavailableError
+from service.etcd.election import LeaderElection
+from service.etcd.kv import EtcdStore, Fence, KVStore, Write, delete_if, put_if
+from service.etcd.memory import MemoryStore
+from service.jobs.errors import NotLeaderError
+from service.jobs.parts import JobParts
+from worker.spec import parse_spec
 
 pytestmark = pytest.mark.integration
 
@@ -90,9 +84,14 @@ def test_every_job_write_of_a_stale_leader_is_refused_by_the_store(
     stale = old.campaign()
     assert stale is not None
     refused: list[int] = []
-    jobs = JobService(
-        store, tmp_path, b"k" * 32, fence_source=lambda: stale, on_fence_refused=lambda: refused.append(1)
+    parts = JobParts.build(
+        store,
+        storage_root=tmp_path,
+        secret=b"k" * 32,
+        fence_source=lambda: stale,
+        on_fence_refused=lambda: refused.append(1),
     )
+    jobs = parts.records
     spec = {
         "name": "fenced",
         "model": {"name": "mlp"},
@@ -101,18 +100,18 @@ def test_every_job_write_of_a_stale_leader_is_refused_by_the_store(
         "micro_batch_size": 4,
         "max_steps": 5,
     }
-    record, created = jobs.create(json.dumps(spec).encode())
+    record, created = jobs.create(parse_spec(spec))
     assert created and jobs.scale(record.id, 2).desired_nodes == 2 and refused == []
 
     store.lease_revoke(stale.lease_id)  # paused past its lease: etcd dropped the leader key
     new = LeaderElection(store, "new", ttl_s=5, key=leader_key)
     assert new.campaign() is not None
     writes = {
-        "submit": lambda: jobs.create(json.dumps(spec | {"name": "again"}).encode()),
+        "submit": lambda: jobs.create(parse_spec(spec | {"name": "again"})),
         "scale": lambda: jobs.scale(record.id, 3),
         "cancel": lambda: jobs.cancel(record.id),
-        "heartbeat": lambda: jobs.heartbeat(record.id, "l0", 0, 5),
-        "cleanup": lambda: jobs.commit([Write(f"{etcd_prefix}/j/", None, None, prefix=True)]),
+        "heartbeat": lambda: parts.heartbeats.beat(record.id, "l0", 0, 5),
+        "cleanup": lambda: parts.writes.commit([Write(f"{etcd_prefix}/j/", None, None, prefix=True)]),
     }
     for what, write in writes.items():
         with pytest.raises(NotLeaderError, match="etcd refused"):
@@ -123,18 +122,24 @@ def test_every_job_write_of_a_stale_leader_is_refused_by_the_store(
     assert [r.name for r in jobs.list()[0] if r.name == "again"] == []
     assert len(refused) == len(writes)
 
-    leader = JobService(store, tmp_path, b"k" * 32, fence_source=lambda: new.fence)
+    leader = JobParts.build(
+        store, storage_root=tmp_path, secret=b"k" * 32, fence_source=lambda: new.fence
+    ).records
     assert leader.scale(record.id, 3).desired_nodes == 3
 
 
 def test_a_standby_refuses_writes_before_sending_them(store: KVStore, tmp_path: Path) -> None:
     refused: list[int] = []
-    jobs = JobService(
-        store, tmp_path, b"k" * 32, fence_source=lambda: None, on_fence_refused=lambda: refused.append(1)
-    )
+    jobs = JobParts.build(
+        store,
+        storage_root=tmp_path,
+        secret=b"k" * 32,
+        fence_source=lambda: None,
+        on_fence_refused=lambda: refused.append(1),
+    ).records
     with pytest.raises(NotLeaderError, match="not the leader"):
         jobs.create(
-            json.dumps(
+            parse_spec(
                 {
                     "name": "x",
                     "model": {"name": "mlp"},
@@ -142,7 +147,7 @@ def test_a_standby_refuses_writes_before_sending_them(store: KVStore, tmp_path: 
                     "micro_batch_size": 4,
                     "max_steps": 5,
                 }
-            ).encode()
+            )
         )
     assert refused == []  # nothing reached the store
 
@@ -186,7 +191,7 @@ def test_list_prefix_is_ordered_and_pages(store: KVStore, etcd_prefix: str) -> N
 def test_unreachable_etcd_is_a_clear_error() -> None:
     store = EtcdStore("http://127.0.0.1:1", timeout_s=1)
     assert not store.healthy()
-    with pytest.raises(StoreUnavailableError, match="etcd is unreachable"):
+    with pytest.raises(EtcdUnavailableError, match="etcd is unreachable"):
         store.get("/x")
 
 

@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
 
-from service.api.metrics import Metrics
-from service.observability import ServiceObservability
-from worker.checkpoint.api import CheckpointStats
+from service.metrics import Metrics
+from worker.checkpoint import CheckpointStats
 from worker.metrics import METRICS, RankMetrics, families
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -45,7 +43,7 @@ def exported_names() -> set[str]:
     stats = {f"elastrain_checkpoint_{f.name}": 0.0 for f in dataclasses.fields(CheckpointStats)}
     rank.checkpoint(stats, now=1.0)
     names = {s.name for fam in families([rank.snapshot()]) for s in fam.samples}
-    metrics = Metrics()  # registers the ServiceObservability additions too
+    metrics = Metrics()
     for fam in metrics.registry.collect():
         names |= {fam.name, fam.name + "_total", fam.name + "_bucket", fam.name + "_count", fam.name + "_sum"}
     return names
@@ -116,8 +114,3 @@ def test_every_alert_has_a_severity_summary_and_a_promtool_test() -> None:
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
-
-
-def test_registries_do_not_collide() -> None:
-    ServiceObservability(CollectorRegistry())
-    ServiceObservability(CollectorRegistry())  # one per app: several apps in one process

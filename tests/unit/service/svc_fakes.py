@@ -4,15 +4,14 @@ plane's tests."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
 from pathlib import Path
 
-from service.reconciler import UNKNOWN, SchedulerStatus
-from worker.checkpoint.commit import Report, TensorHeader
+from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus
+from worker.checkpoint.commit import Report
 from worker.checkpoint.layout import shard_file_name, staging_dir_name
+from worker.checkpoint.manifest import TensorEntry
 from worker.checkpoint.saveplan import TensorInfo, split_replicated
 from worker.checkpoint.shardio import write_shard
-from worker.spec import JobSpec
 
 
 class Clock:
@@ -27,44 +26,49 @@ class Clock:
 
 
 class FakeScheduler:
-    """Launches nothing; records launches and cancels; tests set each app's status."""
+    """Launches nothing; records launches and cancels; tests set each app's status. The whole
+    :class:`service.launch.protocol.Scheduler` protocol."""
 
     def __init__(self) -> None:
-        self.launches: list[tuple[str, int, dict[str, str]]] = []
+        self.launches: list[NodeLaunch] = []
         self.calls: list[str] = []
-        self.states: dict[str, SchedulerStatus] = {}
+        self.states: dict[str, NodeStatus] = {}
         self.cancelled: list[str] = []
         self.refuse: str | None = None
+        self.closed = False
 
-    def launch(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], *, launch_id: str
-    ) -> str:
-        assert spec.name and env["ELASTRAIN_JOB_ID"] == job_id and env["ELASTRAIN_LAUNCH_ID"] == launch_id
+    def launch(self, node: NodeLaunch) -> str:
         if self.refuse:
             raise RuntimeError(self.refuse)
-        handle = f"fake://{launch_id}"
-        self.calls.append(launch_id)
+        handle = f"fake://{node.launch_id}"
+        self.calls.append(node.launch_id)
         if handle in self.states:
             return handle  # idempotent per launch id, like the TorchX scheduler
-        self.launches.append((job_id, node_index, dict(env)))
-        self.states[handle] = SchedulerStatus("running")
+        self.launches.append(node)
+        self.states[handle] = NodeStatus("running")
         return handle
 
-    def status(self, handle: str) -> SchedulerStatus:
+    def status(self, handle: str) -> NodeStatus:
         return self.states.get(handle, UNKNOWN)
 
     def cancel(self, handle: str) -> None:
         self.cancelled.append(handle)
         if self.states.get(handle, UNKNOWN).state == "running":
-            self.states[handle] = SchedulerStatus("failed", -15)
+            self.states[handle] = NodeStatus("failed", -15)
+
+    def log_dir(self, handle: str) -> Path | None:
+        return None  # nothing runs, nothing logs
+
+    def close(self) -> None:
+        self.closed = True
 
     def finish(self, launch_id: str, *, exit_code: int = 0) -> None:
         state = "succeeded" if exit_code == 0 else "failed"
-        self.states[f"fake://{launch_id}"] = SchedulerStatus(state, exit_code)  # type: ignore[arg-type]
+        self.states[f"fake://{launch_id}"] = NodeStatus(state, exit_code)  # type: ignore[arg-type]
 
     @property
     def launch_ids(self) -> list[str]:
-        return [env["ELASTRAIN_LAUNCH_ID"] for _, _, env in self.launches]
+        return [node.launch_id for node in self.launches]
 
 
 BLOCK = 1 << 20
@@ -89,7 +93,7 @@ def stage_rank(job_dir: Path, *, job: str, step: int, generation: int, rank: int
         ok=True,
         files={name: entry},
         pieces=tuple(pieces),
-        tensors={"w": TensorHeader("float32", (2 * world_size,), "replicated")},
+        tensors={"w": TensorEntry("float32", (2 * world_size,), "replicated")},
         meta_digest="meta",
         context={
             "job": job,

@@ -16,10 +16,11 @@ with warnings.catch_warnings():
 from svc_fakes import stage_rank
 
 from service.api.app import create_app
-from service.coordinator import CheckpointCoordinator
-from service.jobs.service import JobService
+from service.checkpoints.service import Checkpoints
+from service.etcd.memory import MemoryStore
+from service.jobs.parts import JobParts
+from service.metrics import Metrics
 from service.settings import load_settings
-from service.store import MemoryStore
 from worker.checkpoint.commit import report_to_json
 
 TOKEN = "t" * 32
@@ -61,6 +62,8 @@ def test_submit_get_list_scale_cancel(client: TestClient) -> None:
     assert job["state"] == "PENDING" and job["desired_nodes"] == 3 and job["nodes_range"] == "1:3"
     assert job["checkpoint_dir"].endswith(f"/checkpoints/{job['id']}")
     assert job["spec"]["checkpoint"]["dir"] == job["checkpoint_dir"]
+    assert job["spec"]["checkpoint"]["async"] is False  # the spec as JSON, with its aliases
+    assert job["spec"]["optimizer"]["betas"] == [0.9, 0.99]
     got = client.get(f"/v1/jobs/{job['id']}", headers=AUTH).json()
     assert got["id"] == job["id"] and got["events"][0]["kind"] == "submitted"
     listed = client.get("/v1/jobs", headers=AUTH).json()
@@ -196,7 +199,7 @@ def test_worker_progress_and_events_show_in_status(client: TestClient) -> None:
     assert (got["step"], got["samples_per_s"], got["loss"], got["world_size"]) == (7, 123.5, 0.25, 2)
     assert error(client.post(f"{base}/events", json={"kind": "boom"}, headers=AUTH), 422)["field"] == "kind"
     metrics = client.get("/metrics").text
-    assert f'elastrain_job_step{{job="{job["id"]}"}} 7.0' in metrics
+    assert f'elastrain_job_step{{job_id="{job["id"]}"}} 7.0' in metrics
 
 
 def test_openapi_documents_the_spec_body(client: TestClient) -> None:
@@ -209,8 +212,12 @@ def test_openapi_documents_the_spec_body(client: TestClient) -> None:
 def test_checkpoint_reports_publish_and_show_in_checkpoints_and_resume(tmp_path: Path) -> None:
     settings = load_settings(data_dir=tmp_path)
     store = MemoryStore()
-    jobs = JobService(store, settings.checkpoint_root, b"k" * 32)
-    app = create_app(settings, store, api_token=TOKEN, jobs=jobs, coordinator=CheckpointCoordinator(jobs))
+    parts = JobParts.build(store, storage_root=settings.checkpoint_root, secret=b"k" * 32)
+    jobs = parts.records
+    checkpoints = Checkpoints.build(jobs, metrics=Metrics())
+    app = create_app(
+        settings, store, api_token=TOKEN, parts=parts, checkpoints=checkpoints, metrics=Metrics()
+    )
     with TestClient(app, raise_server_exceptions=False) as client:
         job = submit(client, SPEC | {"nodes": "2"})
         worker = {"Authorization": f"Bearer {jobs.worker_token(job['id'])}"}

@@ -10,12 +10,12 @@ import pytest
 
 from service.api.auth import authorize, bearer
 from service.api.errors import from_domain, from_validation
+from service.etcd.client import EtcdUnavailableError
+from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError, checkpoint_dir, contained, resume_source
-from service.jobs.service import ConflictError, NotFoundError
 from service.jobs.tokens import derive_worker_token, hash_token, worker_token_job
 from service.settings import Settings, SettingsError, load_settings
-from service.store import StoreUnavailableError
 from worker.errors import SpecError
 
 SECRET = b"s" * 32
@@ -162,7 +162,7 @@ def test_nonsense_is_refused_with_the_name(overrides: dict[str, object], match: 
         (ConflictError("reused key"), 409, "conflict"),
         (IllegalTransitionError("done", code="job_finished"), 409, "job_finished"),
         (IllegalTransitionError("range", code="out_of_range"), 422, "out_of_range"),
-        (StoreUnavailableError("etcd down"), 503, "unavailable"),
+        (EtcdUnavailableError("etcd down"), 503, "unavailable"),
     ],
 )
 def test_domain_errors_map_to_4xx_or_503(exc: Exception, status: int, code: str) -> None:

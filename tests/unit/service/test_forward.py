@@ -8,7 +8,8 @@ import pytest
 from svc_fakes import Clock
 
 from service.api.forward import FORWARDED_HEADER, LeaderLookup, forward_target, job_of, wants_forward
-from service.store import LeaderElection, MemoryStore, address_key, leader_address
+from service.etcd.election import LeaderElection, address_key, leader_address
+from service.etcd.memory import MemoryStore
 
 AUTH = [(b"authorization", b"Bearer t")]
 

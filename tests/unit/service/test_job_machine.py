@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import pytest
 
 from service.jobs.events import WorkerEvent, apply_worker_event, merge_progress
@@ -22,15 +19,20 @@ from service.jobs.machine import (
     request_cancel,
     request_scale,
 )
-from service.jobs.model import JobRecord, JobState, NodePhase, Progress
+from service.jobs.model import JobRecord, JobState, NodePhase, NodeStatus, Progress
+from worker.spec import parse_spec
+
+SPEC = parse_spec(
+    {
+        "name": "j",
+        "model": {"name": "mlp"},
+        "data": {"name": "synthetic"},
+        "micro_batch_size": 1,
+        "max_steps": 1,
+    }
+)
 
 S = JobState
-
-
-@dataclass(frozen=True)
-class Status:
-    state: Literal["running", "succeeded", "failed", "unknown"]
-    exit_code: int | None = None
 
 
 def job(
@@ -39,7 +41,7 @@ def job(
     return JobRecord(
         id="j-1",
         name="j",
-        spec={},
+        spec=SPEC,
         spec_hash="h",
         state=state,
         state_since=0.0,
@@ -66,8 +68,8 @@ def launched(record: JobRecord, now: float = 1.0) -> JobRecord:
     return reconcile(record, Observation(now=now, statuses=running(record))).job
 
 
-def running(record: JobRecord) -> dict[str, Status]:
-    return {n.launch_id: Status("running") for n in record.nodes if n.phase == NodePhase.RUNNING}
+def running(record: JobRecord) -> dict[str, NodeStatus]:
+    return {n.launch_id: NodeStatus("running") for n in record.nodes if n.phase == NodePhase.RUNNING}
 
 
 def test_pending_launches_desired_nodes_and_records_intent() -> None:
@@ -100,7 +102,7 @@ def test_adopted_running_nodes_are_not_launched_again() -> None:
 
 def test_node_failure_relaunches_the_slot_and_counts_a_restart() -> None:
     record = launched(job())
-    statuses = running(record) | {"j-1-n1-a0": Status("failed", 1)}
+    statuses = running(record) | {"j-1-n1-a0": NodeStatus("failed", 1)}
     decision = reconcile(record, Observation(now=5.0, statuses=statuses))
     assert decision.job.state == S.RECOVERING
     assert decision.job.restarts == 1
@@ -110,7 +112,7 @@ def test_node_failure_relaunches_the_slot_and_counts_a_restart() -> None:
 
 def test_failure_with_no_restarts_left_fails_and_stops_the_rest() -> None:
     record = launched(job(restarts=0))
-    statuses = running(record) | {"j-1-n0-a0": Status("failed", 137)}
+    statuses = running(record) | {"j-1-n0-a0": NodeStatus("failed", 137)}
     decision = reconcile(record, Observation(now=5.0, statuses=statuses))
     assert decision.job.state == S.FAILED
     assert "max_restarts" in (decision.job.reason or "")
@@ -143,10 +145,10 @@ def test_unknown_node_with_fresh_heartbeats_is_kept() -> None:
 def test_success_of_any_node_finishes_when_the_rest_end() -> None:
     record = launched(job())
     first = reconcile(
-        record, Observation(now=5.0, statuses=running(record) | {"j-1-n0-a0": Status("succeeded")})
+        record, Observation(now=5.0, statuses=running(record) | {"j-1-n0-a0": NodeStatus("succeeded")})
     )
     assert first.job.state == S.RUNNING and first.actions == ()
-    second = reconcile(first.job, Observation(now=6.0, statuses={"j-1-n1-a0": Status("succeeded")}))
+    second = reconcile(first.job, Observation(now=6.0, statuses={"j-1-n1-a0": NodeStatus("succeeded")}))
     assert second.job.state == S.SUCCEEDED
     assert second.job.finished_at == 6.0
 
@@ -166,9 +168,9 @@ def test_scale_up_and_down_while_running() -> None:
 def test_stopping_node_is_cancelled_until_it_is_gone() -> None:
     record = request_scale(launched(job()), 1, now=2.0)
     first = reconcile(record, Observation(now=3.0, statuses=running(record))).job
-    again = reconcile(first, Observation(now=4.0, statuses={"j-1-n1-a0": Status("running")}))
+    again = reconcile(first, Observation(now=4.0, statuses={"j-1-n1-a0": NodeStatus("running")}))
     assert [type(a) for a in again.actions] == [Cancel]
-    done = reconcile(again.job, Observation(now=5.0, statuses={"j-1-n1-a0": Status("failed", -15)}))
+    done = reconcile(again.job, Observation(now=5.0, statuses={"j-1-n1-a0": NodeStatus("failed", -15)}))
     assert done.actions == ()
     assert [n.phase for n in done.job.nodes] == [NodePhase.RUNNING, NodePhase.STOPPED]
     assert done.job.restarts == 0
@@ -288,7 +290,7 @@ def test_launch_ids_are_never_reused_after_old_nodes_are_pruned() -> None:
     record = launched(job(desired=1, restarts=100))
     seen = {n.launch_id for n in record.nodes}
     for attempt in range(1, 30):
-        failed = {n.launch_id: Status("failed", 1) for n in record.nodes if n.phase == NodePhase.RUNNING}
+        failed = {n.launch_id: NodeStatus("failed", 1) for n in record.nodes if n.phase == NodePhase.RUNNING}
         decision = reconcile(record, Observation(now=float(attempt), statuses=failed))
         launches = [a.node.launch_id for a in decision.actions if isinstance(a, Launch)]
         assert launches == [f"j-1-n0-a{attempt}"] and not seen & set(launches)

@@ -3,19 +3,21 @@ after a restart, recovers failed nodes, fences a stale leader."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from svc_fakes import Clock, FakeScheduler
 
+from service.etcd.election import LeaderElection
+from service.etcd.kv import put_if
+from service.etcd.memory import MemoryStore
 from service.jobs import keys
+from service.jobs.errors import NotLeaderError
 from service.jobs.machine import Observation, reconcile
 from service.jobs.model import JobState, NodePhase
-from service.jobs.service import JobService, NotLeaderError
-from service.reconciler import LaunchContext, Reconciler
-from service.store import LeaderElection, MemoryStore, put_if
-from worker.spec import JobSpec
+from service.jobs.parts import JobParts
+from service.reconciler import LaunchContext, Reconciler, node_launch
+from worker.spec import parse_spec
 
 SPEC = {
     "name": "demo",
@@ -32,16 +34,24 @@ class World:
     def __init__(self, tmp_path: Path) -> None:
         self.clock = Clock()
         self.store = MemoryStore(clock=self.clock)
-        self.jobs = JobService(self.store, tmp_path, b"k" * 32, clock=self.clock)
+        self.woken: list[str] = []
+        self.parts = JobParts.build(
+            self.store,
+            storage_root=tmp_path,
+            secret=b"k" * 32,
+            on_job_write=self.woken.append,
+            clock=self.clock,
+        )
+        self.jobs = self.parts.records
         self.scheduler = FakeScheduler()
 
     def reconciler(self, holder: str = "a") -> Reconciler:
         election = LeaderElection(self.store, holder, ttl_s=10, clock=self.clock)
         ctx = LaunchContext(service_url="http://svc:8080", etcd_endpoints=("http://e:2379",))
-        return Reconciler(self.jobs, self.scheduler, election, launch=ctx, clock=self.clock)
+        return Reconciler(self.parts, self.scheduler, election, launch=ctx, clock=self.clock)
 
     def submit(self, **change: object) -> str:
-        record, _ = self.jobs.create(json.dumps(SPEC | change).encode())
+        record, _ = self.jobs.create(parse_spec(SPEC | change))
         return record.id
 
 
@@ -55,9 +65,11 @@ def test_submitted_job_is_launched_once_and_runs(world: World) -> None:
     r = world.reconciler()
     assert r.run_once()
     assert world.scheduler.launch_ids == [f"{job_id}-n0-a0", f"{job_id}-n1-a0"]
-    env = world.scheduler.launches[0][2]
-    assert env["ELASTRAIN_SERVICE_URL"] == "http://svc:8080"
-    assert env["ELASTRAIN_WORKER_TOKEN"] == world.jobs.worker_token(job_id)
+    first = world.scheduler.launches[0]
+    assert (first.job_id, first.node_index, first.spec.name) == (job_id, 0, "demo")
+    assert first.env["ELASTRAIN_SERVICE_URL"] == "http://svc:8080"
+    assert first.env["ELASTRAIN_WORKER_TOKEN"] == world.jobs.worker_token(job_id)
+    assert first.env["ELASTRAIN_CHECKPOINT_DIR"] == world.jobs.get(job_id).checkpoint_dir
     r.run_once()
     record = world.jobs.get(job_id)
     assert record.state == JobState.RUNNING and all(n.handle for n in record.nodes)
@@ -92,21 +104,11 @@ def test_relaunch_of_an_orphaned_intent_that_did_launch_starts_nothing_new(world
     decision = reconcile(stored, Observation(now=world.clock()))
     put_if(world.store, keys.job(job_id), decision.job.to_json(), revision)
     node = decision.job.nodes[0]
-    world.scheduler.launch(
-        job_id, world_spec(world, job_id), 0, _env(job_id, node.launch_id), launch_id=node.launch_id
-    )
+    world.scheduler.launch(node_launch(decision.job, node, {}))
     world.reconciler().run_once()  # crash happened after launching, before recording the handle
     assert world.scheduler.calls == [node.launch_id, node.launch_id]
     assert len(world.scheduler.launches) == 1
     assert world.jobs.get(job_id).nodes[0].handle == f"fake://{node.launch_id}"
-
-
-def world_spec(world: World, job_id: str) -> JobSpec:
-    return JobSpec.model_validate_json(json.dumps(world.jobs.get(job_id).spec))
-
-
-def _env(job_id: str, launch_id: str) -> dict[str, str]:
-    return {"ELASTRAIN_JOB_ID": job_id, "ELASTRAIN_LAUNCH_ID": launch_id}
 
 
 def test_failed_node_is_relaunched_then_the_job_fails_when_restarts_run_out(world: World) -> None:
@@ -163,7 +165,7 @@ def test_hung_node_without_heartbeats_is_replaced(world: World) -> None:
     r = world.reconciler()
     r.run_once()
     r.run_once()
-    world.jobs.heartbeat(job_id, f"{job_id}-n0-a0", 0, step=5)
+    world.parts.heartbeats.beat(job_id, f"{job_id}-n0-a0", 0, step=5)
     world.clock.advance(5)
     r.run_once()
     assert world.jobs.get(job_id).state == JobState.RUNNING
@@ -204,8 +206,7 @@ def test_passes_slow_down_while_every_job_runs_steadily_and_a_write_wakes_them(w
     of a job record (a submit, scale, cancel, worker event), brings the next pass forward."""
     job_id = world.submit(nodes="1:3", initial_nodes=1)
     r = world.reconciler()
-    woken: list[str] = []
-    world.jobs.on_job_write = woken.append
+    woken = world.woken
     r.run_once()  # launches: in motion
     assert r.busy
     r.run_once()  # the node runs: RUNNING, nothing to do

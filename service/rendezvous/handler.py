@@ -2,8 +2,9 @@
 
 Use: ``torchrun --nnodes MIN:MAX --rdzv-backend etcd-v3 --rdzv-endpoint H1:2379[,H2:2379...]
 --rdzv-id JOB [--rdzv-conf key=value,...] ...``. The backend is found through the
-``torchrun.handlers`` entry-point group (``etcd-v3 = "service.rendezvous:create_handler"``).
-This module runs inside torchrun agents and imports torch; the service never imports it.
+``torchrun.handlers`` entry-point group (``etcd-v3 = "service.rendezvous:create_handler"``, which
+imports this module when torchrun calls it). This module runs inside torchrun agents and imports
+torch; the service never imports it.
 
 Design
 ------
@@ -26,7 +27,7 @@ Design
 * **Expiry**: every key is written under the writing agent's etcd lease (``state_ttl``), so
   a run's keys vanish ``state_ttl`` seconds after its last agent stopped; the service may
   delete ``<key_prefix>/<run id>`` at once when a job ends.
-* **Timeouts**: see :class:`service.rendezvous_config.RendezvousConfig` for the chosen values
+* **Timeouts**: see :class:`service.rendezvous.config.RendezvousConfig` for the chosen values
   (a 3 s last call instead of torch's 30 s; a dead node is dropped after ~6 s).
 """
 
@@ -38,7 +39,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
-from etcd3gw.exceptions import Etcd3Exception
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
@@ -52,9 +52,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from service.rendezvous_config import RendezvousConfig, parse_config, parse_endpoints
-from service.rendezvous_etcd import EtcdKV, EtcdUnavailableError
-from service.rendezvous_store import EtcdV3Store
+from service.etcd.client import EtcdRefusedError, EtcdUnavailableError
+from service.rendezvous.config import RendezvousConfig, parse_config, parse_endpoints
+from service.rendezvous.kv import EtcdKV
+from service.rendezvous.store import EtcdV3Store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,10 +98,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def _io(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return call(*args, **kwargs)
+        except EtcdRefusedError as exc:
+            raise RendezvousStateError(f"etcd refused a rendezvous operation: {exc.detail}") from exc
         except EtcdUnavailableError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
-        except Etcd3Exception as exc:
-            raise RendezvousStateError(f"etcd refused a rendezvous operation: {exc.detail_text}") from exc
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store, RendezvousConfig]:
@@ -147,15 +148,6 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=config.keep_alive_interval,  # type: ignore[arg-type]  # a float works
         keep_alive_max_attempt=config.keep_alive_max_attempt,
     )
-
-
-def create_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torch calls it with no arguments and registers
-    what it returns, a function from ``RendezvousParameters`` to a handler.
-
-    To register by hand: ``handler_registry.register("etcd-v3", create_rdzv_handler)``.
-    """
-    return create_rdzv_handler
 
 
 def register() -> None:

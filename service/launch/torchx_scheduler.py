@@ -1,15 +1,17 @@
 """Launch, watch and cancel node apps through TorchX (``local_cwd`` processes or ``kubernetes`` jobs).
 
-:class:`TorchXScheduler` is the scheduler the reconciler drives (the ``launch``/``status``/
-``cancel`` protocol). Handles are strings that outlive this process:
+:class:`TorchXScheduler` is the scheduler the reconciler drives
+(:class:`service.launch.protocol.Scheduler`). Handles are strings that outlive this process:
 
-* ``local_cwd:<node dir>``: the node runs under :mod:`service.scheduler_exec`, which records its
+* ``local_cwd:<node dir>``: the node runs under :mod:`service.launch.node_exec`, which records its
   process group and exit code in the node directory (also holding ``spec.json`` and TorchX's
   per-node logs), so a restarted service still reads a node's state and can cancel it.
 * ``kubernetes://torchx/<namespace>:<volcano job>``: TorchX asks the API server.
 
-With ``launch_id`` (the reconciler's name for one launch of one node slot) a launch is
-idempotent: launching the same id again returns the first handle and starts nothing.
+A launch is a plan, then its application: :meth:`TorchXScheduler.dryrun` returns what will be
+started (:mod:`service.launch.dryrun`), :meth:`TorchXScheduler.schedule` starts exactly that.
+Idempotent per launch id (the reconciler's name for one launch of one node slot): launching the
+same id again returns the first handle and starts nothing.
 """
 
 from __future__ import annotations
@@ -23,33 +25,26 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from torchx import specs
 from torchx.runner import Runner
 from torchx.schedulers import get_scheduler_factories, local_scheduler
 
 import service
-from service.scheduler import (
-    SchedulerSettings,
-    finish_volcano_job,
-    k8s_name,
-    kubernetes_cfg,
-    node_app,
-)
-from service.scheduler_exec import EXIT_FILE, NODE_FILE
+from service.launch.apps import SchedulerSettings, local_node_app
+from service.launch.dryrun import KUBERNETES, LOCAL, KubernetesLaunch, LocalLaunch, kubernetes_request
+from service.launch.node_exec import EXIT_FILE, NODE_FILE
+from service.launch.protocol import NodeLaunch, NodeStatus
 from worker.errors import ElastrainError
-from worker.spec import JobSpec, spec_json
+from worker.spec import spec_json
 
 log = logging.getLogger("elastrain.scheduler")
 LOCAL_PREFIX = "local_cwd:"
 CANCELLED_FILE = "cancelled"
 SPEC_FILE = "spec.json"
-State = Literal["running", "succeeded", "failed", "unknown"]
 _RUNNING = {
     specs.AppState.UNSUBMITTED,
     specs.AppState.SUBMITTED,
@@ -60,16 +55,6 @@ _RUNNING = {
 
 class SchedulerError(ElastrainError):
     """A node app could not be launched or cancelled."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeStatus:
-    """What the scheduler knows about one node app. ``exit_code`` is known for ended local nodes
-    (``128 + signal`` when killed) and is ``0`` for any succeeded node."""
-
-    state: State
-    exit_code: int | None = None
-    message: str = ""
 
 
 def status_from_app_state(state: specs.AppState | None) -> NodeStatus:
@@ -88,7 +73,7 @@ def status_from_app_state(state: specs.AppState | None) -> NodeStatus:
 def status_from_records(
     node: Mapping[str, Any] | None, ended: Mapping[str, Any] | None, *, alive: bool, cancelled: bool
 ) -> NodeStatus:
-    """A local node's state from its records (see :mod:`service.scheduler_exec`). Pure."""
+    """A local node's state from its records (see :mod:`service.launch.node_exec`). Pure."""
     note = "cancelled" if cancelled else ""
     if ended is not None:
         code = int(ended["exit_code"])
@@ -110,94 +95,69 @@ class TorchXScheduler:
         self._cancel_grace_s = cancel_grace_s
         self._runner = runner or quiet_runner()
         self._torchx: dict[str, str] = {}
-        if settings.scheduler == "local_cwd":
-            _create_keeping_signal_handlers(self._runner, "local_cwd")
+        if settings.scheduler == LOCAL:
+            _create_keeping_signal_handlers(self._runner, LOCAL)
 
     def close(self) -> None:
         """Close the TorchX runner. TorchX's local scheduler terminates the local nodes it
         started in this process; a process that dies without closing leaves them running."""
         self._runner.close()
 
-    # -- launch --------------------------------------------------------------------------
-    def launch(
-        self,
-        job_id: str,
-        spec: JobSpec,
-        node_index: int,
-        env: Mapping[str, str],
-        *,
-        launch_id: str | None = None,
-    ) -> str:
-        """Start node ``node_index`` of ``job_id``; returns its handle."""
-        if self._settings.scheduler == "kubernetes":
-            return self._launch_kubernetes(job_id, spec, node_index, env, launch_id)
-        return self._launch_local(job_id, spec, node_index, env, launch_id)
+    # -- launch: plan, then apply ------------------------------------------------------
+    def launch(self, node: NodeLaunch) -> str:
+        """Start ``node``; returns its handle. Exactly :meth:`schedule` of :meth:`dryrun`."""
+        return self.schedule(self.dryrun(node))
 
-    def _launch_local(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], launch_id: str | None
-    ) -> str:
-        name = launch_id or f"{job_id}-n{node_index}-{uuid.uuid4().hex[:8]}"
-        node_dir = (Path(self._settings.log_root) / job_id / name).absolute()
-        handle = LOCAL_PREFIX + str(node_dir)
-        if node_dir.exists():
-            return handle  # launched before (idempotent by launch_id)
-        node_dir.mkdir(parents=True)
+    def dryrun(self, node: NodeLaunch) -> LocalLaunch | KubernetesLaunch:
+        """What launching ``node`` will do, as a value; starts and writes nothing."""
+        if self._settings.scheduler == KUBERNETES:
+            return KubernetesLaunch(kubernetes_request(node, self._settings))
+        node_dir = (Path(self._settings.log_root) / node.job_id / node.launch_id).absolute()
         spec_path = node_dir / SPEC_FILE
-        spec_path.write_text(spec_json(spec), encoding="utf-8")
-        app = node_app(
-            job_id,
-            spec,
-            node_index,
-            rdzv_endpoint=self._settings.rdzv_endpoint,
-            image=os.getcwd(),
-            env={**env, "PYTHONPATH": _pythonpath(env)},
+        app = local_node_app(
+            node,
+            self._settings,
+            node_dir=str(node_dir),
             spec_path=str(spec_path),
             python=sys.executable,
-            rdzv=self._settings.rdzv,
-            app_name=k8s_name(name),
-            module=self._settings.worker_module,
+            workdir=os.getcwd(),
+            import_root=str(Path(service.__file__).resolve().parent.parent),
         )
-        role = app.roles[0]
-        wrapper = ["-m", "service.scheduler_exec", "--state-dir", str(node_dir), "--"]
-        role.args = [*wrapper, role.entrypoint, *role.args]
-        role.entrypoint = sys.executable
-        try:
-            torchx_handle = self._runner.run(app, "local_cwd", cfg={"log_dir": str(node_dir / "logs")})
-        except Exception as exc:
-            raise SchedulerError(
-                f"local_cwd could not start node {node_index} of job {job_id}: {exc}"
-            ) from exc
-        (node_dir / "torchx_handle").write_text(torchx_handle, encoding="utf-8")
-        self._torchx[handle] = torchx_handle
-        return handle
+        log_dir = node_dir / "logs"
+        request = self._runner.dryrun(app, LOCAL, cfg={"log_dir": str(log_dir)})
+        return LocalLaunch(
+            handle=LOCAL_PREFIX + str(node_dir),
+            node_dir=node_dir,
+            spec_path=spec_path,
+            spec_json=spec_json(node.spec),
+            log_dir=log_dir,
+            request=request,
+        )
 
-    def _launch_kubernetes(
-        self, job_id: str, spec: JobSpec, node_index: int, env: Mapping[str, str], launch_id: str | None
-    ) -> str:
-        s = self._settings
-        app = node_app(
-            job_id,
-            spec,
-            node_index,
-            rdzv_endpoint=s.rdzv_endpoint,
-            image=s.worker_image,
-            env=env,
-            checkpoint_mount=s.checkpoint_mount,
-            checkpoint_claim=s.checkpoint_claim,
-            rdzv=s.rdzv,
-            module=s.worker_module,
-        )
-        info = self._runner.dryrun(app, "kubernetes", cfg=kubernetes_cfg(s))
-        info.request.resource = finish_volcano_job(info.request.resource, s)
-        if launch_id:
-            info.request.resource["metadata"]["name"] = k8s_name(launch_id, limit=63)
-        name = info.request.resource["metadata"]["name"]
+    def schedule(self, plan: LocalLaunch | KubernetesLaunch) -> str:
+        """Perform a :meth:`dryrun` value; returns the node's handle. Idempotent per launch id: a
+        node directory (local) or a Volcano Job (kubernetes) that already exists is that launch."""
+        if isinstance(plan, KubernetesLaunch):
+            return self._schedule_kubernetes(plan)
+        if plan.node_dir.exists():
+            return plan.handle  # launched before
+        plan.node_dir.mkdir(parents=True)
+        plan.spec_path.write_text(plan.spec_json, encoding="utf-8")
         try:
-            return self._runner.schedule(info)
+            torchx_handle = self._runner.schedule(plan.request)
+        except Exception as exc:
+            raise SchedulerError(f"local_cwd could not start {plan.node_dir.name}: {exc}") from exc
+        (plan.node_dir / "torchx_handle").write_text(torchx_handle, encoding="utf-8")
+        self._torchx[plan.handle] = torchx_handle
+        return plan.handle
+
+    def _schedule_kubernetes(self, plan: KubernetesLaunch) -> str:
+        try:
+            return self._runner.schedule(plan.request)
         except ValueError as exc:
             if "already exists" in str(exc):  # launched before under this launch id
-                return f"kubernetes://{self._runner.name()}/{s.k8s_namespace}:{name}"
-            raise SchedulerError(f"kubernetes refused node {node_index} of job {job_id}: {exc}") from exc
+                return f"kubernetes://{self._runner.name()}/{plan.namespace}:{plan.name}"
+            raise SchedulerError(f"kubernetes refused {plan.name}: {exc}") from exc
 
     # -- status --------------------------------------------------------------------------
     def status(self, handle: str) -> NodeStatus:
@@ -342,14 +302,6 @@ def _float(text: str) -> float:
         return float(text)
     except ValueError:
         return 0.0
-
-
-def _pythonpath(env: Mapping[str, str]) -> str:
-    """The caller's PYTHONPATH, then the directory holding ``service`` (so ``-m service...`` and
-    ``-m worker`` import without the project being installed)."""
-    root = str(Path(service.__file__).resolve().parent.parent)
-    parts = [env.get("PYTHONPATH", ""), root]
-    return os.pathsep.join(p for p in parts if p)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

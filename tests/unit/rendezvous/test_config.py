@@ -1,22 +1,19 @@
-"""The etcd-v3 rendezvous's pure parts: settings, endpoints, txn shapes, store rules, node status."""
+"""The etcd-v3 rendezvous's pure parts: settings, endpoints, txn shapes."""
 
 from __future__ import annotations
 
 import base64
 
 import pytest
-from torchx import specs
 
-from service.rendezvous_config import (
+from service.rendezvous.config import (
     RendezvousConfig,
     RendezvousConfigError,
     parse_config,
     parse_endpoints,
     rdzv_conf_arg,
 )
-from service.rendezvous_etcd import KeyValue, all_exist_txn, cas_txn, parse_cas
-from service.scheduler_exec import exit_status
-from service.scheduler_torchx import NodeStatus, status_from_app_state, status_from_records
+from service.rendezvous.kv import KeyValue, all_exist_txn, cas_txn, parse_cas
 
 
 def test_defaults_are_the_documented_choices() -> None:
@@ -115,31 +112,3 @@ def test_all_exist_txn_checks_every_key() -> None:
     txn = all_exist_txn(["/a", "/b"])
     assert [c["key"] for c in txn["compare"]] == [b64("/a"), b64("/b")]
     assert all(c["target"] == "CREATE" and c["result"] == "GREATER" for c in txn["compare"])
-
-
-def test_status_from_torchx_states() -> None:
-    assert status_from_app_state(specs.AppState.RUNNING).state == "running"
-    assert status_from_app_state(specs.AppState.PENDING).state == "running"
-    assert status_from_app_state(specs.AppState.SUCCEEDED) == NodeStatus("succeeded", 0)
-    assert status_from_app_state(specs.AppState.FAILED).state == "failed"
-    assert status_from_app_state(specs.AppState.CANCELLED).state == "failed"
-    assert status_from_app_state(None).state == "unknown"
-
-
-def test_status_from_local_records() -> None:
-    node = {"pid": 1, "pgid": 1}
-    assert status_from_records(None, None, alive=False, cancelled=False).state == "unknown"
-    assert status_from_records(node, None, alive=True, cancelled=False) == NodeStatus("running")
-    assert status_from_records(node, {"exit_code": 0}, alive=False, cancelled=False) == NodeStatus(
-        "succeeded", 0
-    )
-    assert status_from_records(node, {"exit_code": 137}, alive=False, cancelled=False) == NodeStatus(
-        "failed", 137
-    )
-    died = status_from_records(node, None, alive=False, cancelled=False)
-    assert died.state == "failed" and died.exit_code is None
-    assert status_from_records(node, {"exit_code": 1}, alive=False, cancelled=True).message == "cancelled"
-
-
-def test_exit_status_reports_signals_like_a_shell() -> None:
-    assert (exit_status(0), exit_status(3), exit_status(-9), exit_status(-15)) == (0, 3, 137, 143)

@@ -1,4 +1,4 @@
-"""``python -m service.scheduler_exec --state-dir DIR -- CMD...``: run one local node, leave a record.
+"""``python -m service.launch.node_exec --state-dir DIR -- CMD...``: run one local node, leave a record.
 
 The ``local_cwd`` scheduler starts every node through this wrapper so that a node's fate can
 be read from disk by any process, including a restarted service that no longer holds the
@@ -47,7 +47,7 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.scheduler_exec")
+    parser = argparse.ArgumentParser(prog="python -m service.launch.node_exec")
     parser.add_argument("--state-dir", required=True, type=Path)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         child = subprocess.Popen(command)
     except OSError as exc:
         write_json_atomic(state / EXIT_FILE, {"exit_code": 127, "ended_at": time.time(), "error": str(exc)})
-        print(f"scheduler_exec: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        print(f"node_exec: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _ignore)

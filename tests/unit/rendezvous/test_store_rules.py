@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from service.rendezvous_store import add_value, compare_set_outcome
+from service.rendezvous.store import add_value, compare_set_outcome
 
 
 def test_add_starts_at_zero_and_stores_decimal_text() -> None:

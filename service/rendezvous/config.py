@@ -12,28 +12,14 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from service.etcd.client import DEFAULT_PORT, EtcdEndpoint
 from worker.errors import ElastrainError
 
-DEFAULT_ETCD_PORT = 2379
 DEFAULT_KEY_PREFIX = "/elastrain/rdzv"
 
 
 class RendezvousConfigError(ElastrainError, ValueError):
     """A ``--rdzv-endpoint`` or ``--rdzv-conf`` value the etcd-v3 rendezvous cannot use."""
-
-
-@dataclass(frozen=True, slots=True)
-class EtcdEndpoint:
-    """One etcd member's client URL, split for etcd3gw."""
-
-    protocol: str
-    host: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.protocol}://{host}:{self.port}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,7 +169,7 @@ def _parse_one(member: str, default_protocol: str) -> EtcdEndpoint:
     elif rest.count(":") == 1:
         host, port_text = rest.split(":")
     try:
-        port = int(port_text) if port_text else DEFAULT_ETCD_PORT
+        port = int(port_text) if port_text else DEFAULT_PORT
     except ValueError:
         raise RendezvousConfigError(f"etcd endpoint {member!r}: the port is not a number") from None
     if not host or not 0 < port < 65536:

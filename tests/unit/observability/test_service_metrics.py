@@ -1,5 +1,6 @@
-"""service.observability: recovery phases, goodput, the missing service metrics on a registry,
-and the instrumented store (over the in-memory store)."""
+"""The service's metrics (service.metrics) and the arithmetic behind them (service.jobs.recovery):
+recovery phases, goodput, per-job series labelled job_id, and the instrumented store (over the
+in-memory store)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,23 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.api.metrics import Metrics
-from service.jobs.model import JobRecord, JobState, NodeRecord, Recovery
-from service.observability import (
-    InstrumentedStore,
-    ServiceObservability,
-    estimated_goodput,
-    goodput,
-    recovery_phases,
+from service.etcd.client import EtcdUnavailableError
+from service.etcd.kv import Write
+from service.etcd.memory import MemoryStore
+from service.jobs.model import JobRecord, JobState, NodeRecord, Progress, Recovery
+from service.jobs.recovery import estimated_goodput, goodput, recovery_phases
+from service.metrics import InstrumentedStore, Metrics
+from worker.spec import parse_spec
+
+SPEC = parse_spec(
+    {
+        "name": "j",
+        "model": {"name": "mlp"},
+        "data": {"name": "synthetic"},
+        "micro_batch_size": 1,
+        "max_steps": 1,
+    }
 )
-from service.store import MemoryStore, StoreUnavailableError, Write
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -57,7 +65,7 @@ def record(**over: object) -> JobRecord:
     base: dict[str, object] = dict(
         id="job-1",
         name="n",
-        spec={},
+        spec=SPEC,
         spec_hash="h",
         state=JobState.RUNNING,
         state_since=0.0,
@@ -75,8 +83,8 @@ def record(**over: object) -> JobRecord:
 
 
 def test_a_completed_recovery_observes_each_phase_and_the_lost_steps() -> None:
-    registry = CollectorRegistry()
-    obs = ServiceObservability(registry)
+    metrics = Metrics()
+    registry = metrics.registry
     recovery = Recovery(
         reason="r",
         failed_at=10.0,
@@ -86,43 +94,56 @@ def test_a_completed_recovery_observes_each_phase_and_the_lost_steps() -> None:
         resumed_step=20,
         first_step_at=15.5,
     )
-    obs.observe_recovery("job-1", recovery, last_seen_at=7.0)
+    metrics.observe_recovery("job-1", recovery, last_seen_at=7.0)
     name = "elastrain_job_recovery_phase_seconds_sum"
     assert sample(registry, name, phase="detect") == 3.0
     assert sample(registry, name, phase="reform") == 0.0
     assert sample(registry, name, phase="restore") == 4.0
     assert sample(registry, name, phase="first_step") == 1.5
     assert sample(registry, "elastrain_job_rollback_steps_total", job_id="job-1") == 10
-    obs.observe_recovery("job-2", recovery)  # without a last sign of life: no detect phase
+    metrics.observe_recovery("job-2", recovery)  # without a last sign of life: no detect phase
     assert sample(registry, "elastrain_job_recovery_phase_seconds_count", phase="detect") == 1
     assert sample(registry, "elastrain_job_recovery_phase_seconds_count", phase="reform") == 2
+    assert sample(registry, "elastrain_job_recovery_seconds_count") == 2
 
 
-def test_job_gauges_follow_the_record_and_go_when_it_ends() -> None:
-    registry = CollectorRegistry()
-    obs = ServiceObservability(registry)
+def test_job_series_are_labelled_job_id_follow_the_record_and_go_when_it_ends() -> None:
+    metrics = Metrics()
+    registry = metrics.registry
     nodes = (
         NodeRecord(index=0, launch_id="a", phase="running"),
         NodeRecord(index=1, launch_id="b", phase="failed"),
     )
     done = Recovery(reason="r", failed_at=50.0, step_before=10, resumed_step=10, first_step_at=60.0)
-    obs.observe_job(record(nodes=nodes, recoveries=(done,)), now=100.0)
-    assert sample(registry, "elastrain_job_nodes", job_id="job-1") == 1
-    assert sample(registry, "elastrain_job_goodput_ratio", job_id="job-1") == pytest.approx(0.9)
-    obs.observe_job(record(state=JobState.SUCCEEDED), now=200.0)
-    assert sample(registry, "elastrain_job_nodes", job_id="job-1") is None
+    running = record(nodes=nodes, recoveries=(done,), restarts=1, world_size=2)
+    metrics.observe_job(running, Progress(step=7, samples_per_s=12.5, time=99.0), now=100.0)
+    for name, value in [
+        ("elastrain_job_nodes", 1),
+        ("elastrain_job_goodput_ratio", pytest.approx(0.9)),
+        ("elastrain_job_step", 7),
+        ("elastrain_job_samples_per_second", 12.5),
+        ("elastrain_job_world_size", 2),
+        ("elastrain_job_restarts", 1),
+    ]:
+        assert sample(registry, name, job_id="job-1") == value, name
+    page = metrics.render().decode()
+    assert 'job="' not in page  # Prometheus owns `job`: a scrape would rename ours exported_job
+    metrics.observe_job(record(state=JobState.SUCCEEDED), None, now=200.0)
+    for name in ("elastrain_job_nodes", "elastrain_job_step", "elastrain_job_restarts"):
+        assert sample(registry, name, job_id="job-1") is None, name
 
 
-def test_it_lives_beside_the_service_metrics_on_their_registry() -> None:
-    metrics = Metrics()
-    obs = metrics.obs  # Metrics registers the additions on its own registry, without clashes
-    obs.observe_publish(0.02)
-    assert sample(metrics.registry, "elastrain_checkpoint_publish_duration_seconds_count") == 1
+def test_one_registry_per_app() -> None:
+    first, second = Metrics(), Metrics()  # several apps in one process (tests) do not clash
+    first.publish.observe(0.02)
+    assert sample(first.registry, "elastrain_checkpoint_publish_duration_seconds_count") == 1
+    assert sample(second.registry, "elastrain_checkpoint_publish_duration_seconds_count") == 0
 
 
 def test_the_instrumented_store_counts_round_trips_and_keeps_semantics() -> None:
-    registry = CollectorRegistry()
-    store = InstrumentedStore(MemoryStore(), ServiceObservability(registry))
+    metrics = Metrics()
+    registry = metrics.registry
+    store = InstrumentedStore(MemoryStore(), metrics)
     assert store.commit([Write("/k", b"v", 0)]) is True
     assert store.commit([Write("/k", b"w", 0)]) is False  # CAS still decides
     got = store.get("/k")
@@ -131,11 +152,9 @@ def test_the_instrumented_store_counts_round_trips_and_keeps_semantics() -> None
     assert sample(registry, "elastrain_etcd_requests_total", op="get", outcome="ok") == 1
     assert sample(registry, "elastrain_etcd_request_duration_seconds_count", op="commit") == 2
 
-    class Down:
-        def get(self, key: str) -> None:
-            raise StoreUnavailableError("no quorum")
-
-    other = CollectorRegistry()
-    with pytest.raises(StoreUnavailableError):
-        InstrumentedStore(Down(), ServiceObservability(other)).get("/k")
-    assert sample(other, "elastrain_etcd_requests_total", op="get", outcome="error") == 1
+    down = MemoryStore()
+    down.available = False  # etcd without quorum
+    other = Metrics()
+    with pytest.raises(EtcdUnavailableError):
+        InstrumentedStore(down, other).get("/k")
+    assert sample(other.registry, "elastrain_etcd_requests_total", op="get", outcome="error") == 1

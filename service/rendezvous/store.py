@@ -22,9 +22,9 @@ from datetime import timedelta
 from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
-from etcd3gw.exceptions import Etcd3Exception
 
-from service.rendezvous_etcd import EtcdKV, EtcdUnavailableError
+from service.etcd.client import EtcdRefusedError, EtcdUnavailableError
+from service.rendezvous.kv import EtcdKV
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -132,7 +132,7 @@ class EtcdV3Store(dist.Store):
     def _io(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return call(*args, **kwargs)
+        except EtcdRefusedError as exc:
+            raise dist.DistStoreError(f"etcd refused a store operation: {exc.detail}") from exc
         except EtcdUnavailableError as exc:
             raise dist.DistStoreError(str(exc)) from exc
-        except Etcd3Exception as exc:
-            raise dist.DistStoreError(f"etcd refused a store operation: {exc.detail_text}") from exc

@@ -1,24 +1,23 @@
 """Nodes as TorchX apps: one torchrun agent per node of a job, all sharing one rendezvous id.
 
-Pure part (no I/O, no torch): :func:`node_app` turns (job, spec, node index) into a
-``torchx.specs.AppDef`` whose single role runs::
+Pure (no I/O, no torch): :func:`node_app` turns one :class:`~service.launch.protocol.NodeLaunch`
+into a ``torchx.specs.AppDef`` whose single role runs::
 
     python -m torch.distributed.run --nnodes MIN:MAX --nproc-per-node P
         --rdzv-backend etcd-v3 --rdzv-endpoint ETCD --rdzv-id JOB --max-restarts R
-        --rdzv-conf <service.rendezvous_config defaults> --module worker --config SPEC
+        --rdzv-conf <service.rendezvous.config defaults> --module worker --config SPEC
 
-with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's first-restart trap), ``ELASTRAIN_JOB_ID``
-and ``ELASTRAIN_NODE_INDEX`` in its environment. :func:`kubernetes_dryrun` returns, as a plain
-dict, the Volcano Job TorchX's ``kubernetes`` scheduler would submit for one node: what the Helm
-chart's tests and ``elastrain`` users can inspect without a cluster (a stable, documented shape:
-``spec.tasks[0].template`` is the worker pod; :func:`worker_pod` picks it out).
-
-The I/O half, :class:`service.scheduler_torchx.TorchXScheduler`, launches, watches and cancels
-these apps through a TorchX runner (``local_cwd`` processes or ``kubernetes`` jobs).
+with the environment of :func:`node_env`, the one place that says what a node is told:
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's first-restart trap), ``ELASTRAIN_JOB_ID``,
+``ELASTRAIN_NODE_INDEX`` and ``ELASTRAIN_LAUNCH_ID``, over what the service adds (its URL, the
+worker token, the checkpoint directory). :func:`local_node_app` wraps the app for one machine.
+What a launch will submit, as a value, is :mod:`service.launch.dryrun`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +25,8 @@ from typing import Any, Literal
 
 from torchx import specs
 
-from service.rendezvous_config import RendezvousConfig, rdzv_conf_arg
+from service.launch.protocol import NodeLaunch
+from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_nodes, spec_json
 
@@ -37,7 +37,6 @@ LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"
 _MEM_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
 _MEM_RE = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|K|M|G)?$")
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"
-WORKER_UID = 10001  # deploy/docker/worker.Dockerfile's user and group
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,14 +156,23 @@ def torchrun_args(
     ]  # fmt: skip
 
 
+def node_env(node: NodeLaunch) -> dict[str, str]:
+    """The environment of a node's torchrun agent (and so of its workers): what the service says
+    (``node.env``), then what no caller overrides: the rendezvous variable and who the node is."""
+    return {
+        **dict(node.env),
+        **LAUNCH_ENV,
+        "ELASTRAIN_JOB_ID": node.job_id,
+        "ELASTRAIN_NODE_INDEX": str(node.node_index),
+        "ELASTRAIN_LAUNCH_ID": node.launch_id,
+    }
+
+
 def node_app(
-    job_id: str,
-    spec: JobSpec,
-    node_index: int,
+    node: NodeLaunch,
     *,
     rdzv_endpoint: str,
     image: str,
-    env: Mapping[str, str],
     checkpoint_mount: str | None = None,
     checkpoint_claim: str | None = None,
     spec_path: str | None = None,
@@ -173,31 +181,25 @@ def node_app(
     app_name: str | None = None,
     module: str = "worker",
 ) -> specs.AppDef:
-    """The TorchX app of node ``node_index`` of ``job_id``: one replica running one torchrun agent.
+    """The TorchX app of one node: one replica running one torchrun agent, with :func:`node_env`.
 
     ``spec_path``: where the agent reads the spec; ``None`` ships the spec in the environment
     (``ELASTRAIN_SPEC_JSON``) and the command writes it to ``/tmp/elastrain/spec.json`` first
     (for containers, which share no files with the service). ``checkpoint_claim`` mounts that
-    PersistentVolumeClaim at ``checkpoint_mount``. ``env`` is added last (the service's URL and
-    the worker token go there); it cannot override the rendezvous variables. Pure.
+    PersistentVolumeClaim at ``checkpoint_mount``. Pure.
     """
-    if node_index < 0:
-        raise SpecError(f"node index {node_index} must be 0 or more")
+    if node.node_index < 0:
+        raise SpecError(f"node index {node.node_index} must be 0 or more")
     if checkpoint_claim and not checkpoint_mount:
         raise SpecError("a checkpoint claim needs a mount path")
     config = rdzv or RendezvousConfig()
     path = spec_path or K8S_SPEC_PATH
     args = torchrun_args(
-        job_id, spec, rdzv_endpoint=rdzv_endpoint, spec_path=path, rdzv=config, module=module
+        node.job_id, node.spec, rdzv_endpoint=rdzv_endpoint, spec_path=path, rdzv=config, module=module
     )
-    role_env = {
-        **dict(env),
-        **LAUNCH_ENV,
-        "ELASTRAIN_JOB_ID": job_id,
-        "ELASTRAIN_NODE_INDEX": str(node_index),
-    }
+    role_env = node_env(node)
     if spec_path is None:
-        role_env[SPEC_ENV] = spec_json(spec)
+        role_env[SPEC_ENV] = spec_json(node.spec)
         script = f'mkdir -p "$(dirname {path})" && printf "%s" "${SPEC_ENV}" > {path} && exec "$@"'
         entrypoint, args = "sh", ["-c", script, "sh", python, *args]
     else:
@@ -213,103 +215,45 @@ def node_app(
         env=role_env,
         num_replicas=1,
         max_retries=0,  # torchrun restarts the group; the reconciler replaces lost nodes
-        resource=resource_from_spec(spec.resources),
+        resource=resource_from_spec(node.spec.resources),
         mounts=mounts,
     )
-    return specs.AppDef(name=app_name or k8s_name(f"{job_id}-n{node_index}"), roles=[role])
+    name = app_name or k8s_name(f"{node.job_id}-n{node.node_index}")
+    return specs.AppDef(name=name, roles=[role])
+
+
+def local_node_app(
+    node: NodeLaunch,
+    settings: SchedulerSettings,
+    *,
+    node_dir: str,
+    spec_path: str,
+    python: str,
+    workdir: str,
+    import_root: str,
+) -> specs.AppDef:
+    """The app of one node on this machine: :func:`node_app` run by ``python``, under the node
+    wrapper (:mod:`service.launch.node_exec`, which records the node's fate in ``node_dir``),
+    in ``workdir``, with ``import_root`` (the directory holding ``service`` and ``worker``) on
+    the ``PYTHONPATH`` after the caller's. Pure."""
+    pythonpath = os.pathsep.join(p for p in (node.env.get("PYTHONPATH", ""), import_root) if p)
+    app = node_app(
+        dataclasses.replace(node, env={**node.env, "PYTHONPATH": pythonpath}),
+        rdzv_endpoint=settings.rdzv_endpoint,
+        image=workdir,
+        spec_path=spec_path,
+        python=python,
+        rdzv=settings.rdzv,
+        app_name=k8s_name(node.launch_id),
+        module=settings.worker_module,
+    )
+    role = app.roles[0]
+    role.args = ["-m", "service.launch.node_exec", "--state-dir", node_dir, "--", role.entrypoint, *role.args]
+    role.entrypoint = python
+    return app
 
 
 def k8s_name(text: str, limit: int = 50) -> str:
     """A DNS-label-safe name (lowercase alphanumerics and '-'), short enough for TorchX's suffix."""
     name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-")
     return name or "node"
-
-
-def kubernetes_dryrun(
-    job_id: str,
-    spec: JobSpec,
-    node_index: int,
-    *,
-    settings: SchedulerSettings,
-    env: Mapping[str, str] | None = None,
-    app_name: str | None = None,
-) -> dict[str, Any]:
-    """The Volcano Job (a plain, YAML-able dict) that TorchX's ``kubernetes`` scheduler would
-    submit for node ``node_index``: ``metadata.namespace`` is the target namespace,
-    ``spec.queue`` the Volcano queue and ``spec.tasks[0].template`` the worker pod (image,
-    command, env, service account, resources, the checkpoint claim mounted at
-    ``settings.checkpoint_mount``). No cluster needed. Stable shape; see :func:`worker_pod`."""
-    from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler
-
-    app = node_app(
-        job_id,
-        spec,
-        node_index,
-        rdzv_endpoint=settings.rdzv_endpoint,
-        image=settings.worker_image,
-        env=env or {},
-        checkpoint_mount=settings.checkpoint_mount,
-        checkpoint_claim=settings.checkpoint_claim,
-        rdzv=settings.rdzv,
-        app_name=app_name,
-        module=settings.worker_module,
-    )
-    info = KubernetesScheduler("elastrain").submit_dryrun(app, kubernetes_cfg(settings))
-    return finish_volcano_job(info.request.resource, settings)
-
-
-def finish_volcano_job(resource: Mapping[str, Any], settings: SchedulerSettings) -> dict[str, Any]:
-    """TorchX's Volcano Job as a plain dict, with what TorchX 0.7.0 leaves out: the namespace,
-    the restricted security profile and the metrics port (:func:`harden_pod`)."""
-    from torchx.schedulers.kubernetes_scheduler import sanitize_for_serialization
-
-    job = sanitize_for_serialization(resource)
-    assert isinstance(job, dict)
-    job["metadata"]["namespace"] = settings.k8s_namespace
-    for task in job["spec"]["tasks"]:
-        harden_pod(task["template"], metrics_port=settings.metrics_port)
-    return job
-
-
-def harden_pod(pod: dict[str, Any], *, metrics_port: int | None) -> None:
-    """Make a worker pod pass the ``restricted`` Pod Security Standard (non-root as the worker
-    image's user 10001, no privilege escalation, all capabilities dropped, RuntimeDefault
-    seccomp, no API token), give it a writable ``/tmp`` and declare its metrics port. In place."""
-    spec = pod["spec"]
-    spec["securityContext"] = {
-        "runAsNonRoot": True,
-        "runAsUser": WORKER_UID,
-        "runAsGroup": WORKER_UID,
-        "fsGroup": WORKER_UID,  # the checkpoint volume is writable by the worker
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-    spec["automountServiceAccountToken"] = False
-    spec.setdefault("volumes", []).append({"name": "tmp", "emptyDir": {}})
-    for container in spec["containers"]:
-        container["securityContext"] = {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        }
-        container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
-        if metrics_port is not None:
-            container["ports"] = [{"name": "metrics", "containerPort": metrics_port}]
-            container.setdefault("env", []).append(
-                {"name": "ELASTRAIN_METRICS_PORT", "value": str(metrics_port)}
-            )
-    if metrics_port is not None:
-        annotations = pod.setdefault("metadata", {}).setdefault("annotations", {})
-        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port)})
-
-
-def kubernetes_cfg(settings: SchedulerSettings) -> dict[str, specs.CfgVal]:
-    cfg: dict[str, specs.CfgVal] = {"namespace": settings.k8s_namespace, "queue": settings.k8s_queue}
-    if settings.k8s_service_account:
-        cfg["service_account"] = settings.k8s_service_account
-    return cfg
-
-
-def worker_pod(volcano_job: Mapping[str, Any]) -> dict[str, Any]:
-    """The pod template of a :func:`kubernetes_dryrun` result."""
-    return dict(volcano_job["spec"]["tasks"][0]["template"])

@@ -1,4 +1,4 @@
-"""node_app, kubernetes_dryrun and resources: what a node would run, as plain values."""
+"""node_app, node_env, kubernetes_dryrun and resources: what a node would run, as plain values."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ from typing import Any
 import pytest
 from torchx import specs
 
-from service.rendezvous_config import RendezvousConfig
-from service.scheduler import (
+from service.launch.apps import (
     K8S_SPEC_PATH,
     SPEC_ENV,
     SchedulerSettings,
     k8s_name,
-    kubernetes_dryrun,
     node_app,
+    node_env,
     resource_from_spec,
-    worker_pod,
 )
+from service.launch.dryrun import kubernetes_dryrun, worker_pod
+from service.launch.protocol import NodeLaunch
+from service.rendezvous.config import RendezvousConfig
 from service.settings import Settings
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_spec
@@ -39,6 +40,12 @@ def make_spec(**overrides: Any) -> JobSpec:
     return parse_spec(raw)
 
 
+def launch(
+    job_id: str = "j", spec: JobSpec | None = None, index: int = 0, env: dict[str, str] | None = None
+) -> NodeLaunch:
+    return NodeLaunch(job_id, spec or make_spec(), index, f"{job_id}-n{index}-a0", env or {})
+
+
 def flag(args: list[str], name: str) -> str:
     """The value of ``--name=value`` or ``--name value`` in an argument list."""
     for i, arg in enumerate(args):
@@ -51,12 +58,13 @@ def flag(args: list[str], name: str) -> str:
 
 def test_node_app_runs_one_torchrun_agent_on_the_etcd_v3_rendezvous() -> None:
     app = node_app(
-        "job-7",
-        make_spec(),
-        2,
+        launch(
+            "job-7",
+            index=2,
+            env={"ELASTRAIN_SERVICE_URL": "http://svc:8080", "ELASTRAIN_WORKER_TOKEN": "t0k"},
+        ),
         rdzv_endpoint="http://etcd-0:2379,http://etcd-1:2379",
         image="/work",
-        env={"ELASTRAIN_SERVICE_URL": "http://svc:8080", "ELASTRAIN_WORKER_TOKEN": "t0k"},
         spec_path="/data/job-7/spec.json",
         python="/venv/bin/python",
     )
@@ -78,29 +86,25 @@ def test_node_app_runs_one_torchrun_agent_on_the_etcd_v3_rendezvous() -> None:
     assert role.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert role.env["ELASTRAIN_JOB_ID"] == "job-7"
     assert role.env["ELASTRAIN_NODE_INDEX"] == "2"
+    assert role.env["ELASTRAIN_LAUNCH_ID"] == "job-7-n2-a0"
     assert role.env["ELASTRAIN_SERVICE_URL"] == "http://svc:8080"
     assert role.env["ELASTRAIN_WORKER_TOKEN"] == "t0k"
     assert SPEC_ENV not in role.env
 
 
 def test_node_app_keeps_the_rendezvous_variables_over_callers_env() -> None:
-    app = node_app(
-        "j",
-        make_spec(nodes="2"),
-        0,
-        rdzv_endpoint="e:2379",
-        image="i",
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "ELASTRAIN_NODE_INDEX": "9"},
-        spec_path="/s.json",
-    )
+    said = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "ELASTRAIN_NODE_INDEX": "9", "ELASTRAIN_JOB_ID": "x"}
+    node = launch(spec=make_spec(nodes="2"), env=said)
+    app = node_app(node, rdzv_endpoint="e:2379", image="i", spec_path="/s.json")
     env = app.roles[0].env
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["ELASTRAIN_NODE_INDEX"] == "0"
+    assert env["ELASTRAIN_JOB_ID"] == "j" and env == node_env(node)
     assert flag(app.roles[0].args, "--nnodes") == "2:2"
 
 
 def test_node_app_without_a_spec_path_ships_the_spec_in_the_environment() -> None:
     spec = make_spec()
-    app = node_app("j", spec, 0, rdzv_endpoint="e", image="img", env={})
+    app = node_app(launch(spec=spec), rdzv_endpoint="e", image="img")
     role = app.roles[0]
     assert role.entrypoint == "sh" and role.args[0] == "-c"
     assert K8S_SPEC_PATH in role.args[1] and f"${SPEC_ENV}" in role.args[1]
@@ -111,14 +115,14 @@ def test_node_app_without_a_spec_path_ships_the_spec_in_the_environment() -> Non
 
 def test_node_app_passes_chosen_rendezvous_timeouts() -> None:
     rdzv = RendezvousConfig(last_call_timeout=1.5, keep_alive_interval=1.0, state_ttl=60)
-    app = node_app("j", make_spec(), 0, rdzv_endpoint="e", image="i", env={}, spec_path="/s", rdzv=rdzv)
+    app = node_app(launch(), rdzv_endpoint="e", image="i", spec_path="/s", rdzv=rdzv)
     conf = dict(kv.split("=") for kv in flag(app.roles[0].args, "--rdzv-conf").split(","))
     assert (conf["last_call_timeout"], conf["keep_alive_interval"], conf["state_ttl"]) == ("1.5", "1", "60")
 
 
 def test_node_app_refuses_a_negative_node_index() -> None:
     with pytest.raises(SpecError, match="node index"):
-        node_app("j", make_spec(), -1, rdzv_endpoint="e", image="i", env={})
+        node_app(launch(index=-1), rdzv_endpoint="e", image="i")
 
 
 @pytest.mark.parametrize(
@@ -169,11 +173,11 @@ K8S = SchedulerSettings(
 
 def test_kubernetes_dryrun_is_the_volcano_job_for_one_node() -> None:
     spec = make_spec(resources={"cpu": "4", "memory": "8Gi"})
-    job = kubernetes_dryrun("job-7", spec, 1, settings=K8S, env={"ELASTRAIN_SERVICE_URL": "http://svc"})
+    job = kubernetes_dryrun(launch("job-7", spec, 1, {"ELASTRAIN_SERVICE_URL": "http://svc"}), K8S)
     json.dumps(job)  # a plain, serialisable value
     assert job["apiVersion"] == "batch.volcano.sh/v1alpha1" and job["kind"] == "Job"
     assert job["metadata"]["namespace"] == "ml"
-    assert job["metadata"]["name"].startswith("job-7-n1")
+    assert job["metadata"]["name"] == "job-7-n1-a0"  # the launch id: a second launch is a duplicate
     assert job["spec"]["queue"] == "training"
     assert len(job["spec"]["tasks"]) == 1
     pod = worker_pod(job)
@@ -193,7 +197,7 @@ def test_kubernetes_dryrun_is_the_volcano_job_for_one_node() -> None:
 
 
 def test_kubernetes_dryrun_mounts_the_checkpoint_claim() -> None:
-    pod = worker_pod(kubernetes_dryrun("job-7", make_spec(), 0, settings=K8S))
+    pod = worker_pod(kubernetes_dryrun(launch("job-7"), K8S))
     claims = {
         v["name"]: v["persistentVolumeClaim"]["claimName"]
         for v in pod["spec"]["volumes"]
@@ -208,7 +212,7 @@ def test_kubernetes_dryrun_mounts_the_checkpoint_claim() -> None:
 
 def test_kubernetes_dryrun_without_a_claim_mounts_no_volume() -> None:
     settings = SchedulerSettings(scheduler="kubernetes", rdzv_endpoint="e:2379", worker_image="img")
-    pod = worker_pod(kubernetes_dryrun("j", make_spec(), 0, settings=settings))
+    pod = worker_pod(kubernetes_dryrun(launch(), settings))
     assert not [v for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
     assert "serviceAccountName" not in pod["spec"] or pod["spec"]["serviceAccountName"] is None
 
@@ -245,12 +249,12 @@ def test_k8s_names_are_dns_labels() -> None:
 
 
 def test_app_is_a_torchx_appdef() -> None:
-    app = node_app("j", make_spec(), 0, rdzv_endpoint="e", image="i", env={}, spec_path="/s")
+    app = node_app(launch(), rdzv_endpoint="e", image="i", spec_path="/s")
     assert isinstance(app, specs.AppDef) and app.name == "j-n0"
 
 
 def test_worker_pod_meets_the_restricted_profile_and_declares_metrics() -> None:
-    pod = worker_pod(kubernetes_dryrun("job-7", make_spec(), 0, settings=K8S))
+    pod = worker_pod(kubernetes_dryrun(launch("job-7"), K8S))
     spec = pod["spec"]
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 10001
     assert spec["securityContext"]["fsGroup"] == 10001
@@ -270,6 +274,6 @@ def test_no_metrics_port_declares_none() -> None:
     settings = SchedulerSettings(
         scheduler="kubernetes", rdzv_endpoint="e", worker_image="img", metrics_port=None
     )
-    pod = worker_pod(kubernetes_dryrun("j", make_spec(), 0, settings=settings))
+    pod = worker_pod(kubernetes_dryrun(launch(), settings))
     assert not pod["spec"]["containers"][0]["ports"]
     assert "prometheus.io/scrape" not in pod["metadata"]["annotations"]

@@ -1,0 +1,51 @@
+"""Ranks' heartbeats: each rank beats every few seconds; a beat reaches etcd when the stored one
+is older than ``write_every_s`` (the server sets a quarter of the reconciler's heartbeat timeout,
+so a live rank is never seen as silent, and each etcd write is a WAL fsync on the training
+machine). The reconciler reads, per launch, the oldest of its ranks' newest beats."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+
+from service.jobs import keys
+from service.jobs.writes import LeaderWrites
+
+
+class Heartbeats:
+    def __init__(
+        self, writes: LeaderWrites, *, write_every_s: float = 15.0, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._writes = writes
+        self._write_every_s = write_every_s
+        self._clock = clock
+        self._written: dict[str, float] = {}
+        self._pruned_at = -math.inf
+
+    def beat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
+        """A rank is alive: written to etcd when its stored beat is older than ``write_every_s``."""
+        now = self._clock()
+        key = keys.heartbeat(job_id, launch_id, local_rank)
+        if now - self._written.get(key, -math.inf) < self._write_every_s:
+            return
+        value = f'{{"time": {now!r}, "step": {step if step is not None else "null"}}}'
+        self._writes.put(key, value.encode())
+        if now - self._pruned_at >= 4 * self._write_every_s:  # forget ranks of ended launches
+            self._written = {k: t for k, t in self._written.items() if now - t < 4 * self._write_every_s}
+            self._pruned_at = now
+        self._written[key] = now
+
+    def last_seen(self, job_id: str) -> dict[str, float]:
+        """Per launch id, the oldest of its ranks' newest heartbeat times (as stored)."""
+        prefix = keys.heartbeats(job_id)
+        out: dict[str, float] = {}
+        for entry in self._writes.store.list_prefix(prefix):
+            launch_id = entry.key[len(prefix) :].split("/", 1)[0]
+            try:
+                seen = float(json.loads(entry.value)["time"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            out[launch_id] = min(out.get(launch_id, seen), seen)
+        return out

@@ -1,0 +1,66 @@
+"""The newest training progress of each job: held by this instance, written to etcd at most
+every ``flush_s`` per job (a worker reports every 2 s; each etcd write is a WAL fsync on the
+machine that trains), at once while the job recovers or rescales, and when it ends. Reads see
+the newest report, held or stored."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.jobs import keys
+from service.jobs.model import JobRecord, JobState, Progress
+from service.jobs.writes import LeaderWrites
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """The newest progress report of a job, whether it is in etcd, and when etcd last got one."""
+
+    progress: Progress
+    written: bool
+    written_at: float
+
+
+class ProgressBuffer:
+    def __init__(
+        self,
+        writes: LeaderWrites,
+        *,
+        flush_s: float = 5.0,
+        on_change: Callable[[str], None] = lambda job_id: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._writes = writes
+        self._flush_s = flush_s
+        self._on_change = on_change
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
+
+    def report(self, job: JobRecord, progress: Progress) -> None:
+        """Take a worker's report; write it when due (see the module docstring)."""
+        recovering = job.state in (JobState.RECOVERING, JobState.RESCALING)
+        held = self._held.get(job.id)
+        now = self._clock()
+        if recovering or held is None or now - held.written_at >= self._flush_s:
+            self._writes.put(keys.progress(job.id), progress.model_dump_json().encode())
+            self._held[job.id] = _Held(progress, written=True, written_at=now)
+        else:
+            self._held[job.id] = _Held(progress, written=False, written_at=held.written_at)
+        self._on_change(job.id)
+
+    def newest(self, job_id: str) -> Progress | None:
+        """The newest progress: etcd's, or the newer one this instance holds but has not written."""
+        found = self._writes.store.get(keys.progress(job_id))
+        stored = Progress.model_validate_json(found.value) if found else None
+        held = self._held.get(job_id)
+        if held is not None and (stored is None or held.progress.time > stored.time):
+            return held.progress
+        return stored
+
+    def flush(self, job_id: str) -> None:
+        """Write the newest held progress if etcd lacks it, and forget it (the job finished)."""
+        held = self._held.pop(job_id, None)
+        if held is not None and not held.written:
+            self._writes.put(keys.progress(job_id), held.progress.model_dump_json().encode())

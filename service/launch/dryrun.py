@@ -1,0 +1,175 @@
+"""Plan, then apply: what launching one node will do, as a value, before anything is started.
+
+:meth:`service.launch.torchx_scheduler.TorchXScheduler.dryrun` returns a :class:`LocalLaunch`
+(``local_cwd``: the node directory, the spec file and its text, the log directory, and TorchX's
+request, which holds the exact command and environment of the process) or a
+:class:`KubernetesLaunch` (the Volcano Job); :meth:`~.TorchXScheduler.schedule` performs exactly
+that value, and ``launch`` is the two in a row.
+
+:func:`kubernetes_dryrun` is the Volcano Job (a plain, YAML-able dict) TorchX's ``kubernetes``
+scheduler submits for one node, named by its launch id: what the Helm chart's tests and
+``elastrain`` users can inspect without a cluster, and what the scheduler submits (a stable,
+documented shape: ``spec.tasks[0].template`` is the worker pod; :func:`worker_pod` picks it out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchx import specs
+from torchx.specs import AppDryRunInfo
+
+from service.launch.apps import SchedulerSettings, k8s_name, node_app
+from service.launch.protocol import NodeLaunch
+
+KUBERNETES = "kubernetes"
+WORKER_UID = 10001  # deploy/docker/worker.Dockerfile's user and group
+LOCAL = "local_cwd"
+
+
+@dataclass(frozen=True)
+class LocalLaunch:
+    """What launching one node on this machine will do: create ``node_dir``, write ``spec_json``
+    to ``spec_path``, then start TorchX's ``request`` (the node wrapper running torchrun), with
+    its logs under ``log_dir``. ``handle`` names the node from then on."""
+
+    handle: str
+    node_dir: Path
+    spec_path: Path
+    spec_json: str
+    log_dir: Path
+    request: AppDryRunInfo[Any]
+
+    @property
+    def command(self) -> list[str]:
+        """The process the node is (the wrapper, then torchrun and its arguments)."""
+        return list(self._replica().args)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(self._replica().env)
+
+    def _replica(self) -> Any:
+        (replicas,) = self.request.request.role_params.values()
+        return replicas[0]
+
+
+@dataclass(frozen=True)
+class KubernetesLaunch:
+    """What launching one node on a cluster will do: submit ``volcano_job`` (see
+    :func:`kubernetes_dryrun`) through TorchX's ``request``."""
+
+    request: AppDryRunInfo[Any]
+
+    @property
+    def volcano_job(self) -> dict[str, Any]:
+        job: dict[str, Any] = self.request.request.resource
+        return job
+
+    @property
+    def name(self) -> str:
+        return str(self.volcano_job["metadata"]["name"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.volcano_job["metadata"]["namespace"])
+
+
+def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryRunInfo[Any]:
+    """TorchX's dry run of one node on ``kubernetes``, finished (:func:`finish_volcano_job`) and
+    named by its launch id (so a second launch of the same id is refused by the cluster as a
+    duplicate, never run twice). No cluster needed. Pure."""
+    from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler
+
+    app = node_app(
+        node,
+        rdzv_endpoint=settings.rdzv_endpoint,
+        image=settings.worker_image,
+        checkpoint_mount=settings.checkpoint_mount,
+        checkpoint_claim=settings.checkpoint_claim,
+        rdzv=settings.rdzv,
+        module=settings.worker_module,
+    )
+    info = KubernetesScheduler("elastrain").submit_dryrun(app, kubernetes_cfg(settings))
+    name = k8s_name(node.launch_id, limit=63)
+    info.request.resource = finish_volcano_job(info.request.resource, settings, name=name)
+    info._scheduler = KUBERNETES  # what TorchX's Runner.schedule dispatches on
+    return info
+
+
+def kubernetes_dryrun(node: NodeLaunch, settings: SchedulerSettings) -> dict[str, Any]:
+    """The Volcano Job TorchX's ``kubernetes`` scheduler submits for ``node``:
+    ``metadata.namespace`` is the target namespace, ``metadata.name`` the launch id,
+    ``spec.queue`` the Volcano queue and ``spec.tasks[0].template`` the worker pod (image,
+    command, env, service account, resources, the checkpoint claim mounted at
+    ``settings.checkpoint_mount``). Pure; see :func:`worker_pod`."""
+    job: dict[str, Any] = kubernetes_request(node, settings).request.resource
+    return job
+
+
+def finish_volcano_job(
+    resource: Mapping[str, Any], settings: SchedulerSettings, *, name: str | None = None
+) -> dict[str, Any]:
+    """TorchX's Volcano Job as a plain dict, with what TorchX 0.7.0 leaves out: the namespace,
+    the restricted security profile and the metrics port (:func:`harden_pod`). ``name``
+    replaces TorchX's random one (the job's name and its pods' instance label)."""
+    from torchx.schedulers.kubernetes_scheduler import LABEL_UNIQUE_NAME, sanitize_for_serialization
+
+    job = sanitize_for_serialization(resource)
+    assert isinstance(job, dict)
+    job["metadata"]["namespace"] = settings.k8s_namespace
+    if name is not None:
+        job["metadata"]["name"] = name
+    for task in job["spec"]["tasks"]:
+        harden_pod(task["template"], metrics_port=settings.metrics_port)
+        if name is not None:
+            task["template"]["metadata"]["labels"][LABEL_UNIQUE_NAME] = name
+    return job
+
+
+def harden_pod(pod: dict[str, Any], *, metrics_port: int | None) -> None:
+    """Make a worker pod pass the ``restricted`` Pod Security Standard (non-root as the worker
+    image's user 10001, no privilege escalation, all capabilities dropped, RuntimeDefault
+    seccomp, no API token), give it a writable ``/tmp`` and declare its metrics port. In place."""
+    spec = pod["spec"]
+    spec["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": WORKER_UID,
+        "runAsGroup": WORKER_UID,
+        "fsGroup": WORKER_UID,  # the checkpoint volume is writable by the worker
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    spec["automountServiceAccountToken"] = False
+    spec.setdefault("volumes", []).append({"name": "tmp", "emptyDir": {}})
+    for container in spec["containers"]:
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
+        if metrics_port is not None:
+            container["ports"] = [{"name": "metrics", "containerPort": metrics_port}]
+            container.setdefault("env", []).append(
+                {"name": "ELASTRAIN_METRICS_PORT", "value": str(metrics_port)}
+            )
+    if metrics_port is not None:
+        annotations = pod.setdefault("metadata", {}).setdefault("annotations", {})
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port)})
+
+
+def kubernetes_cfg(settings: SchedulerSettings) -> dict[str, specs.CfgVal]:
+    """TorchX's run options for ``kubernetes`` from the settings."""
+    cfg: dict[str, specs.CfgVal] = {"namespace": settings.k8s_namespace, "queue": settings.k8s_queue}
+    if settings.k8s_service_account:
+        cfg["service_account"] = settings.k8s_service_account
+    return cfg
+
+
+def worker_pod(volcano_job: Mapping[str, Any]) -> dict[str, Any]:
+    """The pod template of a :func:`kubernetes_dryrun` result."""
+    return dict(volcano_job["spec"]["tasks"][0]["template"])

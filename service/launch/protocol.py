@@ -1,0 +1,57 @@
+"""What the reconciler needs from a scheduler: launch a node, ask about it, cancel it, say
+where its logs are, and close. :class:`service.launch.torchx_scheduler.TorchXScheduler`
+implements it; tests implement it with fakes (in memory, or files a test process writes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from service.jobs.model import NodeState, NodeStatus
+from worker.spec import JobSpec
+
+__all__ = ["UNKNOWN", "NodeLaunch", "NodeState", "NodeStatus", "Scheduler"]
+
+UNKNOWN = NodeStatus("unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLaunch:
+    """One launch of one node slot of a job: what the reconciler asks a scheduler to start."""
+
+    job_id: str
+    spec: JobSpec
+    node_index: int
+    launch_id: str
+    """Unique to this launch of this slot; a scheduler launches each id at most once."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """What the service tells the node (its URL, the worker token, the checkpoint directory,
+    the etcd endpoints); who the node is, the scheduler adds (``service.launch.apps.node_env``)."""
+
+
+class Scheduler(Protocol):
+    """Launches node apps (one torchrun agent each), all of a job sharing one rendezvous id."""
+
+    def launch(self, node: NodeLaunch) -> str:
+        """Start one node; returns its handle. Idempotent per ``node.launch_id`` (the same id
+        returns the first launch's handle and starts nothing)."""
+        ...
+
+    def status(self, handle: str) -> NodeStatus:
+        """The node's state now; ``unknown`` when the scheduler has no record of it."""
+        ...
+
+    def cancel(self, handle: str) -> None:
+        """Stop the node. Idempotent: cancelling an ended or unknown app is not an error."""
+        ...
+
+    def log_dir(self, handle: str) -> Path | None:
+        """Where the node's log files are, or ``None`` when the service cannot read them (a
+        cluster keeps them)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the scheduler holds (called once, when the service stops)."""
+        ...

@@ -1,0 +1,241 @@
+"""The service's Prometheus metrics, all of them, on one registry per app (so several apps can
+live in one process, as tests do). Names follow ``elastrain_<subsystem>_<what>_<unit>``.
+
+Per-job series are labelled ``job_id``, as the workers' are (Prometheus owns ``job``: a scraped
+``job`` label becomes ``exported_job`` unless the scrape honours labels). A finished job's
+series are removed.
+
+The API, the reconciler, the checkpoint coordinator and the state store record into one
+:class:`Metrics`; :class:`InstrumentedStore` counts and times every etcd round trip of the store
+it wraps. The arithmetic behind recovery phases and goodput is :mod:`service.jobs.recovery`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from service.etcd.kv import Entry, Fence, KVStore, Versioned, Write
+from service.jobs.model import JobRecord, JobState, Progress, Recovery
+from service.jobs.recovery import estimated_goodput, recovery_phases
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_PHASE_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+JOB = ["job_id"]
+
+
+class Metrics:
+    """Every series the service exports, and what updates them."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        # the API
+        self.requests = Counter(
+            "elastrain_api_requests_total", "HTTP requests", ["method", "route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "elastrain_api_request_duration_seconds",
+            "HTTP request latency",
+            ["method", "route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter("elastrain_api_errors_total", "Error responses by code", ["code"], registry=r)
+        self.forwarded = Counter(
+            "elastrain_api_forwarded_total",
+            "Writes a standby passed to the leader, by outcome (forwarded, unreachable)",
+            ["outcome"],
+            registry=r,
+        )
+        # the reconciler and the scheduler it drives
+        self.is_leader = Gauge("elastrain_reconciler_is_leader", "1 while this instance leads", registry=r)
+        self.passes = Counter("elastrain_reconciler_passes_total", "Reconciler passes", registry=r)
+        self.pass_errors = Counter(
+            "elastrain_reconciler_errors_total", "Reconciler errors by kind", ["kind"], registry=r
+        )
+        self.pass_seconds = Histogram(
+            "elastrain_reconciler_pass_duration_seconds",
+            "One reconciler pass",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.launches = Counter("elastrain_scheduler_launches_total", "Node launches", registry=r)
+        self.cancels = Counter("elastrain_scheduler_cancels_total", "Node cancels", registry=r)
+        self._jobs(r)
+        # checkpoints
+        self.published = Counter(
+            "elastrain_checkpoints_published_total", "Checkpoints published by the service", registry=r
+        )
+        self.aborted = Counter("elastrain_checkpoints_aborted_total", "Checkpoint steps aborted", registry=r)
+        self.publish = Histogram(
+            "elastrain_checkpoint_publish_duration_seconds",
+            "Phase 2 of a checkpoint publish: manifest written and staging renamed into place",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        # the state store
+        self.fenced_refusals = Counter(
+            "elastrain_fenced_writes_refused_total",
+            "Writes etcd refused because this instance's leader fence no longer held (a stale leader)",
+            registry=r,
+        )
+        self.etcd_requests = Counter(
+            "elastrain_etcd_requests_total", "Round trips to the state store", ["op", "outcome"], registry=r
+        )
+        self.etcd_seconds = Histogram(
+            "elastrain_etcd_request_duration_seconds",
+            "Latency of one state store round trip",
+            ["op"],
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+
+    def _jobs(self, r: CollectorRegistry) -> None:
+        self.jobs = Gauge("elastrain_jobs", "Jobs by state", ["state"], registry=r)
+        self.step = Gauge("elastrain_job_step", "Newest reported step", JOB, registry=r)
+        self.throughput = Gauge(
+            "elastrain_job_samples_per_second", "Newest reported throughput", JOB, registry=r
+        )
+        self.world_size = Gauge("elastrain_job_world_size", "Worker group size", JOB, registry=r)
+        self.restarts = Gauge("elastrain_job_restarts", "Restarts so far (recoveries)", JOB, registry=r)
+        self.nodes = Gauge("elastrain_job_nodes", "Active nodes (torchrun agents) of a job", JOB, registry=r)
+        self.goodput = Gauge(
+            "elastrain_job_goodput_ratio", "Productive step time over wall time (estimate)", JOB, registry=r
+        )
+        self.recovery = Histogram(
+            "elastrain_job_recovery_seconds",
+            "Failure to first step after resume",
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.recovery_phase = Histogram(
+            "elastrain_job_recovery_phase_seconds",
+            "One phase of a recovery: detect, reform, restore, first_step (merged when a stamp is missing)",
+            ["phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.rollback_steps = Counter(
+            "elastrain_job_rollback_steps_total",
+            "Steps redone because a recovery resumed from an older checkpoint",
+            JOB,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------ jobs
+
+    def observe_jobs(self, records: Sequence[JobRecord]) -> None:
+        counts = dict.fromkeys(JobState, 0)
+        for record in records:
+            counts[record.state] += 1
+        for state, count in counts.items():
+            self.jobs.labels(state.value).set(count)
+
+    def observe_job(
+        self, record: JobRecord, progress: Progress | None, *, now: float, step_seconds: float | None = None
+    ) -> None:
+        """Per-job gauges from the record and the newest progress; a finished job's are removed."""
+        per_job = (self.step, self.throughput, self.world_size, self.restarts, self.nodes, self.goodput)
+        if record.state.terminal:
+            for gauge in per_job:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(record.id)
+            return
+        self.restarts.labels(record.id).set(record.restarts)
+        self.nodes.labels(record.id).set(len(record.active_nodes))
+        if record.world_size:
+            self.world_size.labels(record.id).set(record.world_size)
+        if progress is not None:
+            self.step.labels(record.id).set(progress.step)
+            if progress.samples_per_s is not None:
+                self.throughput.labels(record.id).set(progress.samples_per_s)
+        done = [r.seconds for r in record.recoveries if r.seconds is not None]
+        ratio = estimated_goodput(
+            wall_seconds=now - record.created_at,
+            recovery_seconds=done,
+            steps_lost=sum(r.steps_lost or 0 for r in record.recoveries),
+            step_seconds=step_seconds,
+        )
+        if ratio is not None:
+            self.goodput.labels(record.id).set(ratio)
+
+    def observe_recovery(self, job_id: str, recovery: Recovery, *, last_seen_at: float | None = None) -> None:
+        """Call once when a recovery completes (its first step done): its time, each phase and the
+        steps it redid. ``last_seen_at``: newest heartbeat/progress before the failure, if known
+        (the detect phase needs it; without it phases start at the service's ``failed_at``)."""
+        if recovery.seconds is not None:
+            self.recovery.observe(recovery.seconds)
+        for phase in recovery_phases(
+            failed_at=recovery.failed_at if last_seen_at is None else last_seen_at,
+            detected_at=recovery.failed_at,
+            group_formed_at=recovery.group_formed_at,
+            state_loaded_at=recovery.state_loaded_at,
+            first_step_at=recovery.first_step_at,
+            from_detection=last_seen_at is None,
+        ):
+            self.recovery_phase.labels(phase.name).observe(phase.seconds)
+        rollback = self.rollback_steps.labels(job_id)  # the series exists from the first recovery on
+        if recovery.steps_lost:
+            rollback.inc(recovery.steps_lost)
+
+    # ------------------------------------------------------------------ etcd
+
+    @contextlib.contextmanager
+    def etcd_call(self, op: str) -> Iterator[None]:
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            yield
+            outcome = "ok"
+        finally:
+            self.etcd_requests.labels(op, outcome).inc()
+            self.etcd_seconds.labels(op).observe(time.perf_counter() - start)
+
+
+class InstrumentedStore:
+    """A :class:`~service.etcd.kv.KVStore` that counts and times every call of the store it wraps,
+    with the same semantics and errors: ``InstrumentedStore(EtcdStore(endpoints), metrics)``."""
+
+    def __init__(self, inner: KVStore, metrics: Metrics) -> None:
+        self.inner = inner
+        self._metrics = metrics
+
+    def get(self, key: str) -> Versioned | None:
+        with self._metrics.etcd_call("get"):
+            return self.inner.get(key)
+
+    def list_prefix(self, prefix: str, *, start_after: str | None = None, limit: int = 0) -> list[Entry]:
+        with self._metrics.etcd_call("list_prefix"):
+            return self.inner.list_prefix(prefix, start_after=start_after, limit=limit)
+
+    def commit(self, writes: Sequence[Write], *, fence: Fence | None = None) -> bool:
+        with self._metrics.etcd_call("commit"):
+            return self.inner.commit(writes, fence=fence)
+
+    def put(self, key: str, value: bytes, *, lease_id: int = 0) -> None:
+        with self._metrics.etcd_call("put"):
+            self.inner.put(key, value, lease_id=lease_id)
+
+    def lease_grant(self, ttl_s: int) -> int:
+        with self._metrics.etcd_call("lease_grant"):
+            return self.inner.lease_grant(ttl_s)
+
+    def lease_refresh(self, lease_id: int) -> bool:
+        with self._metrics.etcd_call("lease_refresh"):
+            return self.inner.lease_refresh(lease_id)
+
+    def lease_revoke(self, lease_id: int) -> None:
+        with self._metrics.etcd_call("lease_revoke"):
+            self.inner.lease_revoke(lease_id)
+
+    def healthy(self) -> bool:
+        with self._metrics.etcd_call("healthy"):
+            return self.inner.healthy()

@@ -1,0 +1,107 @@
+"""Plan, then apply: a launch performs exactly the value its dry run returns, on Kubernetes and
+on one machine, and the value says what will run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torchx.specs import AppDryRunInfo
+
+from service.launch.apps import SchedulerSettings, node_env
+from service.launch.dryrun import KubernetesLaunch, LocalLaunch, kubernetes_dryrun, worker_pod
+from service.launch.protocol import NodeLaunch
+from service.launch.torchx_scheduler import LOCAL_PREFIX, TorchXScheduler
+from worker.spec import parse_spec
+
+SPEC = parse_spec(
+    {
+        "name": "demo",
+        "model": {"name": "mlp"},
+        "data": {"name": "synthetic"},
+        "micro_batch_size": 8,
+        "max_steps": 10,
+        "nodes": "1:2",
+    }
+)
+NODE = NodeLaunch("job-7", SPEC, 1, "job-7-n1-a3", {"ELASTRAIN_SERVICE_URL": "http://svc:8080"})
+K8S = SchedulerSettings(
+    scheduler="kubernetes", rdzv_endpoint="http://etcd:2379", worker_image="img:1", k8s_namespace="ml"
+)
+
+
+class ApiServerStandIn:
+    """TorchX's Runner where it would talk to a Kubernetes API server (none can run here): it
+    records what it was asked to schedule, and refuses a name it has seen, as the API server
+    refuses a Volcano Job that already exists."""
+
+    def __init__(self) -> None:
+        self.scheduled: list[AppDryRunInfo[Any]] = []
+
+    def schedule(self, info: AppDryRunInfo[Any]) -> str:
+        job = info.request.resource
+        if any(
+            seen.request.resource["metadata"]["name"] == job["metadata"]["name"] for seen in self.scheduled
+        ):
+            raise ValueError(f"Job `{job['metadata']['name']}` already exists.")
+        self.scheduled.append(info)
+        return f"kubernetes://torchx/{job['metadata']['namespace']}:{job['metadata']['name']}"
+
+    def name(self) -> str:
+        return "torchx"
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_kubernetes_launch_schedules_its_dry_run_value() -> None:
+    api = ApiServerStandIn()
+    scheduler = TorchXScheduler(K8S, runner=api)  # type: ignore[arg-type]
+    plan = scheduler.dryrun(NODE)
+    assert isinstance(plan, KubernetesLaunch)
+    assert plan.volcano_job == kubernetes_dryrun(NODE, K8S)  # what users and the chart's tests see
+    handle = scheduler.schedule(plan)
+    assert [info.request.resource for info in api.scheduled] == [plan.volcano_job]
+    assert api.scheduled[0] is plan.request  # that value itself, not one built again
+    assert handle == "kubernetes://torchx/ml:job-7-n1-a3"
+    assert plan.name == "job-7-n1-a3" and plan.namespace == "ml"
+    labels = worker_pod(plan.volcano_job)["metadata"]["labels"]
+    assert labels["app.kubernetes.io/instance"] == "job-7-n1-a3"  # its pods carry the same name
+
+
+def test_a_repeated_kubernetes_launch_is_the_first_one() -> None:
+    api = ApiServerStandIn()
+    scheduler = TorchXScheduler(K8S, runner=api)  # type: ignore[arg-type]
+    first = scheduler.launch(NODE)
+    assert scheduler.launch(NODE) == first  # the cluster refused the duplicate; same handle
+    assert len(api.scheduled) == 1
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[TorchXScheduler]:
+    settings = SchedulerSettings(rdzv_endpoint="http://etcd:2379", log_root=str(tmp_path / "nodes"))
+    scheduler = TorchXScheduler(settings)
+    yield scheduler
+    scheduler.close()
+
+
+def test_the_local_dry_run_says_what_will_run_and_touches_nothing(
+    local: TorchXScheduler, tmp_path: Path
+) -> None:
+    plan = local.dryrun(NODE)
+    assert isinstance(plan, LocalLaunch)
+    node_dir = tmp_path / "nodes" / "job-7" / "job-7-n1-a3"
+    assert plan.handle == LOCAL_PREFIX + str(node_dir) and plan.node_dir == node_dir
+    assert plan.spec_path == node_dir / "spec.json" and parse_spec(plan.spec_json) == SPEC
+    assert plan.log_dir == node_dir / "logs"
+    command = plan.command
+    wrapper = ["-m", "service.launch.node_exec", "--state-dir", str(node_dir), "--"]
+    assert command[1:6] == wrapper
+    torchrun = command[6:]
+    assert torchrun[1:3] == ["-m", "torch.distributed.run"] and "--rdzv-id=job-7" in torchrun
+    assert torchrun[-2:] == ["--config", str(plan.spec_path)]
+    for name, value in node_env(NODE).items():
+        assert plan.env[name] == value, name
+    assert not (tmp_path / "nodes").exists()  # a plan: nothing written, nothing started

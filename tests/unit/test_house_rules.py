@@ -1,0 +1,140 @@
+"""The house rules that the code's shape must keep (ARCHITECTURE.md), checked on the source:
+``worker`` never imports ``service``; each part of ``service`` imports only the parts below it;
+the control plane reaches no torch when it is imported (only the rendezvous plugin, which runs
+inside torchrun agents, does); and the guard of tests/unit (conftest.py) trips on a socket or
+a process."""
+
+from __future__ import annotations
+
+import ast
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.unit.conftest import HouseRuleViolation
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Which part of the control plane may import which (besides itself, ``worker``'s torch-free
+# modules and the package root): ARCHITECTURE.md's table.
+_STATE = {"service.etcd", "service.jobs"}
+_API = _STATE | {"service.launch", "service.checkpoints", "service.metrics", "service.settings"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "service.settings": set(),
+    "service.ports": set(),
+    "service.etcd": {"service.ports"},
+    "service.rendezvous": {"service.etcd"},
+    "service.jobs": {"service.etcd"},
+    "service.launch": {"service.rendezvous", "service.jobs"},
+    "service.metrics": _STATE,
+    "service.report": {"service.jobs"},
+    "service.checkpoints": _STATE | {"service.metrics"},
+    "service.reconciler": _STATE | {"service.launch", "service.checkpoints", "service.metrics"},
+    "service.api": _API,
+    "service.server": _API | {"service.reconciler", "service.api"},
+    "service.cli": {"service.jobs", "service.report", "service.settings", "service.server"},
+    "service.__main__": {"service.cli"},
+}
+# The torchrun rendezvous plugin: runs inside torchrun agents, imports torch.
+TORCH_ALLOWED = {"service.rendezvous.handler", "service.rendezvous.store"}
+
+
+def modules(package: str) -> Iterator[tuple[str, Path]]:
+    for path in sorted((ROOT / package).rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        yield name.removesuffix(".__init__"), path
+
+
+def imported(path: Path, *, top_level_only: bool = False) -> set[str]:
+    """The absolute module names ``path`` imports (at import time only, with
+    ``top_level_only``: not inside functions, nor under ``if TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = _top_level(tree.body) if top_level_only else list(ast.walk(tree))
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return out
+
+
+def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    out: list[ast.stmt] = []
+    for stmt in body:
+        if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
+            continue
+        if isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            inner = [*stmt.body, *getattr(stmt, "orelse", []), *getattr(stmt, "finalbody", [])]
+            for handler in getattr(stmt, "handlers", []):
+                inner += handler.body
+            out += _top_level(inner)
+        else:
+            out.append(stmt)
+    return out
+
+
+def part(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def test_worker_never_imports_service() -> None:
+    offenders = [
+        f"{name} imports {target}"
+        for name, path in modules("worker")
+        for target in imported(path)
+        if target == "service" or target.startswith("service.")
+    ]
+    assert not offenders, "worker must not import service:\n" + "\n".join(offenders)
+
+
+def test_each_part_of_the_control_plane_imports_only_the_parts_below_it() -> None:
+    offenders = []
+    for name, path in modules("service"):
+        mine = part(name)
+        if mine == "service":
+            continue
+        assert mine in MAY_IMPORT, f"{mine} is a new part: add it to ARCHITECTURE.md and MAY_IMPORT"
+        for target in imported(path):
+            theirs = part(target)
+            if theirs.startswith("service.") and theirs != mine and theirs not in MAY_IMPORT[mine]:
+                offenders.append(f"{name} imports {target}")
+    assert not offenders, "imports against ARCHITECTURE.md:\n" + "\n".join(offenders)
+
+
+def test_the_control_plane_reaches_no_torch_when_imported() -> None:
+    """Every service module but the rendezvous plugin, followed through the project's own
+    modules it imports at import time: torch is never among them (the service image has none)."""
+    sources = {name: path for package in ("service", "worker") for name, path in modules(package)}
+    for start in sorted(n for n in sources if n.startswith("service") and n not in TORCH_ALLOWED):
+        seen, todo = {start}, [start]
+        while todo:
+            current = todo.pop()
+            for target in imported(sources[current], top_level_only=True):
+                assert target.split(".")[0] != "torch", f"{start} imports torch (through {current})"
+                for module in _self_and_parents(target):
+                    if module in sources and module not in seen:
+                        seen.add(module)
+                        todo.append(module)
+
+
+def _self_and_parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def test_the_unit_guard_trips_on_a_socket_and_a_process(no_sockets_no_processes: list[str]) -> None:
+    with socket.socket() as sock, pytest.raises(HouseRuleViolation, match=r"socket\.bind"):
+        sock.bind(("127.0.0.1", 0))
+    with pytest.raises(HouseRuleViolation, match=r"subprocess\.Popen"):
+        subprocess.run(["true"], check=False)
+    with pytest.raises(HouseRuleViolation, match=r"os\.fork"):
+        os.fork()
+    assert len(no_sockets_no_processes) == 3
+    no_sockets_no_processes.clear()  # tripped on purpose: this test passes
