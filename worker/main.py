@@ -72,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastrain worker: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     client = _service(info, events)
-    dist.init_group(info, timeout_s=timeout_s)
     try:
-        trainer.generation = dist.agree_generation()
-        trainer.checkpointer = _checkpointer(spec, info, events, client, trainer.generation)
+        trainer.generation = dist.start_group(
+            info, timeout_s=timeout_s, on_timeout=lambda line: _die(line + "\n", client)
+        )
+        trainer.checkpointer = _checkpointer(spec, info, events, client, trainer.generation, timeout_s)
         trainer.start()
         trainer.run()
     except ElastrainError as exc:
@@ -92,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _collective_timeout(raw: str) -> float:
-    """How long a collective may wait for a peer (a stopped or hung rank) before the group fails
-    and torchrun restarts it from the newest checkpoint."""
+    """How long a collective, and each start-up wait (store, round, group, generation, restore
+    agreement), may wait for a peer (a stopped or hung rank) before the group fails and torchrun
+    restarts it from the newest checkpoint."""
     try:
         value = float(raw)
     except ValueError:
@@ -136,10 +138,16 @@ def _die(message: str, client: ServiceClient | None) -> NoReturn:
 
 
 def _checkpointer(
-    spec: JobSpec, info: DistInfo, events: Events, client: ServiceClient | None, generation: int
+    spec: JobSpec,
+    info: DistInfo,
+    events: Events,
+    client: ServiceClient | None,
+    generation: int,
+    timeout_s: float,
 ) -> Checkpointer | None:
     """The job's checkpointer (the service coordinates publishing when it launched us), or None
-    when the spec has no checkpoint directory."""
+    when the spec has no checkpoint directory. Its waits for the other ranks (the restore
+    agreement, a save's reports) end after the collective timeout, like a collective's."""
     if spec.checkpoint.dir is None:
         return None
     from worker.checkpoint import Checkpointer
@@ -158,5 +166,6 @@ def _checkpointer(
         seed=spec.seed,
         run_record={},
         coordinator=HttpCoordinator(client) if client is not None else None,
+        timeout_s=timeout_s,
         on_event=lambda name, fields: events.emit(name, **fields),
     )
