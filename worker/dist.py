@@ -67,7 +67,7 @@ class DistInfo:
     device: str
     restart_count: int
     under_torchrun: bool
-    store_addr: str = ""  # MASTER_ADDR:MASTER_PORT under torchrun
+    store_addr: str = ""  # MASTER_ADDR:MASTER_PORT under torchrun ("" when either is missing)
     run_id: str = ""  # TORCHELASTIC_RUN_ID
 
     @property
@@ -98,13 +98,7 @@ def detect(env: Mapping[str, str], *, backend: str, cuda_available: bool) -> Dis
         raise SpecError("field 'ddp.backend': nccl needs a GPU and none is visible; use auto or gloo")
     device = f"cuda:{local}" if chosen == "nccl" else "cpu"
     store_addr = ""
-    if under:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-        if missing:
-            raise SpecError(
-                f"environment variable {missing[0]} is not set: start the worker with torchrun, or set "
-                "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (or none of them for one process)"
-            )
+    if under and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         store_addr = f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT', 0)}"
     return DistInfo(
         rank=rank,
@@ -143,6 +137,11 @@ def init_group(info: DistInfo, *, timeout_s: float = 300.0, watch: Watchdog | No
     if not info.under_torchrun:
         dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
+    if not info.store_addr:
+        raise SpecError(
+            "environment variables MASTER_ADDR and MASTER_PORT are not both set: start the worker "
+            "with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (or none of them)"
+        )
     if watch is None:
         with Watchdog(timeout_s, rank=info.rank) as own:
             return init_group(info, timeout_s=timeout_s, watch=own)

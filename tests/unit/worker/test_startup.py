@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from worker.checkpoint.coordinator import MemoryStore
-from worker.dist import detect
+from worker.dist import detect, init_group
 from worker.errors import SpecError
 from worker.startup import StartupTimeout, Watchdog, agree_round
 
@@ -123,15 +123,20 @@ def test_a_torch_error_is_reported_with_the_stage() -> None:
     assert "C++ trace" not in str(err)
 
 
-def test_detect_under_torchrun_needs_the_store_address() -> None:
+def test_detect_reads_the_store_address() -> None:
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "none"}
-    with pytest.raises(SpecError, match="MASTER_ADDR is not set"):
-        detect(env, backend="gloo", cuda_available=False)
+    assert detect(env, backend="gloo", cuda_available=False).store_addr == ""
     info = detect(
         env | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, backend="gloo", cuda_available=False
     )
     assert info.under_torchrun and info.store_addr == "127.0.0.1:29500" and info.run_id == "none"
     assert detect({}, backend="gloo", cuda_available=False).store_addr == ""
+
+
+def test_a_rank_without_the_store_address_is_told_what_to_set() -> None:
+    info = detect({"RANK": "1", "WORLD_SIZE": "2"}, backend="gloo", cuda_available=False)
+    with pytest.raises(SpecError, match="MASTER_ADDR and MASTER_PORT are not both set"):
+        init_group(info, timeout_s=1)
 
 
 def wait_until(cond: Callable[[], bool]) -> None:
