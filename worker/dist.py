@@ -3,6 +3,42 @@
 ``detect`` is pure (environment in, :class:`DistInfo` out). Outside torchrun the worker is a
 world of one; it still builds a gloo group (on an in-memory store) so that one code path
 serves both cases.
+
+Under torchrun the worker forms its group on a store prefix of its own per round
+-------------------------------------------------------------------------------
+torchrun tells the workers where a TCPStore is (``MASTER_ADDR``/``MASTER_PORT``) and whether its
+agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``). With the default *static* rendezvous (plain
+``torchrun --nproc-per-node N``: the agent's store on port 29500) and with the c10d backend
+(``--standalone``, ``--rdzv-backend c10d``) unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set
+in the agent, the agent hosts that store and keeps it across restarts, and
+``init_process_group`` puts every group's keys under the same fixed ``default_pg/`` prefix. A
+restarted group then reads the dead group's keys (gloo's peer addresses, NCCL's unique id) and
+fails or hangs in ``init_process_group``: torchrun's first-restart trap, pytorch#135712. For the
+static backend the variable does not even exist as a remedy.
+
+What identifies a round? Nothing torchrun hands the workers does, consistently on every rank:
+``TORCHELASTIC_RESTART_COUNT`` is each agent's own count (an agent that joins later, or restarts
+its workers for a membership change, counts differently, and a membership change restarts the
+workers without counting at all), and ``MASTER_PORT`` of a shared store is the same in every
+round. So the ranks make the identity themselves: :func:`worker.startup.agree_round` gives every
+rank of the new group one fresh random token through the store, by a protocol no leftover key
+can fool (rank 0 answers each rank's fresh nonce), and the group is created with
+``init_process_group(store=PrefixStore("elastrain/round/<run id>/<token>", store))``. Everything
+that later uses the default store (the in-job checkpoint coordinator's session counter, save
+reports and outcomes, the restore agreement) lives under that prefix too, because
+``_get_default_store()`` returns the store the group was created with. The store itself comes
+from ``torch.distributed.rendezvous("env://")``, so torchrun's own rules (agent-hosted or hosted
+by worker rank 0) hold unchanged; where the store is fresh per attempt anyway (the service's
+``etcd-v3`` handler forces ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) the agreement costs a few
+milliseconds and changes nothing. The alternative, a store of the worker's own, still needs its
+address passed through the shared store, so it needs the same agreement and adds a port.
+
+No start-up wait is unbounded: :func:`start_group` runs the store connection, the round
+agreement, the group's creation and the generation broadcast under one
+:class:`worker.startup.Watchdog` of ``ELASTRAIN_COLLECTIVE_TIMEOUT_S`` seconds; each wait uses
+what is left as its own timeout and the watchdog catches any that does not honour it. Either
+way the process writes one line (what it waited for, how long) and exits 1, so torchrun's
+restart applies.
 """
 
 from __future__ import annotations
@@ -10,13 +46,16 @@ from __future__ import annotations
 import datetime
 import gc
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from worker.errors import SpecError
+from worker.startup import Watchdog, agree_round, exit_now
+
+ROUND_PREFIX = "elastrain/round"
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +67,8 @@ class DistInfo:
     device: str
     restart_count: int
     under_torchrun: bool
+    store_addr: str = ""  # MASTER_ADDR:MASTER_PORT under torchrun ("" when either is missing)
+    run_id: str = ""  # TORCHELASTIC_RUN_ID
 
     @property
     def is_main(self) -> bool:
@@ -56,6 +97,9 @@ def detect(env: Mapping[str, str], *, backend: str, cuda_available: bool) -> Dis
     if chosen == "nccl" and not cuda_available:
         raise SpecError("field 'ddp.backend': nccl needs a GPU and none is visible; use auto or gloo")
     device = f"cuda:{local}" if chosen == "nccl" else "cpu"
+    store_addr = ""
+    if under and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        store_addr = f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT', 0)}"
     return DistInfo(
         rank=rank,
         world_size=world,
@@ -64,20 +108,65 @@ def detect(env: Mapping[str, str], *, backend: str, cuda_available: bool) -> Dis
         device=device,
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
         under_torchrun=under,
+        store_addr=store_addr,
+        run_id=env.get("TORCHELASTIC_RUN_ID", ""),
     )
 
 
-def init_group(info: DistInfo, *, timeout_s: float = 300.0) -> None:
-    """Create the default process group (idempotent)."""
+def start_group(info: DistInfo, *, timeout_s: float, on_timeout: Callable[[str], None] = exit_now) -> int:
+    """Create the default process group and agree on its generation (:func:`agree_generation`),
+    all within ``timeout_s``; past it ``on_timeout`` gets one line saying what was waited for
+    (the default writes it to stderr and exits 1). Returns the generation."""
+    with Watchdog(timeout_s, rank=info.rank, on_expire=on_timeout) as watch:
+        init_group(info, timeout_s=timeout_s, watch=watch)
+        watch.stage("rank 0's generation number (a broadcast on the new group)")
+        try:
+            return agree_generation()
+        except RuntimeError as exc:  # torch's DistError and its timeouts
+            raise watch.failed(exc) from exc
+
+
+def init_group(info: DistInfo, *, timeout_s: float = 300.0, watch: Watchdog | None = None) -> None:
+    """Create the default process group (idempotent): under torchrun on this round's own prefix
+    of torchrun's store (see the module docstring), within ``timeout_s``."""
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(info.device))
-    if info.under_torchrun:
-        dist.init_process_group(backend=info.backend, timeout=timeout)
-    else:
+    if not info.under_torchrun:
         dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    if not info.store_addr:
+        raise SpecError(
+            "environment variables MASTER_ADDR and MASTER_PORT are not both set: start the worker "
+            "with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (or none of them)"
+        )
+    if watch is None:
+        with Watchdog(timeout_s, rank=info.rank) as own:
+            return init_group(info, timeout_s=timeout_s, watch=own)
+    try:
+        _create(info, timeout, watch)
+    except RuntimeError as exc:  # torch's DistError (store timeouts, gloo's connectFullMesh)
+        raise watch.failed(exc) from exc
+
+
+def _create(info: DistInfo, timeout: datetime.timedelta, watch: Watchdog) -> None:
+    left = watch.stage(f"the store at {info.store_addr}")
+    # torchrun's store, opened as init_process_group("env://") would open it.
+    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=left)))
+    left = watch.stage(f"the other {info.world_size - 1} rank(s) to agree on this round's store prefix")
+    base = f"{ROUND_PREFIX}/{info.run_id or 'none'}"
+    token = agree_round(store, rank=info.rank, world_size=info.world_size, base=base, timeout_s=left)
+    watch.stage(f"the {info.backend} process group of {info.world_size} ranks to form")
+    store.set_timeout(timeout)
+    dist.init_process_group(
+        backend=info.backend,
+        store=dist.PrefixStore(f"{base}/{token}", store),
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+    )
 
 
 def agree_generation() -> int:

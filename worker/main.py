@@ -78,12 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         _refused(f"error: {exc}")
         return EXIT_BAD_INPUT
     client = _service(info, events)
-    dist.init_group(info, timeout_s=timeout_s)
     trainer: Trainer | None = None
     generation: int | None = None
     try:
-        generation = dist.agree_generation()
-        trainer = _trainer(built, info, events=events, client=client, generation=generation)
+        generation = dist.start_group(
+            info,
+            timeout_s=timeout_s,
+            on_timeout=lambda line: _die(
+                line + "\n", client, line=line, rank=info.rank, step=None, generation=None
+            ),
+        )
+        trainer = _trainer(
+            built, info, events=events, client=client, generation=generation, timeout_s=timeout_s
+        )
         trainer.start()
         trainer.run()
     except BaseException as exc:
@@ -105,7 +112,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _trainer(
-    built: Built, info: DistInfo, *, events: Events, client: ServiceClient | None, generation: int
+    built: Built,
+    info: DistInfo,
+    *,
+    events: Events,
+    client: ServiceClient | None,
+    generation: int,
+    timeout_s: float,
 ) -> Trainer:
     """The Trainer, complete: its checkpointer, this group's generation and its metrics."""
     from worker.checkpoint.owner import job_identity
@@ -118,7 +131,7 @@ def _trainer(
         built,
         info,
         events=events,
-        checkpointer=_checkpointer(spec, info, events, client, generation),
+        checkpointer=_checkpointer(spec, info, events, client, generation, timeout_s),
         generation=generation,
         metrics=WorkerMetrics.from_env(job=job, rank=info.rank, world_size=info.world_size),
     )
@@ -133,8 +146,9 @@ def _own(job_dir: Path, name: str, *, main: bool) -> None:
 
 
 def _collective_timeout(raw: str) -> float:
-    """How long a collective may wait for a peer (a stopped or hung rank) before the group fails
-    and torchrun restarts it from the newest checkpoint."""
+    """How long a collective, and each start-up wait (store, round, group, generation, restore
+    agreement), may wait for a peer (a stopped or hung rank) before the group fails and torchrun
+    restarts it from the newest checkpoint."""
     try:
         value = float(raw)
     except ValueError:
@@ -205,10 +219,16 @@ def _die(
 
 
 def _checkpointer(
-    spec: JobSpec, info: DistInfo, events: Events, client: ServiceClient | None, generation: int
+    spec: JobSpec,
+    info: DistInfo,
+    events: Events,
+    client: ServiceClient | None,
+    generation: int,
+    timeout_s: float,
 ) -> Checkpointer | None:
     """The job's checkpointer (the service coordinates publishing when it launched us), or None
-    when the spec has no checkpoint directory."""
+    when the spec has no checkpoint directory. Its waits for the other ranks (the restore
+    agreement, a save's reports) end after the collective timeout, like a collective's."""
     if spec.checkpoint.dir is None:
         return None
     from worker.checkpoint import Checkpointer
@@ -228,5 +248,6 @@ def _checkpointer(
         seed=spec.seed,
         run_record={},
         coordinator=HttpCoordinator(client) if client is not None else None,
+        timeout_s=timeout_s,
         on_event=lambda name, fields: events.emit(name, **fields),
     )

@@ -36,12 +36,16 @@ class Run:
         return [e for e in self.events if e["event"] == name]
 
 
+# Not inherited by the workers: the tests run what a user gets. torchrun's agent then shares its
+# store with the workers across restarts (the worker protects itself: worker/dist.py), and sets
+# OMP_NUM_THREADS=1 only when a node runs several processes (`python -m worker` and one-process
+# runs use torch's default thread count, as they do for users).
+NOT_INHERITED = ("ELASTRAIN_FAILPOINTS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS")
+
+
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env.pop("ELASTRAIN_FAILPOINTS", None)
     env.update(extra or {})
     return env
 

@@ -31,6 +31,7 @@ from torch import nn
 from worker.checkpoint import Checkpointer
 from worker.checkpoint.layout import read_latest
 from worker.checkpoint.verify import logical_digest, verify_checkpoint
+from worker.dist import detect, init_group
 from worker.spec import CheckpointSpec
 
 BATCH = 4
@@ -209,7 +210,8 @@ def main() -> None:
     MODEL = args.model
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # The worker's group creation: torchrun's agent store outlives a restart (pytorch#135712).
+    init_group(detect(os.environ, backend="gloo", cuda_available=False))
     rank = dist.get_rank()
     emit("started", world_size=dist.get_world_size(), attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
     if args.phase == "resave":
