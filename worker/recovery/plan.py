@@ -126,8 +126,11 @@ def has_quorum(old: tuple[str, ...], checked_in: frozenset[str], dead: frozenset
 
 
 def _fill_order(view: View) -> list[Newcomer]:
-    first = "joiner" if not view.old else "spare"  # the first generation is made of joiners
-    return sorted(view.newcomers, key=lambda n: (n.role != first, n.order))
+    """Spares first (they are warm), then joiners; the first generation is made of joiners only
+    (a spare stands by from the start: its warmed-up state is not the job's)."""
+    if not view.old:
+        return sorted((n for n in view.newcomers if n.role == "joiner"), key=lambda n: n.order)
+    return sorted(view.newcomers, key=lambda n: (n.role != "spare", n.order))
 
 
 def _members(view: View, survivors: list[str], fill: list[Newcomer], world: int) -> Form:

@@ -61,6 +61,8 @@ CASES = [
     ("first generation: the leader is kept when there are more joiners", View((), frozenset(), frozenset(),
      (joiner("w", 3), joiner("z", 4), joiner("y", 0), joiner("x", 1)), "z", 100.0, 3), FIXED3, 100.0,
      Form, "yxz"),
+    ("first generation: a spare is not a member", View((), frozenset(), frozenset(),
+     (joiner("y", 0), spare("s", 1), joiner("x", 2)), "y", 100.0, 3), FIXED3, 100.0, Wait, None),
     ("first generation: too few yet", View((), frozenset(), frozenset(), (joiner("y", 0),), "y", 100.0, 3),
      FIXED3, 100.0, Wait, None),
     ("split brain: minority waits", view(checked="a", dead=""), ELASTIC, 101.0, Wait, None),
