@@ -42,8 +42,11 @@ class Hub:
             self.conns[conn.peer.member_id] = conn
             self.closed.pop(conn.peer.member_id, None)
             self.cond.notify_all()
+            turned_away = self.mode == FOLLOWING and conn.peer.role in ("spare", "joiner")
         if old is not None and old is not conn:
             old.close()
+        if turned_away:  # a newcomer looking for the leader: not here
+            conn.send({"t": "not_leader"})
 
     def on_close(self, conn: Conn, when: float) -> None:
         with self.cond:
@@ -53,6 +56,9 @@ class Hub:
                 self.cond.notify_all()
 
     def on_message(self, conn: Conn, msg: Message) -> None:
+        if msg["t"] == "ping":
+            conn.send({"t": "pong"})
+            return
         if msg["t"] != "checkin" or not isinstance(msg.get("checkin"), dict):
             return
         try:
@@ -84,10 +90,14 @@ class Hub:
 
     # -- the training thread ---------------------------------------------------------------
     def follow(self) -> None:
-        """This process found a living leader: send away whoever checked in here."""
+        """This process found a living leader: send away whoever checked in or waits here."""
         with self.cond:
             self.mode = FOLLOWING
+            members = set(self.current.members) if self.current is not None else set()
             waiting = [self.conns[m] for m in self.checkins if m in self.conns]
+            waiting += [
+                c for m, c in self.conns.items() if m not in members and c.peer.role in ("spare", "joiner")
+            ]
             self.checkins.clear()
         for conn in waiting:
             conn.send({"t": "not_leader"})

@@ -159,7 +159,9 @@ def _members(view: View, survivors: list[str], fill: list[Newcomer], world: int)
 
 
 def decide(view: View, policy: Policy, now: float) -> Decision:
-    """The next step of a re-formation (see the module docstring). Pure."""
+    """The next step of a re-formation (see the module docstring). Pure. The first generation
+    waits for its full size until the deadline (processes start seconds apart); a re-formation
+    shrinks at once when the policy allows it."""
     old = view.old
     pending = [m for m in old if m not in view.checked_in and m not in view.dead]
     window_end = view.since + policy.join_window_s
@@ -179,7 +181,7 @@ def decide(view: View, policy: Policy, now: float) -> Decision:
     if available >= target:
         form = _members(view, survivors, fill, target)
         why = "same size" if target == len(old) else f"world size {len(old)} -> {target}"
-    elif smaller >= policy.min_world and (policy.shrinks() or now >= deadline):
+    elif smaller >= policy.min_world and ((policy.shrinks() and old) or now >= deadline):
         form = _members(view, survivors, fill, smaller)
         why = f"shrink: {target} wanted, {available} available"
     elif now < deadline:

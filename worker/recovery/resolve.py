@@ -33,7 +33,8 @@ from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 
 EventSink = Callable[[str, dict[str, Any]], None]
 ANSWERS = ("form", "fenced", "fallback", "leave", "not_leader")
-ACK_TIMEOUT_S = 5.0  # a living candidate's connection thread answers a check-in at once
+ACK_TIMEOUT_S = 5.0  # a living process's connection thread answers a check-in or a ping at once
+PING_AFTER_S = 2.0  # silence on a leader's connection after which it is asked whether it still runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,8 @@ class Resolver:
                 answer = _await(link, None)
                 if answer is not None and answer["t"] != "not_leader":
                     return _order(answer, link)
+                link.close()
+                time.sleep(0.1)
             current, revision = self._read()
             link = self._reach(current)
             if link is None and self.me.role == "spare":  # a spare never leads: it waits for members
@@ -182,7 +185,10 @@ class Resolver:
                 break
             if old is not None and now - probed > 0.5:
                 probed = now
-                dead |= _probe_silent(old, view.checked_in | view.dead)
+                found = _probe_silent(old, view.checked_in | view.dead)
+                if found - dead:
+                    dead |= found
+                    continue  # decide again at once
             self.hub.wait(min(decision.until, now + 0.5) - now)
         assert isinstance(decision, Form)
         host = StoreHost(self.advertise, timeout_s=self.store_timeout_s)
@@ -261,17 +267,30 @@ TIMEOUT = "no answer from the leader before the deadline"
 
 
 def _await(link: Link, deadline: float | None, kinds: tuple[str, ...] = ANSWERS) -> dict[str, Any] | None:
-    """The leader's next answer on ``link`` (one of ``kinds``); None when it is gone."""
+    """The leader's next answer on ``link`` (one of ``kinds``); None when it is gone, or stopped:
+    after ``PING_AFTER_S`` of silence it is pinged, and a process that does not answer within
+    ``ACK_TIMEOUT_S`` (SIGSTOPped, hung) counts as gone."""
+    pinged: float | None = None
     while True:
-        timeout = None if deadline is None else deadline - time.time()
-        if timeout is not None and timeout <= 0:
+        now = time.time()
+        if deadline is not None and now >= deadline:
             return _fallback(TIMEOUT)
+        if pinged is not None and now - pinged >= ACK_TIMEOUT_S:
+            link.close()
+            return None
+        wait = PING_AFTER_S if pinged is None else ACK_TIMEOUT_S - (now - pinged)
+        if deadline is not None:
+            wait = min(wait, deadline - now)
         try:
-            msg = link.recv(timeout)
+            msg = link.recv(max(wait, 0.0))
         except TimeoutError:
+            if pinged is None:
+                pinged = time.time()
+                link.send({"t": "ping"})
             continue
         if msg is None or msg["t"] in kinds:
             return msg
+        pinged = None  # any line (a pong) says the leader runs
 
 
 def _order(answer: dict[str, Any], link: Link) -> Order | Refused:

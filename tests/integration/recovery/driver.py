@@ -148,6 +148,7 @@ def train_window(args: dict[str, Any], state: State, member: GroupMember, data: 
     state.sampler = window.after
     state.ver += 1
     state.step += 0 if verdict.nonfinite else 1
+    time.sleep(args.get("step_sleep", 0.0))  # pacing, for a test that acts while the group trains
     return verdict.reform
 
 
