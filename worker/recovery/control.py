@@ -197,6 +197,8 @@ class ControlServer:
     def close(self) -> None:
         """Stop accepting and close every connection. Idempotent."""
         self._stop.set()
+        with contextlib.suppress(OSError):  # stops listening at once, even under a blocked accept()
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:

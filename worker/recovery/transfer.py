@@ -14,7 +14,7 @@ progress blob (step, samples, sampler cursor, loss scaler...). No pickle anywher
    (:func:`worker.recovery.agree.agree_digests`); a member never trains on a half-received state.
 
 Failpoints: ``peer_send_chunk`` (the source, before each chunk) and ``peer_receive_chunk``
-(a receiver, after each chunk arrived).
+(a receiver, after each chunk arrived; the action ``corrupt`` flips a byte of it).
 """
 
 from __future__ import annotations
@@ -75,6 +75,17 @@ def segments(sizes: list[int], chunk: int) -> list[list[tuple[int, int, int, int
     if current:
         out.append(current)
     return out
+
+
+def seal(chunk: bytes) -> bytes:
+    """The chunk with its xxh3-128 appended (what goes on the wire). Pure."""
+    return chunk + xxhash.xxh3_128(chunk).digest()
+
+
+def intact(sealed: bytes | memoryview) -> bool:
+    """Whether a sealed chunk's bytes match its digest (no copy of the chunk). Pure."""
+    view = memoryview(sealed)
+    return len(view) >= DIGEST and xxhash.xxh3_128(view[:-DIGEST]).digest() == bytes(view[-DIGEST:])
 
 
 def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -149,9 +160,9 @@ def _move_chunks(flat: list[torch.Tensor], cuts: list[list[tuple[int, int, int, 
         dist.broadcast(buf[: n + DIGEST], src=src, group=group)
         if not receiving:
             continue
-        failpoint("peer_receive_chunk")
-        host = buf[: n + DIGEST].cpu().numpy()
-        if xxhash.xxh3_128(host[:n].data).digest() != host[n:].tobytes():
+        if failpoint("peer_receive_chunk") == "corrupt":  # a byte flipped on the way (tests)
+            buf[0:1].bitwise_xor_(torch.full((1,), 0xFF, dtype=torch.uint8, device=buf.device))
+        if not intact(buf[: n + DIGEST].cpu().numpy().data):
             ok = False
             continue
         if ok:

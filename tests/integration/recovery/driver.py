@@ -161,7 +161,10 @@ def settle_outcome(outcome: Outcome, state: State, member: GroupMember, log: Log
                          "rank": outcome.info.rank if outcome.info else None,
                          "world_size": outcome.info.world_size if outcome.info else None})  # fmt: skip
     if outcome.kind == "storage":  # no checkpoint in this driver: a fresh job starts from its seed
-        assert state.ver == 0, f"no member holds state at version {state.ver}: {outcome.reason}"
+        if state.ver != 0 or outcome.reason != "no member holds a valid state":
+            log.emit("needs_storage", {"reason": outcome.reason})  # the trainer restores here
+            member.close()
+            sys.exit(5)
         state.rewrap(member.info)
         member.mark_valid()
         return
