@@ -32,6 +32,7 @@ class Hub:
         self.conns: dict[str, Conn] = {}
         self.closed: dict[str, float] = {}  # member id -> when its connection closed
         self.checkins: dict[str, Checkin] = {}
+        self.infos: dict[str, MemberInfo] = {}  # every process that said hello, as it did
         self.current: GenRecord | None = None  # the formed generation this process belongs to
         self.mode = IDLE
 
@@ -40,6 +41,7 @@ class Hub:
         with self.cond:
             old = self.conns.get(conn.peer.member_id)
             self.conns[conn.peer.member_id] = conn
+            self.infos[conn.peer.member_id] = conn.peer
             self.closed.pop(conn.peer.member_id, None)
             self.cond.notify_all()
             turned_away = self.mode == FOLLOWING and conn.peer.role in ("spare", "joiner")
@@ -129,10 +131,9 @@ class Hub:
             newcomers=newcomers, leader=self.me.member_id, since=since, desired_world=desired_world,
         )  # fmt: skip
 
-    def address_of(self, member_id: str) -> str:
+    def info_of(self, member_id: str) -> MemberInfo | None:
         with self.cond:
-            conn = self.conns.get(member_id)
-            return conn.peer.control if conn is not None else ""
+            return self.infos.get(member_id)
 
     def failed_at(self, lost: tuple[str, ...], old: GenRecord | None) -> float | None:
         """The lost members' last sign of life: their connection's EOF, else their check-ins'."""

@@ -94,7 +94,8 @@ class MemberInfo:
 class GenRecord:
     """A generation of the group (etcd ``gen``, written by compare-and-set; the fencing token).
 
-    ``members`` in rank order, ``addrs`` their control addresses; ``leader`` hosts the
+    ``members`` in rank order, ``addrs`` their control addresses, ``launch_ids`` the node apps
+    that started them (the service's names for them; empty when unknown); ``leader`` hosts the
     generation's store and the control hub; ``state`` is ``gathering`` while the first
     generation's leader waits for members, ``formed`` otherwise."""
 
@@ -109,6 +110,7 @@ class GenRecord:
     reason: str = ""
     incident: str = ""
     formed_at: float = 0.0
+    launch_ids: tuple[str, ...] = ()
 
     def rank_of(self, member_id: str) -> int | None:
         return self.members.index(member_id) if member_id in self.members else None
@@ -121,7 +123,11 @@ class GenRecord:
 
     def to_json(self) -> dict[str, Any]:
         raw = asdict(self)
-        raw["members"], raw["addrs"] = list(self.members), list(self.addrs)
+        raw["members"], raw["addrs"], raw["launch_ids"] = (
+            list(self.members),
+            list(self.addrs),
+            list(self.launch_ids),
+        )
         return raw
 
     @staticmethod
@@ -135,12 +141,15 @@ class GenRecord:
             raise RecordError(f"{what}: {len(members)} members, {len(addrs)} addresses, world size {world}")
         if len(set(members)) != len(members):
             raise RecordError(f"{what}: a member appears twice")
+        launch_ids = _strings(raw, "launch_ids", what) if "launch_ids" in raw else ()
+        if launch_ids and len(launch_ids) != len(members):
+            raise RecordError(f"{what}: {len(members)} members, {len(launch_ids)} launch ids")
         return GenRecord(
             generation=_get(raw, "generation", int, what), members=members, addrs=addrs,
             leader=_get(raw, "leader", str, what), leader_addr=_get(raw, "leader_addr", str, what),
             store=_get(raw, "store", str, what), world_size=world, state=state,
             reason=_get(raw, "reason", str, what), incident=_get(raw, "incident", str, what),
-            formed_at=float(_get(raw, "formed_at", (int, float), what)),
+            formed_at=float(_get(raw, "formed_at", (int, float), what)), launch_ids=launch_ids,
         )  # fmt: skip
 
 

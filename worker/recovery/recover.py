@@ -121,7 +121,7 @@ class GroupMember:
             return False
         now = time.time()
         if now - self._desired_at > 2.0 and self.resolver is not None:
-            self._desired_at, self._desired = now, self.resolver._desired()
+            self._desired_at, self._desired = now, self.resolver.desired_world_now()
         assert self.record is not None
         target = self.cfg.policy.fit(self._desired or self.cfg.policy.max_world)
         return target > self.record.world_size

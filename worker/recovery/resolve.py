@@ -28,7 +28,7 @@ from worker.recovery.control import ControlError, Link, connect
 from worker.recovery.group import StoreHost
 from worker.recovery.hub import Hub, message_record, probe
 from worker.recovery.membership import KeyValueUnavailable, Membership
-from worker.recovery.plan import Fallback, Form, Policy, Wait, decide
+from worker.recovery.plan import Fallback, Form, Policy, decide
 from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -170,35 +170,52 @@ class Resolver:
         current, revision = gathering if gathering is not None else self._read()
         if old is not None and current is not None and current.generation > old.generation:
             return self._stale(current)
-        desired = self._desired()
-        probed = 0.0
+        decision = self._decide(old, dead, since)
+        if not isinstance(decision, Form):
+            return decision
+        return self._commit(decision, old, current, revision)
+
+    def _decide(self, old: GenRecord | None, dead: set[str], since: float) -> Form | Order | Refused:
+        """Decide until the plan says form or give up; probe silent members (a refused probe is a
+        death) and re-read the generation (another leader may have formed a newer one) meanwhile."""
+        desired = self.desired_world_now()
+        probed, read = 0.0, time.time()  # probe at the first wait, read etcd after 2 s
         while True:
             now = time.time()
             view = self.hub.view(old, dead=dead, since=since, desired_world=desired)
             decision = decide(view, self.policy, now)
             if isinstance(decision, Fallback):
-                self.hub.tell(
-                    set(view.checked_in) | {n.member_id for n in view.newcomers}, _fallback(decision.reason)
-                )
+                told = set(view.checked_in) | {n.member_id for n in view.newcomers}
+                self.hub.tell(told, _fallback(decision.reason))
                 return Refused("fallback", decision.reason)
-            if not isinstance(decision, Wait):
-                break
+            if isinstance(decision, Form):
+                return decision
             if old is not None and now - probed > 0.5:
                 probed = now
                 found = _probe_silent(old, view.checked_in | view.dead)
                 if found - dead:
                     dead |= found
                     continue  # decide again at once
+            if old is not None and now - read > 2.0:
+                read = now
+                current, _ = self._read()
+                if current is not None and current.generation > old.generation:
+                    return self._stale(current)
             self.hub.wait(min(decision.until, now + 0.5) - now)
-        assert isinstance(decision, Form)
+
+    def _commit(
+        self, decision: Form, old: GenRecord | None, current: GenRecord | None, revision: int
+    ) -> Order | Refused:
+        """Host the store, write the generation by compare-and-set, tell the members."""
         host = StoreHost(self.advertise, timeout_s=self.store_timeout_s)
         generation = (current.generation if current is not None else -1) + 1
-        addrs = tuple(self._address(m, old) for m in decision.members)
+        infos = [self._info(m, old) for m in decision.members]
         record = GenRecord(
-            generation=generation, members=decision.members, addrs=addrs, leader=self.me.member_id,
-            leader_addr=self.me.control, store=host.address, world_size=decision.world_size,
-            reason=decision.reason, incident=f"g{old.generation}" if old is not None else "",
-            formed_at=time.time(),
+            generation=generation, members=decision.members, addrs=tuple(i[0] for i in infos),
+            leader=self.me.member_id, leader_addr=self.me.control, store=host.address,
+            world_size=decision.world_size, reason=decision.reason,
+            incident=f"g{old.generation}" if old is not None else "", formed_at=time.time(),
+            launch_ids=tuple(i[1] for i in infos),
         )  # fmt: skip
         if not self.membership.commit_generation(record, revision=revision):
             host.close()
@@ -208,19 +225,23 @@ class Resolver:
             )
         missed = self.hub.announce(record, leaving=decision.leaving)
         self.emit("recovery_decided", {
-            "generation": generation, "members": list(record.members), "lost": list(decision.lost),
+            "generation": generation, "members": list(record.members), "launch_ids": list(record.launch_ids),
+            "lost": list(decision.lost), "lost_launch_ids": [self._info(m, old)[1] for m in decision.lost],
             "promoted": list(decision.promoted), "leaving": list(decision.leaving), "reason": decision.reason,
             "world_before": len(old.members) if old is not None else 0, "world_after": decision.world_size,
             "failed_at": self.hub.failed_at(decision.lost, old), "unreached": missed,
         })  # fmt: skip
         return Order(record, host, None)
 
-    def _address(self, member_id: str, old: GenRecord | None) -> str:
+    def _info(self, member_id: str, old: GenRecord | None) -> tuple[str, str]:
+        """A member's control address and launch id, from this process, the old record or its hello."""
         if member_id == self.me.member_id:
-            return self.me.control
+            return self.me.control, self.me.launch_id
         if old is not None and member_id in old.members:
-            return old.addrs[old.members.index(member_id)]
-        return self.hub.address_of(member_id)
+            index = old.members.index(member_id)
+            return old.addrs[index], old.launch_ids[index] if old.launch_ids else ""
+        info = self.hub.info_of(member_id)
+        return (info.control, info.launch_id) if info is not None else ("", "")
 
     def _stale(self, current: GenRecord) -> Order | Refused:
         """A newer generation exists: join it if listed (as a late member), else fenced."""
@@ -247,7 +268,8 @@ class Resolver:
                 time.sleep(0.2)
         return self.membership.generation()
 
-    def _desired(self) -> int | None:
+    def desired_world_now(self) -> int | None:
+        """The service's wished size (etcd ``desired``), else the configured one."""
         try:
             desired = self.membership.desired()
         except (KeyValueUnavailable, RecordError):

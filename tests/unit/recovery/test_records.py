@@ -23,6 +23,14 @@ def test_round_trips() -> None:
     assert Desired.from_json({"nodes": 3, "spares": 1, "epoch": 2}) == Desired(3, 1, 2)
 
 
+def test_launch_ids_travel_with_the_members() -> None:
+    record = GenRecord.from_json(RECORD.to_json() | {"launch_ids": ["n0", "n1", "n2"]})
+    assert record.launch_ids == ("n0", "n1", "n2")
+    assert GenRecord.from_json(parse(dump(record.to_json()), what="gen")) == record
+    with pytest.raises(RecordError, match="3 members, 1 launch ids"):
+        GenRecord.from_json(RECORD.to_json() | {"launch_ids": ["n0"]})
+
+
 def test_candidates_start_with_the_leader_then_rank_order() -> None:
     assert RECORD.candidates() == [("b", "h:2"), ("a", "h:1"), ("c", "h:3")]
     assert RECORD.rank_of("c") == 2 and RECORD.rank_of("z") is None
