@@ -135,13 +135,22 @@ class Hub:
         with self.cond:
             return self.infos.get(member_id)
 
-    def failed_at(self, lost: tuple[str, ...], old: GenRecord | None) -> float | None:
-        """The lost members' last sign of life: their connection's EOF, else their check-ins'."""
+    def failed_at(self, lost: tuple[str, ...], old: GenRecord | None, since: float) -> float | None:
+        """The lost members' last sign of life: the EOF of their connection to this process, else
+        (it was connected elsewhere) the first failure a survivor saw. None without a failure."""
         with self.cond:
             times = [self.closed[m] for m in lost if m in self.closed]
-            if not times and old is not None:
-                times = [c.failed_at for c in self.checkins.values() if c.generation == old.generation]
-        return min(times) if times else None
+        if times:
+            return min(times)
+        return self.detected_at(old, since) if lost else None
+
+    def detected_at(self, old: GenRecord | None, since: float) -> float | None:
+        """The first failure a member of ``old`` reported (this process's own at ``since``)."""
+        if old is None:
+            return None
+        with self.cond:
+            times = [c.failed_at for c in self.checkins.values() if c.generation == old.generation]
+        return min([*times, since])
 
     def wait(self, timeout: float) -> None:
         with self.cond:

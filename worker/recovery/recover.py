@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from worker.recovery.failure import Failure, classify
 from worker.recovery.group import Group, GroupInfo, StoreHost, form, teardown
 from worker.recovery.handover import Handed, Holding, hand_over
 from worker.recovery.hub import Hub
-from worker.recovery.membership import KeyValue, Membership
+from worker.recovery.membership import KeyValue, KeyValueUnavailable, Membership
 from worker.recovery.records import Checkin, GenRecord, MemberInfo
 from worker.recovery.resolve import Order, Refused, Resolver
 from worker.recovery.seam import Outcome, RecoverableState, RecoveryConfig
@@ -148,6 +149,8 @@ class GroupMember:
         in_window = failure is not None and failure.in_window
         old = self.record if self.record is not None and self.member_id in self.record.members else None
         first = old
+        if self.resolver is not None:
+            self.resolver.decisions = []
         for attempt in range(1, self.cfg.max_attempts + 1):
             order = self._resolve(state, old, since, failure, in_window)
             if isinstance(order, Refused):
@@ -156,7 +159,10 @@ class GroupMember:
                 return Outcome(order.kind, reason=order.reason, attempts=attempt)
             fault, handed, phases = self._run(state, order, since, in_window)
             if fault is None:
-                return self._outcome(handed, order.record, first, phases, attempt)
+                outcome = self._outcome(handed, order.record, first, phases, attempt)
+                if first is not None and order.record.leader == self.member_id:
+                    self._record_incident(outcome, first)
+                return outcome
             self.emit("recovery_retry", {"attempt": attempt, "kind": fault.kind, "error": fault.message})
             if not fault.recoverable:
                 return Outcome("fallback", reason=fault.message, attempts=attempt)
@@ -237,6 +243,34 @@ class GroupMember:
             promoted=promoted,
             world_before=len(old.members) if old is not None else 0, attempts=attempt, phases=phases,
         )  # fmt: skip
+
+    def _record_incident(self, outcome: Outcome, first: GenRecord) -> None:
+        """The leader writes the incident (etcd ``incidents/g<broken generation>``) off the
+        training thread; the service folds it with its own observations."""
+        assert self.resolver is not None
+        decided = self.resolver.decisions
+        incident = f"g{first.generation}"
+        record: dict[str, Any] = {
+            "incident": incident, "kind": outcome.kind, "reason": outcome.reason,
+            "generation": outcome.info.generation if outcome.info else None,
+            "lost": list(outcome.lost), "promoted": list(outcome.promoted),
+            "lost_launch_ids": sorted({lid for d in decided for lid in d["lost_launch_ids"] if lid}),
+            "failed_at": decided[0]["failed_at"] if decided else None,
+            "detected_at": decided[0]["detected_at"] if decided else None, "source_rank": outcome.source_rank,
+            "bytes_from_peers": outcome.bytes_from_peers, "voided_windows": outcome.voided_windows,
+            "world_before": outcome.world_before,
+            "world_after": outcome.info.world_size if outcome.info else 0,
+            "attempts": outcome.attempts, "phases": outcome.phases,
+        }  # fmt: skip
+
+        def write() -> None:
+            try:
+                self.membership.put_incident(incident, record)
+            except KeyValueUnavailable as exc:
+                self.emit("incident_not_recorded", {"incident": incident, "error": str(exc)[:300]})
+
+        threading.Thread(target=write, name="elastrain-incident", daemon=True).start()
+        self.emit("recovery_incident", record)
 
     def release_standby(self) -> None:
         """The job is over (the leader calls it): connected spares and joiners are told to leave."""

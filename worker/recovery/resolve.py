@@ -72,6 +72,7 @@ class Resolver:
         self.me, self.secret, self.advertise, self.policy = me, secret, advertise, policy
         self.desired_world, self.store_timeout_s = desired_world, store_timeout_s
         self.hub, self.membership, self.emit = hub, membership, on_event
+        self.decisions: list[dict[str, Any]] = []  # this process's decisions as leader, this incident
 
     # -- members of the broken generation ------------------------------------------------------
     def reform(self, old: GenRecord, link: Link | None, checkin: Checkin) -> Order | Refused:
@@ -173,7 +174,7 @@ class Resolver:
         decision = self._decide(old, dead, since)
         if not isinstance(decision, Form):
             return decision
-        return self._commit(decision, old, current, revision)
+        return self._commit(decision, old, current, revision, since)
 
     def _decide(self, old: GenRecord | None, dead: set[str], since: float) -> Form | Order | Refused:
         """Decide until the plan says form or give up; probe silent members (a refused probe is a
@@ -204,7 +205,7 @@ class Resolver:
             self.hub.wait(min(decision.until, now + 0.5) - now)
 
     def _commit(
-        self, decision: Form, old: GenRecord | None, current: GenRecord | None, revision: int
+        self, decision: Form, old: GenRecord | None, current: GenRecord | None, revision: int, since: float
     ) -> Order | Refused:
         """Host the store, write the generation by compare-and-set, tell the members."""
         host = StoreHost(self.advertise, timeout_s=self.store_timeout_s)
@@ -223,14 +224,19 @@ class Resolver:
             return (
                 self._stale(winner) if winner is not None else Refused("fallback", "the generation vanished")
             )
+        failed_at = self.hub.failed_at(decision.lost, old, since)  # before announce forgets the check-ins
+        detected_at = self.hub.detected_at(old, since)
         missed = self.hub.announce(record, leaving=decision.leaving)
-        self.emit("recovery_decided", {
+        decided = {
             "generation": generation, "members": list(record.members), "launch_ids": list(record.launch_ids),
             "lost": list(decision.lost), "lost_launch_ids": [self._info(m, old)[1] for m in decision.lost],
             "promoted": list(decision.promoted), "leaving": list(decision.leaving), "reason": decision.reason,
             "world_before": len(old.members) if old is not None else 0, "world_after": decision.world_size,
-            "failed_at": self.hub.failed_at(decision.lost, old), "unreached": missed,
-        })  # fmt: skip
+            "failed_at": failed_at, "detected_at": detected_at, "decided_at": time.time(),
+            "unreached": missed,
+        }  # fmt: skip
+        self.decisions.append(decided)
+        self.emit("recovery_decided", decided)
         return Order(record, host, None)
 
     def _info(self, member_id: str, old: GenRecord | None) -> tuple[str, str]:

@@ -171,6 +171,26 @@ def _move_chunks(flat: list[torch.Tensor], cuts: list[list[tuple[int, int, int, 
     return ok
 
 
+def _agree_manifest(
+    manifest: bytes | None, live: LiveState, names: list[str], *, src: int, group: Any, device: str
+) -> tuple[dict[str, Any] | None, str]:
+    """The source's manifest on every participant, or why one of them cannot take it."""
+    try:
+        data = _broadcast_bytes(manifest, src=src, group=group, device=device)
+    except TransferError as exc:  # the size was refused on every participant alike
+        return None, str(exc)
+    why = ""
+    try:
+        raw = loads(data, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH, what="state manifest",
+                    reject_duplicate_keys=True, reject_non_finite=True)  # fmt: skip
+        why = _check_manifest(raw, live, names)
+    except JSONRefused as exc:
+        raw, why = None, str(exc)
+    if not _all_can_take(not why, group=group, device=device):
+        return None, f"a receiver cannot take the state: {why or 'another member refused the manifest'}"
+    return raw, ""
+
+
 def transfer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -196,29 +216,16 @@ def transfer(
     manifest = (
         _manifest(live, names, progress or {}, had_state=had_state, chunk=chunk_bytes) if sending else None
     )
-    try:
-        data = _broadcast_bytes(manifest, src=src, group=group, device=device)
-    except TransferError as exc:  # the size was refused on every participant alike
-        return Result(progress={}, ok=False, bytes=0, chunks=0, reason=str(exc))
-    why = ""
-    try:
-        raw = loads(data, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH, what="state manifest",
-                    reject_duplicate_keys=True, reject_non_finite=True)  # fmt: skip
-        why = _check_manifest(raw, live, names)
-    except JSONRefused as exc:
-        raw, why = None, str(exc)
-    if not _all_can_take(not why, group=group, device=device):
-        why = why or "another member refused the manifest"
-        return Result(
-            progress={}, ok=False, bytes=0, chunks=0, reason=f"a receiver cannot take the state: {why}"
-        )
-    assert isinstance(raw, dict)
+    raw, why = _agree_manifest(manifest, live, names, src=src, group=group, device=device)
+    if raw is None:
+        if not had_state:
+            optimizer.state.clear()  # as it was: capture's zero-step state is nobody's
+        return Result(progress={}, ok=False, bytes=0, chunks=0, reason=why)
     chunk = int(raw["chunk_bytes"])
     flat = [_flat(live.tensors[n].local, n) for n in names]
     cuts = segments([t.numel() for t in flat], chunk)
-    ok = _move_chunks(
-        flat, cuts, sending=sending, receiving=receive, src=src, group=group, chunk=chunk, device=device
-    )
+    ok = _move_chunks(flat, cuts, sending=sending, receiving=receive, src=src, group=group, chunk=chunk,
+                      device=device)  # fmt: skip
     if receive and ok:
         apply(model, optimizer, live, raw["extras"])
     if not raw["optimizer_state"]:

@@ -192,6 +192,7 @@ def run(args: dict[str, Any]) -> None:
                          chunk_bytes=args.get("chunk_bytes", 1 << 16),
                          collective_timeout_s=args.get("collective_timeout_s", 30.0))  # fmt: skip
     member = GroupMember(cfg, kv=EtcdKeyValue(args["etcd"]), role=args["role"], node_index=args["node"],
+                         launch_id=args.get("launch", ""),
                          on_event=log.emit)  # fmt: skip
     member.start()
     log.emit("started", {"role": args["role"], "member": member.member_id})

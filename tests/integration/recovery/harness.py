@@ -36,7 +36,9 @@ class Job:
         full = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         full.pop("ELASTRAIN_FAILPOINTS", None)
         full.update(env or {})
-        full["DRIVER_ARGS"] = json.dumps({**self.args, "role": role, "node": node, **overrides})
+        full["DRIVER_ARGS"] = json.dumps(
+            {**self.args, "role": role, "node": node, "launch": name, **overrides}
+        )
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
         cmd = [sys.executable, "-m", "tests.integration.recovery.driver"]
         proc = subprocess.Popen(

@@ -8,13 +8,16 @@ The phases (kill -> detect -> formed -> transferred -> first step) are printed, 
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.integration.recovery.etcd_kv import EtcdKeyValue
 from tests.integration.recovery.harness import Job, reference, timeline
+from worker.recovery.membership import Keys
 
 pytestmark = pytest.mark.integration
 WINDOWS = 24
@@ -66,3 +69,33 @@ def test_sigkill_of_a_random_rank(
     arrived = outcomes(job, next(p for p, name in job.names.items() if name == newcomer))[-1]
     assert arrived["kind"] == "peer" and arrived["bytes"] > 0 and arrived["rank"] == victim, arrived
     assert {e["layout"] for e in job.events("finished")} == {ref["layout"]}
+    # One incident, recorded by the leader in etcd: what was lost, since when, and how it ended.
+    stored = EtcdKeyValue(etcd).list_prefix(Keys(job.args["job"]).incidents)
+    assert len(stored) == 1, stored
+    incident = json.loads(stored[0][1].value)
+    assert incident["kind"] == "peer" and incident["lost_launch_ids"] == [f"rank{victim}"], incident
+    killed = job.events("killed")[0]["t"]
+    assert killed <= incident["failed_at"] <= incident["phases"]["ready"], incident
+
+
+def test_a_kill_before_the_first_optimizer_step(
+    tmp_path: Path, etcd: str, references: dict[tuple[Any, ...], dict[str, Any]]
+) -> None:
+    """Killed in the very first window: the survivor's optimizer has no state yet, the warm spare's
+    has (its warm-up step). The transfer says so and every member drops it, so the first real step
+    creates it as in the uninterrupted run: digests equal."""
+    ref = reference(tmp_path, etcd, references, world=2, windows=WINDOWS, seed=11)
+    job = Job(tmp_path / "job", etcd, world=2, min_world=2, max_world=2, windows=WINDOWS, seed=11)
+    try:
+        job.start("spare", role="spare", node=2)
+        job.wait_for("the spare to stand by", lambda: bool(job.events("spare_standby")))
+        job.start("rank0", node=0)
+        job.start("rank1", node=1, kill_at=0)
+        codes = job.wait_exit()
+    finally:
+        job.kill_all()
+    assert codes == {"spare": 0, "rank0": 0, "rank1": -9}, codes
+    spare = next(p for p, name in job.names.items() if name == "spare")
+    arrived = outcomes(job, spare)[-1]
+    assert arrived["kind"] == "peer" and arrived["version"] == 0 and arrived["bytes"] > 0, arrived
+    assert set(job.finished_digests().values()) == {ref["digest"]}

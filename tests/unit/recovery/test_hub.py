@@ -50,7 +50,9 @@ def test_eof_is_a_timed_death_and_checkins_are_acknowledged() -> None:
     view = hub.view(RECORD, dead=set(), since=5.0, desired_world=None)
     assert view.checked_in == frozenset({"a", "b"}) and view.dead == frozenset({"c"})
     assert [(n.member_id, n.role) for n in view.newcomers] == [("s", "spare")]
-    assert hub.failed_at(("c",), RECORD) == 12.5
+    assert hub.failed_at(("c",), RECORD, 20.0) == 12.5  # c's connection closed at 12.5
+    assert hub.failed_at(("z",), RECORD, 20.0) == 5.0  # z was connected elsewhere: b saw a failure at 5.0
+    assert hub.detected_at(RECORD, 20.0) == 5.0 and hub.detected_at(None, 20.0) is None
 
 
 def test_a_member_of_an_older_generation_is_fenced_at_once() -> None:
