@@ -181,8 +181,9 @@ def _agree_manifest(
         return None, str(exc)
     why = ""
     try:
+        # NaN and infinities are allowed: a diverged run's last loss is state like any other.
         raw = loads(data, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH, what="state manifest",
-                    reject_duplicate_keys=True, reject_non_finite=True)  # fmt: skip
+                    reject_duplicate_keys=True)  # fmt: skip
         why = _check_manifest(raw, live, names)
     except JSONRefused as exc:
         raw, why = None, str(exc)
