@@ -30,7 +30,7 @@ from worker.recovery.group import Group, GroupInfo, StoreHost, form, teardown
 from worker.recovery.handover import Handed, Holding, hand_over
 from worker.recovery.hub import Hub
 from worker.recovery.membership import KeyValue, KeyValueUnavailable, Membership
-from worker.recovery.records import Checkin, GenRecord, MemberInfo
+from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 from worker.recovery.resolve import Order, Refused, Resolver
 from worker.recovery.seam import Outcome, RecoverableState, RecoveryConfig
 from worker.recovery.vote import Verdict, commit_vote
@@ -180,12 +180,15 @@ class GroupMember:
         in_window: bool,
     ) -> Order | Refused:
         assert self.resolver is not None, "call start() first"
-        if old is None:
-            return self.resolver.await_form(self.link)
-        version = state.version() if self.valid else 0
-        error = failure.message if failure is not None else ""
-        checkin = Checkin(self.member_id, old.generation, version, self.valid, since, error, in_window)
-        return self.resolver.reform(old, self.link, checkin)
+        try:
+            if old is None:
+                return self.resolver.await_form(self.link)
+            version = state.version() if self.valid else 0
+            error = failure.message if failure is not None else ""
+            checkin = Checkin(self.member_id, old.generation, version, self.valid, since, error, in_window)
+            return self.resolver.reform(old, self.link, checkin)
+        except (KeyValueUnavailable, RecordError) as exc:  # etcd away (or a record this worker cannot read)
+            return Refused("fallback", f"the group's keys in etcd cannot be used: {exc}")
 
     def _adopt(self, order: Order) -> None:
         """This process's connection, store and record for the generation being formed."""
