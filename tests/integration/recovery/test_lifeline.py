@@ -1,0 +1,61 @@
+"""A worker whose torchrun agent is SIGKILLed stops instead of training on as an orphan (torchrun
+starts workers in their own session, so nothing else stops them). Real torchrun, real kill."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+WORKER = Path(__file__).with_name("lifeline_worker.py")
+pytestmark = pytest.mark.integration
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for this purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize("mode", ["both", "watchdog"])
+def test_the_orphan_is_gone_soon_after_its_agent(tmp_path: Path, mode: str) -> None:
+    report = tmp_path / "pid"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           "--max-restarts=0", "--monitor-interval=0.1", str(WORKER), str(report), mode]  # fmt: skip
+    agent = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = 0
+    try:
+        deadline = time.monotonic() + 120
+        while not report.exists() and time.monotonic() < deadline and agent.poll() is None:
+            time.sleep(0.05)
+        assert report.exists(), "the worker never started"
+        worker = int(report.read_text())
+        assert alive(worker)
+        killed = time.monotonic()
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 30  # generous: the rule is "within a heartbeat", not a speed
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not alive(worker), "the orphaned worker kept running after its agent was killed"
+        gone_ms = 1e3 * (time.monotonic() - killed)
+        print(f"{mode}: the worker was gone {gone_ms:.0f} ms after the agent's SIGKILL")
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        if worker:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)

@@ -1,0 +1,104 @@
+"""The leader's view of its members (worker.recovery.hub) on fake connections: deaths timed by
+EOF, check-ins kept and acknowledged, a stale member fenced at once, newcomers listed, answers
+sent to the right members."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from worker.recovery.control import Conn
+from worker.recovery.hub import Hub
+from worker.recovery.records import Checkin, GenRecord, MemberInfo
+
+
+class FakeConn:
+    def __init__(self, member_id: str, role: str = "member", node: int = 0) -> None:
+        self.peer = MemberInfo(member_id, role, f"h:{member_id}", node_index=node)
+        self.sent: list[dict[str, Any]] = []
+        self.closed = False
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        self.sent.append(msg)
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+RECORD = GenRecord(3, ("a", "b", "c"), ("h:a", "h:b", "h:c"), "a", "h:a", "h:s", 3)
+
+
+def hub_with(*conns: FakeConn) -> Hub:
+    hub = Hub(MemberInfo("a", "member", "h:a"))
+    hub.formed(RECORD, leading=True)
+    for conn in conns:
+        hub.on_hello(cast(Conn, conn))
+    return hub
+
+
+def checkin(hub: Hub, conn: FakeConn, generation: int = 3) -> None:
+    body = Checkin(conn.peer.member_id, generation, 10, True, 5.0, "RuntimeError: x", True)
+    hub.on_message(cast(Conn, conn), {"t": "checkin", "checkin": body.to_json()})
+
+
+def test_eof_is_a_timed_death_and_checkins_are_acknowledged() -> None:
+    b, c, s = FakeConn("b"), FakeConn("c"), FakeConn("s", "spare", node=7)
+    hub = hub_with(b, c, s)
+    hub.on_close(cast(Conn, c), 12.5)
+    checkin(hub, b)
+    assert b.sent == [{"t": "ack"}]
+    view = hub.view(RECORD, dead=set(), since=5.0, desired_world=None)
+    assert view.checked_in == frozenset({"a", "b"}) and view.dead == frozenset({"c"})
+    assert [(n.member_id, n.role) for n in view.newcomers] == [("s", "spare")]
+    assert hub.failed_at(("c",), RECORD, 20.0) == 12.5  # c's connection closed at 12.5
+    assert hub.failed_at(("z",), RECORD, 20.0) == 5.0  # z was connected elsewhere: b saw a failure at 5.0
+    assert hub.detected_at(RECORD, 20.0) == 5.0 and hub.detected_at(None, 20.0) is None
+
+
+def test_a_member_of_an_older_generation_is_fenced_at_once() -> None:
+    stale, late = FakeConn("x"), FakeConn("b")
+    hub = hub_with(stale, late)
+    checkin(hub, stale, generation=2)
+    assert stale.sent == [{"t": "fenced", "generation": 3}]
+    checkin(hub, late, generation=2)  # listed in generation 3: it is told to form it
+    assert late.sent[0]["t"] == "form" and late.sent[0]["record"]["generation"] == 3
+    assert hub.checked_in(2) == set()
+
+
+def test_a_follower_turns_check_ins_and_newcomers_away() -> None:
+    b, s = FakeConn("b"), FakeConn("s", "joiner")
+    hub = hub_with(b, s)
+    hub.formed(RECORD, leading=False)
+    checkin(hub, b)
+    assert b.sent == [{"t": "ack"}]  # kept: this process may lead the next generation
+    hub.follow()
+    assert b.sent[-1] == {"t": "not_leader"} and s.sent[-1] == {"t": "not_leader"}
+    checkin(hub, b)
+    assert b.sent[-1] == {"t": "not_leader"}
+
+
+def test_announce_tells_members_and_leavers_and_counts_joiners() -> None:
+    b, c, j = FakeConn("b"), FakeConn("c"), FakeConn("j", "joiner")
+    hub = hub_with(b, c, j)
+    assert hub.joiners_waiting() == 1
+    record = GenRecord(4, ("a", "b", "j"), ("h:a", "h:b", "h:j"), "a", "h:a", "h:s2", 3)
+    missed = hub.announce(record, leaving=("c",))
+    assert missed == []
+    assert b.sent[-1]["t"] == "form" and j.sent[-1]["record"]["members"] == ["a", "b", "j"]
+    assert c.sent[-1] == {"t": "leave"}
+    assert hub.joiners_waiting() == 0
+    assert hub.standby(record) == {"c"}
+
+
+def test_a_bad_or_foreign_check_in_closes_the_connection() -> None:
+    b = FakeConn("b")
+    hub = hub_with(b)
+    hub.on_message(cast(Conn, b), {"t": "checkin", "checkin": {"member_id": "b"}})
+    assert b.closed
+    other = FakeConn("c")
+    hub.on_hello(cast(Conn, other))
+    body = Checkin("b", 3, 1, True, 1.0).to_json()  # c speaks for b
+    hub.on_message(cast(Conn, other), {"t": "checkin", "checkin": body})
+    assert other.closed and hub.checked_in(3) == set()
+    hub.on_message(cast(Conn, other), {"t": "ping"})
+    assert other.sent[-1] == {"t": "pong"}

@@ -1,0 +1,222 @@
+"""What one process knows about the members that talk to it over the control channel.
+
+Every process runs a hub behind its :class:`~worker.recovery.control.ControlServer` (whoever is
+the next leader must already be listening); it matters on the leader, where it holds each
+member's connection (an EOF is that member's death, timed: its last sign of life), the
+check-ins of a failure, and the connected spares and joiners. The server's connection threads
+update it; the training thread reads :meth:`Hub.view` for :func:`worker.recovery.plan.decide` and
+waits on it for the next change. A check-in from an older generation is answered at once on the
+connection's thread: ``form`` if the sender is in the current generation, else ``fenced`` — so a
+stalled rank that wakes up is fenced even while the leader trains. A check-in that is kept is
+acknowledged at once (``ack``): a candidate whose process is stopped acknowledges nothing, and
+the member moves on to the next candidate after ``ACK_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+from worker.recovery.control import Conn, Message, split_address
+from worker.recovery.plan import Newcomer, View
+from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
+
+IDLE, LEADING, FOLLOWING = "idle", "leading", "following"
+
+
+class Hub:
+    def __init__(self, me: MemberInfo) -> None:
+        self.me = me
+        self.cond = threading.Condition()
+        self.conns: dict[str, Conn] = {}
+        self.closed: dict[str, float] = {}  # member id -> when its connection closed
+        self.checkins: dict[str, Checkin] = {}
+        self.infos: dict[str, MemberInfo] = {}  # every process that said hello, as it did
+        self.current: GenRecord | None = None  # the formed generation this process belongs to
+        self.mode = IDLE
+
+    # -- the control server's callbacks (connection threads) --------------------------------
+    def on_hello(self, conn: Conn) -> None:
+        with self.cond:
+            old = self.conns.get(conn.peer.member_id)
+            self.conns[conn.peer.member_id] = conn
+            self.infos[conn.peer.member_id] = conn.peer
+            self.closed.pop(conn.peer.member_id, None)
+            self.cond.notify_all()
+            turned_away = self.mode == FOLLOWING and conn.peer.role in ("spare", "joiner")
+        if old is not None and old is not conn:
+            old.close()
+        if turned_away:  # a newcomer looking for the leader: not here
+            conn.send({"t": "not_leader"})
+
+    def on_close(self, conn: Conn, when: float) -> None:
+        with self.cond:
+            if self.conns.get(conn.peer.member_id) is conn:
+                del self.conns[conn.peer.member_id]
+                self.closed[conn.peer.member_id] = when
+                self.cond.notify_all()
+
+    def on_message(self, conn: Conn, msg: Message) -> None:
+        if msg["t"] == "ping":
+            conn.send({"t": "pong"})
+            return
+        if msg["t"] != "checkin" or not isinstance(msg.get("checkin"), dict):
+            return
+        try:
+            checkin = Checkin.from_json(msg["checkin"])
+        except RecordError:
+            conn.close()
+            return
+        if checkin.member_id != conn.peer.member_id:
+            conn.close()  # a member checks in for itself only
+            return
+        reply = self._admit(checkin)
+        if reply is not None:
+            conn.send(reply)
+
+    def _admit(self, checkin: Checkin) -> Message | None:
+        with self.cond:
+            current = self.current
+            if current is not None and checkin.generation < current.generation:
+                if checkin.member_id not in current.members:
+                    return {"t": "fenced", "generation": current.generation}
+                if self.mode == LEADING:
+                    return {"t": "form", "record": current.to_json()}
+                return {"t": "not_leader"}
+            if self.mode == FOLLOWING:
+                return {"t": "not_leader"}
+            self.checkins[checkin.member_id] = checkin
+            self.cond.notify_all()
+            return {"t": "ack"}  # alive; the answer comes when this process has decided
+
+    # -- the training thread ---------------------------------------------------------------
+    def follow(self) -> None:
+        """This process found a living leader: send away whoever checked in or waits here."""
+        with self.cond:
+            self.mode = FOLLOWING
+            members = set(self.current.members) if self.current is not None else set()
+            waiting = [self.conns[m] for m in self.checkins if m in self.conns]
+            waiting += [
+                c for m, c in self.conns.items() if m not in members and c.peer.role in ("spare", "joiner")
+            ]
+            self.checkins.clear()
+        for conn in waiting:
+            conn.send({"t": "not_leader"})
+
+    def lead(self) -> None:
+        with self.cond:
+            self.mode = LEADING
+
+    def view(self, old: GenRecord | None, *, dead: set[str], since: float, desired_world: int | None) -> View:
+        """The inputs of :func:`worker.recovery.plan.decide` as of now."""
+        members = old.members if old is not None else ()
+        generation = old.generation if old is not None else None
+        with self.cond:
+            checked = {m for m, c in self.checkins.items() if c.generation == generation and m in members}
+            checked.add(self.me.member_id)
+            gone = set(dead) | {m for m in members if m in self.closed and m not in self.conns}
+            for c in self.checkins.values():
+                if c.generation == generation:
+                    gone |= set(c.dead)
+            newcomers = tuple(
+                Newcomer(m, c.peer.role, c.peer.order)
+                for m, c in sorted(self.conns.items())
+                if m not in members and c.peer.role in ("spare", "joiner")
+            )
+        if old is None:
+            newcomers += (Newcomer(self.me.member_id, "joiner", self.me.order),)
+        return View(
+            old=members, checked_in=frozenset(checked & set(members)), dead=frozenset(gone - checked),
+            newcomers=newcomers, leader=self.me.member_id, since=since, desired_world=desired_world,
+        )  # fmt: skip
+
+    def info_of(self, member_id: str) -> MemberInfo | None:
+        with self.cond:
+            return self.infos.get(member_id)
+
+    def failed_at(self, lost: tuple[str, ...], old: GenRecord | None, since: float) -> float | None:
+        """The lost members' last sign of life: the EOF of their connection to this process, else
+        (it was connected elsewhere) the first failure a survivor saw. None without a failure."""
+        with self.cond:
+            times = [self.closed[m] for m in lost if m in self.closed]
+        if times:
+            return min(times)
+        return self.detected_at(old, since) if lost else None
+
+    def detected_at(self, old: GenRecord | None, since: float) -> float | None:
+        """The first failure a member of ``old`` reported (this process's own at ``since``)."""
+        if old is None:
+            return None
+        with self.cond:
+            times = [c.failed_at for c in self.checkins.values() if c.generation == old.generation]
+        return min([*times, since])
+
+    def wait(self, timeout: float) -> None:
+        with self.cond:
+            self.cond.wait(max(timeout, 0.0))
+
+    def announce(self, record: GenRecord, *, leaving: tuple[str, ...]) -> list[str]:
+        """Send ``form`` to the new generation's members and ``leave`` to those left out;
+        returns the members that could not be told."""
+        with self.cond:
+            self.current, self.mode = record, LEADING
+            self.checkins = {m: c for m, c in self.checkins.items() if c.generation >= record.generation}
+            conns = dict(self.conns)
+        missed = []
+        for member in record.members:
+            if member != self.me.member_id:
+                conn = conns.get(member)
+                if conn is None or not conn.send({"t": "form", "record": record.to_json()}):
+                    missed.append(member)
+        for member in leaving:
+            if member in conns:
+                conns[member].send({"t": "leave"})
+        return missed
+
+    def formed(self, record: GenRecord, *, leading: bool) -> None:
+        with self.cond:
+            self.current = record
+            self.mode = LEADING if leading else IDLE
+            self.checkins = {m: c for m, c in self.checkins.items() if c.generation >= record.generation}
+
+    def tell(self, members: set[str], msg: Message) -> None:
+        with self.cond:
+            conns = [c for m, c in self.conns.items() if m in members]
+        for conn in conns:
+            conn.send(msg)
+
+    def standby(self, record: GenRecord) -> set[str]:
+        """Connected processes that are not members of ``record``."""
+        with self.cond:
+            return {m for m in self.conns if m not in record.members}
+
+    def checked_in(self, generation: int) -> set[str]:
+        with self.cond:
+            return {m for m, c in self.checkins.items() if c.generation == generation}
+
+    def joiners_waiting(self) -> int:
+        """Connected joiners not in the current generation (the leader admits them)."""
+        with self.cond:
+            members = set(self.current.members) if self.current else set()
+            return sum(1 for m, c in self.conns.items() if m not in members and c.peer.role == "joiner")
+
+
+def probe(address: str, timeout_s: float = 0.5) -> bool | None:
+    """Is anything listening at ``address``? False when the connection is refused (the process
+    is gone), True when accepted, None when unknown (timeout, unreachable)."""
+    try:
+        host, port = split_address(address)
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except (OSError, ValueError):
+        return None
+
+
+def message_record(msg: Message) -> GenRecord:
+    raw: Any = msg.get("record")
+    if not isinstance(raw, dict):
+        raise RecordError("form: no record")
+    return GenRecord.from_json(raw, what="form record")

@@ -1,0 +1,292 @@
+"""The recovery sequence of one process (issue14-design.md §3.5-3.6), and the seam to the trainer.
+
+:class:`GroupMember` is this process's membership in the job's data-parallel group: it joins a
+generation (:meth:`~GroupMember.join`, for the first generation, spares and joiners), takes the
+commit vote of every window (:meth:`~GroupMember.vote`), and after a failure runs the sequence
+(:meth:`~GroupMember.recover`): find the leader, check in, decide, write the generation, form the
+group, agree on the newest state, transfer it to whoever lacks it, re-wrap DDP and settle. A
+failure during the sequence starts it again with the next generation (one incident, several
+attempts); after ``max_attempts`` it gives up (``fallback``: exit and let torchrun restart).
+
+The trainer lends its state through :class:`RecoverableState`. It calls ``recover`` between
+windows, outside any ``except`` block, after :meth:`RecoverableState.void_window`; the outcome
+says what happened (``peer``: carry on; ``storage``: restore from the checkpoint in process, then
+re-wrap and :meth:`~GroupMember.mark_valid`; ``fenced``/``fallback``/``leave``: exit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from worker.recovery.control import ControlServer, Link
+from worker.recovery.failure import Failure, classify
+from worker.recovery.group import Group, GroupInfo, StoreHost, form, teardown
+from worker.recovery.handover import Handed, Holding, hand_over
+from worker.recovery.hub import Hub
+from worker.recovery.membership import KeyValue, KeyValueUnavailable, Membership
+from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
+from worker.recovery.resolve import Order, Refused, Resolver
+from worker.recovery.seam import Outcome, RecoverableState, RecoveryConfig
+from worker.recovery.vote import Verdict, commit_vote
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+class GroupMember:
+    """This process in the job's group (see the module docstring). ``role``: ``member`` for the
+    first generation's processes and fresh replacements (they join), ``spare`` for warm spares."""
+
+    def __init__(
+        self,
+        cfg: RecoveryConfig,
+        *,
+        kv: KeyValue,
+        role: str = "member",
+        launch_id: str = "",
+        node_index: int = 0,
+        local_rank: int = 0,
+        on_event: EventSink | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.emit: EventSink = on_event or (lambda name, fields: None)
+        hello_role = "spare" if role == "spare" else "joiner"
+        self.me = MemberInfo(uuid.uuid4().hex, hello_role, "", launch_id, node_index, local_rank, 0)
+        self.membership = Membership(kv, cfg.job_id)
+        self.hub = Hub(self.me)
+        self.server: ControlServer | None = None
+        self.resolver: Resolver | None = None
+        self.link: Link | None = None
+        self.record: GenRecord | None = None
+        self.group: Group | None = None
+        self.host: StoreHost | None = None
+        self.valid = False
+        self.last_generation = -1
+        self._desired_at, self._desired = 0.0, cfg.desired_world
+
+    @property
+    def member_id(self) -> str:
+        return self.me.member_id
+
+    def start(self) -> None:
+        """Listen for members, register in etcd (lease kept alive by a thread)."""
+        self.server = ControlServer(
+            self.cfg.secret, advertise=self.cfg.advertise,
+            on_hello=self.hub.on_hello, on_message=self.hub.on_message, on_close=self.hub.on_close,
+        )  # fmt: skip
+        self.me = dataclasses.replace(self.me, control=self.server.address, pid=os.getpid())
+        self.hub.me = self.me
+        self.membership.register(self.me)
+        self.resolver = Resolver(
+            me=self.me, secret=self.cfg.secret, advertise=self.cfg.advertise, policy=self.cfg.policy,
+            desired_world=self.cfg.desired_world, store_timeout_s=self.cfg.collective_timeout_s,
+            hub=self.hub, membership=self.membership, on_event=self.emit,
+        )  # fmt: skip
+
+    @property
+    def info(self) -> GroupInfo:
+        record = self.record
+        assert record is not None, "not in a generation yet: call join() first"
+        rank = record.rank_of(self.member_id)
+        assert rank is not None
+        return GroupInfo(record.generation, rank, record.world_size, record.members, record.leader,
+                         self.cfg.backend, self.cfg.device)  # fmt: skip
+
+    @property
+    def is_leader(self) -> bool:
+        return self.record is not None and self.record.leader == self.member_id
+
+    def mark_valid(self) -> None:
+        """The caller restored its state from storage (after a ``storage`` outcome)."""
+        self.valid = True
+
+    # -- the step ------------------------------------------------------------------------------
+    def vote(self, *, nonfinite: bool, version: int) -> Verdict:
+        """The window's commit vote (one all-reduce). Raises :class:`~worker.recovery.vote.Fenced`
+        or the collective's error; apply the window only after it returned."""
+        assert self.record is not None
+        reform = self.is_leader and self._admission_wanted()
+        verdict = commit_vote(nonfinite=nonfinite, reform=reform, generation=self.record.generation,
+                              version=version, device=self.cfg.device)  # fmt: skip
+        self.last_generation = self.record.generation
+        return verdict
+
+    def _admission_wanted(self) -> bool:
+        """The leader asks for a re-formation when joiners wait and the group is below target."""
+        if not self.hub.joiners_waiting():
+            return False
+        now = time.time()
+        if now - self._desired_at > 2.0 and self.resolver is not None:
+            self._desired_at, self._desired = now, self.resolver.desired_world_now()
+        assert self.record is not None
+        target = self.cfg.policy.fit(self._desired or self.cfg.policy.max_world)
+        return target > self.record.world_size
+
+    # -- joining and recovering ----------------------------------------------------------------
+    def join(self, state: RecoverableState) -> Outcome:
+        """Be called into a generation (the first one, or as a spare or a replacement)."""
+        return self._reform(state, None)
+
+    def recover(self, state: RecoverableState, failure: Failure) -> Outcome:
+        """After a failure (see the module docstring for the caller's part)."""
+        generation = self.record.generation if self.record else -1
+        fields = {
+            "failed_at": failure.at,
+            "kind": failure.kind,
+            "error": failure.message,
+            "generation": generation,
+        }
+        self.emit("recovery_detected", fields)
+        return self._reform(state, failure)
+
+    def _reform(self, state: RecoverableState, failure: Failure | None) -> Outcome:
+        since = failure.at if failure is not None else time.time()
+        in_window = failure is not None and failure.in_window
+        old = self.record if self.record is not None and self.member_id in self.record.members else None
+        first = old
+        if self.resolver is not None:
+            self.resolver.decisions = []
+        for attempt in range(1, self.cfg.max_attempts + 1):
+            order = self._resolve(state, old, since, failure, in_window)
+            if isinstance(order, Refused):
+                self.valid = self.valid and order.kind == "leave"
+                self.emit("recovery_refused", {"kind": order.kind, "reason": order.reason})
+                return Outcome(order.kind, reason=order.reason, attempts=attempt)
+            fault, handed, phases = self._run(state, order, since, in_window)
+            if fault is None:
+                outcome = self._outcome(handed, order.record, first, phases, attempt)
+                if first is not None and order.record.leader == self.member_id:
+                    self._record_incident(outcome, first)
+                return outcome
+            self.emit("recovery_retry", {"attempt": attempt, "kind": fault.kind, "error": fault.message})
+            if not fault.recoverable:
+                return Outcome("fallback", reason=fault.message, attempts=attempt)
+            state.void_window()  # outside the except block that caught it: DDP and the group go now
+            teardown()
+            old, failure = order.record, fault
+        return Outcome("fallback", reason=f"the group did not re-form in {self.cfg.max_attempts} attempts")
+
+    def _resolve(
+        self,
+        state: RecoverableState,
+        old: GenRecord | None,
+        since: float,
+        failure: Failure | None,
+        in_window: bool,
+    ) -> Order | Refused:
+        assert self.resolver is not None, "call start() first"
+        try:
+            if old is None:
+                return self.resolver.await_form(self.link)
+            version = state.version() if self.valid else 0
+            error = failure.message if failure is not None else ""
+            checkin = Checkin(self.member_id, old.generation, version, self.valid, since, error, in_window)
+            return self.resolver.reform(old, self.link, checkin)
+        except (KeyValueUnavailable, RecordError) as exc:  # etcd away (or a record this worker cannot read)
+            return Refused("fallback", f"the group's keys in etcd cannot be used: {exc}")
+
+    def _adopt(self, order: Order) -> None:
+        """This process's connection, store and record for the generation being formed."""
+        if order.link is not self.link and self.link is not None:
+            self.link.close()
+        self.link = order.link
+        if order.host is not None:
+            if self.host is not None:
+                self.host.close()
+            self.host = order.host
+        self.record = order.record
+        self.hub.formed(order.record, leading=order.record.leader == self.member_id)
+
+    def _run(
+        self, state: RecoverableState, order: Order, since: float, in_window: bool
+    ) -> tuple[Failure | None, Handed, dict[str, float]]:
+        """Form, hand over, re-wrap. A failure comes back as a value: the caller tears down
+        outside this ``except`` block."""
+        self._adopt(order)
+        phases = {"detected": since}
+        info = self.info
+        mine = Holding(self.valid, in_window, self.last_generation, self.cfg.spec_hash)
+        handed = Handed("storage", "not formed")
+        try:
+            timeout = self.cfg.collective_timeout_s
+            self.group = form(info, store_address=order.record.store, timeout_s=timeout, host=order.host)
+            phases["formed"] = time.time()
+            self.emit("group_formed", {"generation": info.generation, "rank": info.rank,
+                                       "world_size": info.world_size, "at": phases["formed"]})  # fmt: skip
+            handed = hand_over(state, info, mine, chunk_bytes=self.cfg.chunk_bytes, device=self.cfg.device,
+                               emit=self.emit, invalidate=self._invalidate)  # fmt: skip
+            self.valid = handed.kind == "peer"
+            phases["transferred"] = time.time()
+            if self.valid:
+                state.rewrap(info)
+            phases["ready"] = time.time()
+        except Exception as exc:
+            return classify(exc, in_window=False), handed, phases
+        return None, handed, phases
+
+    def _invalidate(self) -> None:
+        self.valid = False
+
+    def _outcome(
+        self, handed: Handed, record: GenRecord, old: GenRecord | None, phases: dict[str, float], attempt: int
+    ) -> Outcome:
+        info = self.info
+        self.me = dataclasses.replace(self.me, generation=info.generation, version=handed.version)
+        self.membership.update(dataclasses.replace(self.me, role="member"))
+        lost = tuple(m for m in old.members if m not in record.members) if old is not None else ()
+        promoted = tuple(m for m in record.members if old is None or m not in old.members)
+        return Outcome(
+            handed.kind, reason=handed.reason, info=info, source_rank=handed.source,
+            bytes_from_peers=handed.bytes, voided_windows=handed.voided, version=handed.version, lost=lost,
+            promoted=promoted,
+            world_before=len(old.members) if old is not None else 0, attempts=attempt, phases=phases,
+        )  # fmt: skip
+
+    def _record_incident(self, outcome: Outcome, first: GenRecord) -> None:
+        """The leader writes the incident (etcd ``incidents/g<broken generation>``) off the
+        training thread; the service folds it with its own observations."""
+        assert self.resolver is not None
+        decided = self.resolver.decisions
+        incident = f"g{first.generation}"
+        record: dict[str, Any] = {
+            "incident": incident, "kind": outcome.kind, "reason": outcome.reason,
+            "generation": outcome.info.generation if outcome.info else None,
+            "lost": list(outcome.lost), "promoted": list(outcome.promoted),
+            "lost_launch_ids": sorted({lid for d in decided for lid in d["lost_launch_ids"] if lid}),
+            "failed_at": decided[0]["failed_at"] if decided else None,
+            "detected_at": decided[0]["detected_at"] if decided else None, "source_rank": outcome.source_rank,
+            "bytes_from_peers": outcome.bytes_from_peers, "voided_windows": outcome.voided_windows,
+            "world_before": outcome.world_before,
+            "world_after": outcome.info.world_size if outcome.info else 0,
+            "attempts": outcome.attempts, "phases": outcome.phases,
+        }  # fmt: skip
+
+        def write() -> None:
+            try:
+                self.membership.put_incident(incident, record)
+            except KeyValueUnavailable as exc:
+                self.emit("incident_not_recorded", {"incident": incident, "error": str(exc)[:300]})
+
+        threading.Thread(target=write, name="elastrain-incident", daemon=True).start()
+        self.emit("recovery_incident", record)
+
+    def release_standby(self) -> None:
+        """The job is over (the leader calls it): connected spares and joiners are told to leave."""
+        if self.is_leader and self.record is not None:
+            self.hub.tell(self.hub.standby(self.record), {"t": "leave"})
+
+    def close(self) -> None:
+        """Stop listening, drop the lease and the leader connection. Idempotent; the caller
+        shuts the process group down itself."""
+        if self.link is not None:
+            self.link.close()
+        if self.server is not None:
+            self.server.close()
+        if self.host is not None:
+            self.host.close()
+        self.membership.close()

@@ -1,0 +1,70 @@
+"""DDP on the new generation's group, and the one-iteration settle.
+
+In torch 2.13 a new DDP reducer's first iteration puts every parameter in one bucket and
+rebuilds ``bucket_cap_mb`` buckets in gradient-ready order from its second iteration on
+(issue14-design.md E11). For W >= 3 gloo's ring adds an element's contributions in an order that
+depends on the element's offset in its bucket, so a first real step on a fresh wrapper gives
+other bits than the uninterrupted run, which has used the rebuilt layout since its second step
+(E3 defect 2). :func:`settle` runs that first iteration on a zero loss: one forward, a backward of
+``0 * loss`` (the buckets' all-reduces of zeros record the ready order), gradients dropped and
+persistent buffers (norm statistics) restored — so the first real step after a re-formation runs
+on the rebuilt layout. Random draws of the settle do not matter: every window re-derives its
+generators (:mod:`worker.recovery.rng`), after the settle.
+
+:func:`bucket_layout` reads the layout DDP reports (``rebuilt_per_bucket_param_indices``; its
+logging lags an iteration, so read it from the second real step on) for the comparison the
+trainer makes before and after a re-formation (:func:`same_layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from worker.dist import DistInfo
+from worker.setup import wrap_ddp
+
+Forward = Callable[[nn.Module], torch.Tensor]
+
+
+def settle(ddp: DistributedDataParallel, forward: Forward) -> None:
+    """One zero-loss iteration on ``ddp`` (a collective: every member calls it). ``forward``
+    runs the wrapped module on a small fixed input and returns a scalar."""
+    module = ddp.module
+    saved = [b.detach().clone() for b in module.buffers()]
+    loss = forward(ddp)
+    (loss * 0.0).backward()
+    for p in module.parameters():
+        p.grad = None
+    with torch.no_grad():
+        for buffer, value in zip(module.buffers(), saved, strict=True):
+            buffer.copy_(value)
+
+
+def rewrap(
+    model: nn.Module, info: DistInfo, *, bucket_cap_mb: float, forward: Forward | None
+) -> DistributedDataParallel:
+    """DDP around ``model`` on the current default group (the trainer's own
+    :func:`worker.setup.wrap_ddp`), settled when ``forward`` is given."""
+    ddp = wrap_ddp(model, info, bucket_cap_mb=bucket_cap_mb)
+    if forward is not None:
+        settle(ddp, forward)
+    return ddp
+
+
+def bucket_layout(ddp: DistributedDataParallel) -> str | None:
+    """The rebuilt buckets' parameter indices, e.g. ``"5 4 3 2, 1 0"``; None until DDP reports
+    them (from the iteration after the rebuild)."""
+    data = ddp._get_ddp_logging_data()
+    layout = data.get("rebuilt_per_bucket_param_indices")
+    return str(layout) if layout else None
+
+
+def same_layout(before: str | None, after: str | None) -> bool | None:
+    """Whether two layouts are equal; None when either is unknown."""
+    if before is None or after is None:
+        return None
+    return before == after
