@@ -70,7 +70,9 @@ OutputChoice = Annotated[
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # Finite numbers only: Python's json and pydantic's parser take NaN, Infinity and 1e999, which
+    # no optimizer, scaler or schedule can use and which JSON writes back as null.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _check_factory(value: str | None) -> str | None:
@@ -328,6 +330,7 @@ _FIX_HINTS = {
     "literal_error": "use one of the listed values",
     "string_pattern_mismatch": "use lowercase letters, digits and '-' (like a DNS label)",
     "json_invalid": "fix the JSON syntax",
+    "finite_number": "give a finite number (not NaN or Infinity)",
 }
 
 

@@ -78,11 +78,17 @@ def error_body(code: str, message: str, field: str | None = None) -> dict[str, A
 
 
 async def send_error(
-    send: Send, status: int, code: str, message: str, headers: Sequence[tuple[bytes, bytes]] = ()
+    send: Send,
+    status: int,
+    code: str,
+    message: str,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    *,
+    field: str | None = None,
 ) -> None:
     """Answer with an :class:`ErrorResponse` from raw ASGI middleware (outside FastAPI's routes
     and exception handlers)."""
-    body = json.dumps(error_body(code, message)).encode()
+    body = json.dumps(error_body(code, message, field)).encode()
     start = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     await send({"type": "http.response.start", "status": status, "headers": start})
     await send({"type": "http.response.body", "body": body})
