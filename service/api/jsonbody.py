@@ -47,7 +47,7 @@ def refusal(data: bytes) -> BodyRefusal | None:
             max_bytes=len(data),  # the size limit is the middleware's (413)
             max_depth=MAX_DEPTH,
             what="the request body",
-            reject_duplicate_keys=False,
+            reject_duplicate_keys=True,
             reject_non_finite=True,
         )
     except JSONRefused as exc:

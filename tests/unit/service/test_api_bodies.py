@@ -127,3 +127,46 @@ def test_a_body_that_is_not_json_is_left_to_its_route(client: TestClient) -> Non
     for body in (b"{not json", b"\xff\xfe{}", b"[1, 2"):
         resp = client.post("/v1/jobs", content=body, headers=AUTH)
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "malformed_json", resp.text
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b'{"name": "a", "name": "b"}', "name"),
+        (spec_text(optimizer='{"lr": 0.1, "lr": 0.2}'), "optimizer.lr"),
+        (spec_text(model='{"name": "mlp", "kwargs": {"d": 1, "e": 2, "d": 3}}'), "model.kwargs.d"),
+        (spec_text(max_steps="10", micro_batch_size="4")[:-1] + b', "max_steps": 11}', "max_steps"),
+    ],
+)
+def test_a_key_given_twice_is_422_naming_it(client: TestClient, body: bytes, field: str) -> None:
+    """Issue 13 item 9: the last of two equal keys won, silently."""
+    resp = client.post("/v1/jobs", content=body, headers=AUTH)
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert error["field"] == field and "more than once" in error["message"]
+
+
+def test_a_key_given_twice_in_a_worker_body_is_422(client: TestClient) -> None:
+    job = client.post("/v1/jobs", json=SPEC, headers=AUTH).json()
+    body = b'{"step": 3, "step": 900}'
+    resp = client.post(f"/v1/jobs/{job['id']}/workers/progress", content=body, headers=AUTH)
+    assert resp.status_code == 422 and resp.json()["error"]["field"] == "step", resp.text
+    resp = client.post(f"/v1/jobs/{job['id']}/scale", content=b'{"nodes": 1, "nodes": 1}', headers=AUTH)
+    assert resp.status_code == 422 and resp.json()["error"]["field"] == "nodes", resp.text
+
+
+@pytest.mark.parametrize("where", ["max_steps", "seed", "scale"])
+def test_an_integer_of_thousands_of_digits_gets_a_message_for_the_client(
+    client: TestClient, where: str
+) -> None:
+    """Issue 13 item 9: the answer said 'use sys.set_int_max_str_digits()'."""
+    digits = "9" * 5000
+    if where == "scale":
+        job = client.post("/v1/jobs", json=SPEC, headers=AUTH).json()
+        body = f'{{"nodes": {digits}}}'.encode()
+        resp = client.post(f"/v1/jobs/{job['id']}/scale", content=body, headers=AUTH)
+    else:
+        resp = client.post("/v1/jobs", content=spec_text(**{where: digits}), headers=AUTH)
+    assert resp.status_code == 422, resp.text
+    message = resp.json()["error"]["message"]
+    assert "digits" in message and "sys." not in message and "set_int_max_str_digits" not in message
