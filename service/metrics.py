@@ -58,6 +58,13 @@ class Metrics:
         self.pass_errors = Counter(
             "elastrain_reconciler_errors_total", "Reconciler errors by kind", ["kind"], registry=r
         )
+        self.job_errors = Counter(
+            "elastrain_reconciler_job_errors_total",
+            "Reconciler failures on one job: its record cannot be read (kind unreadable), or "
+            "reconciling it raised (kind processing); the job is failed, the others go on",
+            ["job_id", "kind"],
+            registry=r,
+        )
         self.pass_seconds = Histogram(
             "elastrain_reconciler_pass_duration_seconds",
             "One reconciler pass",

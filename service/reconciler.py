@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.checkpoints.adopt import StorageAdoption
-from service.etcd.client import EtcdUnavailableError
+from service.etcd.client import EtcdRefusedError, EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
-from service.jobs.errors import NotFoundError, NotLeaderError
+from service.jobs.errors import InvalidRequestError, NotFoundError, NotLeaderError
 from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
     Cancel,
@@ -31,14 +31,15 @@ from service.jobs.machine import (
     Observation,
     Policy,
     confirm_launch,
+    fail,
     launch_failed,
     reconcile,
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
 from service.jobs.parts import JobParts
+from service.jobs.service import Stored
 from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
 from service.metrics import Metrics
-from worker.errors import ElastrainError
 
 log = logging.getLogger("elastrain.reconciler")
 
@@ -64,11 +65,16 @@ def service_env(job: JobRecord, ctx: LaunchContext, worker_token: str) -> dict[s
 
 def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLaunch:
     """The launch of ``node`` of ``job`` that the reconciler asks its scheduler for. Pure."""
+    if job.spec is None:  # only the FAILED stand-in of an unreadable record has none; it launches nothing
+        raise InvalidRequestError(f"job {job.id} has no readable spec; nothing of it can be launched")
     return NodeLaunch(job.id, job.spec, node.index, node.launch_id, env)
 
 
 ADOPT_EVERY_S = 10.0
 """How often a leader re-reconciles live jobs' checkpoint registries with storage."""
+FAIL_AFTER_ERRORS = 3
+"""Passes in a row that may fail on one job before the job is failed (a lost race or a blip
+passes; a bug or data this version cannot handle repeats every pass)."""
 
 
 class Reconciler:
@@ -109,6 +115,8 @@ class Reconciler:
         self._threads: list[threading.Thread] = []
         self._adopted_term: int | None = None
         self._adopted_at = float("-inf")
+        self._failing: dict[str, int] = {}
+        """Per job, the passes in a row that failed on it."""
 
     @property
     def is_leader(self) -> bool:
@@ -123,7 +131,7 @@ class Reconciler:
         self.metrics.is_leader.set(1 if fence else 0)
         if fence is None:
             return False
-        listed = self.jobs.all_versioned()
+        listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
         records = [record for record, _ in listed]
         self.busy = any(not r.state.terminal and r.state != JobState.RUNNING for r in records)
         if self._adopted_term != fence.lease_id:
@@ -142,9 +150,14 @@ class Reconciler:
                 log.warning("lost leadership during a pass; stopping it")
                 self.metrics.is_leader.set(0)
                 return False
-            except (ElastrainError, OSError) as exc:
-                self.metrics.pass_errors.labels(type(exc).__name__).inc()
-                log.warning("job %s: %s", record.id, exc)
+            except EtcdUnavailableError as exc:
+                if not isinstance(exc, EtcdRefusedError):
+                    raise  # etcd is down for every job: the loop counts it and retries
+                self._job_failed(record, exc, fence)
+            except Exception as exc:  # a bug, or data this version cannot handle: this job only
+                self._job_failed(record, exc, fence)
+            else:
+                self._failing.pop(record.id, None)
         self.metrics.observe_jobs(records)
         self.metrics.passes.inc()
         self.metrics.pass_seconds.observe(time.perf_counter() - started)
@@ -207,9 +220,52 @@ class Reconciler:
         for record in records:
             try:
                 self.storage.adopt(record)
-            except (ElastrainError, OSError) as exc:
+            except Exception as exc:  # one job's storage never stops the pass for the others
                 self.metrics.pass_errors.labels("adopt").inc()
-                log.warning("job %s: reconciling checkpoints with storage failed: %s", record.id, exc)
+                log.warning("job %s: reconciling checkpoints with storage failed: %r", record.id, exc)
+
+    # ------------------------------------------------------------------ one bad job
+
+    def _readable(self, stored: Stored, fence: Fence) -> tuple[JobRecord, int]:
+        """A record that cannot be read is replaced by its FAILED stand-in (the bytes kept for
+        the operator) and counted; the pass goes on with the stand-in."""
+        if stored.unreadable is None:
+            return stored.record, stored.revision
+        bad = stored.unreadable
+        log.error("job %s: its stored record cannot be read (%s); failing the job", bad.job_id, bad.problem)
+        self.metrics.job_errors.labels(bad.job_id, "unreadable").inc()
+        if self.jobs.quarantine(bad, fence=fence) is None:
+            return stored.record, stored.revision  # rewritten meanwhile: the next pass reads it again
+        record, revision, _ = self.jobs.read(bad.job_id)
+        return record, revision
+
+    def _job_failed(self, record: JobRecord, exc: Exception, fence: Fence) -> None:
+        """Reconciling one job raised: count it; after ``FAIL_AFTER_ERRORS`` passes in a row,
+        fail the job with the error and stop its nodes, so that it stops costing every pass."""
+        count = self._failing[record.id] = self._failing.get(record.id, 0) + 1
+        self.metrics.job_errors.labels(record.id, "processing").inc()
+        self.metrics.pass_errors.labels(type(exc).__name__).inc()
+        log.warning(
+            "job %s: reconciling failed (%d in a row): %r", record.id, count, exc, exc_info=count == 1
+        )
+        if count < FAIL_AFTER_ERRORS:
+            return
+        reason = (
+            f"the reconciler failed on this job in {count} passes in a row "
+            f"({type(exc).__name__}: {str(exc)[:300]}); the service failed the job so that the "
+            "others go on"
+        )
+        try:
+            failed = self.jobs.update(record.id, lambda r: fail(r, self.clock(), reason=reason), fence=fence)
+        except NotLeaderError:
+            raise
+        except Exception:
+            log.exception("job %s: could not record the failure; retried next pass", record.id)
+            return
+        self._failing.pop(record.id, None)
+        for node in failed.nodes:
+            if node.phase == NodePhase.STOPPING:
+                self._cancel(node)
 
     # ------------------------------------------------------------------ one job
 

@@ -256,5 +256,5 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
         events=list(record.events[-20:]),
         updated_at=record.updated_at,
         finished_at=record.finished_at,
-        spec=record.spec.model_dump(mode="json", by_alias=True),
+        spec={} if record.spec is None else record.spec.model_dump(mode="json", by_alias=True),
     )

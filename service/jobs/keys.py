@@ -20,6 +20,11 @@ def idempotency(key: str) -> str:
     return IDEMPOTENCY + hashlib.sha256(key.encode()).hexdigest()
 
 
+def quarantine(job_id: str) -> str:
+    """Where the bytes of a job record the service could not read are kept, as found."""
+    return f"{ROOT}/quarantine/{job_id}"
+
+
 def progress(job_id: str) -> str:
     return f"{ROOT}/progress/{job_id}"
 

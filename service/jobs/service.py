@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from service.etcd.kv import Fence, KVStore, Write
 from service.jobs import keys
@@ -25,6 +26,7 @@ from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.paths import checkpoint_dir, resume_source
 from service.jobs.progress import ProgressBuffer
+from service.jobs.salvage import Unreadable, decode, salvage
 from service.jobs.tokens import derive_worker_token, hash_token
 from service.jobs.writes import LeaderWrites
 from worker.failpoints import failpoint
@@ -43,6 +45,15 @@ def ensure_worker_secret(store: KVStore) -> bytes:
 
 def valid_job_id(job_id: str) -> bool:
     return bool(keys.JOB_ID_RE.match(job_id))
+
+
+class Stored(NamedTuple):
+    """A job key as read: the record (or the stand-in of one that cannot be read), its
+    mod_revision, and why it cannot be read (None: it can)."""
+
+    record: JobRecord
+    revision: int
+    unreadable: Unreadable | None
 
 
 class JobService:
@@ -80,14 +91,24 @@ class JobService:
 
     # ------------------------------------------------------------------ reads
 
-    def get_versioned(self, job_id: str) -> tuple[JobRecord, int]:
+    def read(self, job_id: str) -> Stored:
+        """The job's record as stored (or the stand-in of one that cannot be read, see
+        :mod:`service.jobs.salvage`), with its revision."""
         found = self.store.get(keys.job(job_id)) if valid_job_id(job_id) else None
         if found is None:
             raise NotFoundError(f"no job {job_id!r}; list jobs with GET /v1/jobs or `elastrain jobs`")
-        return JobRecord.from_json(found.value), found.mod_revision
+        return self._decode(keys.job(job_id), found.value, found.mod_revision)
+
+    def get_versioned(self, job_id: str) -> tuple[JobRecord, int]:
+        stored = self.read(job_id)
+        return stored.record, stored.revision
 
     def get(self, job_id: str) -> JobRecord:
-        return self.get_versioned(job_id)[0]
+        return self.read(job_id).record
+
+    def _decode(self, key: str, raw: bytes, revision: int) -> Stored:
+        record, unreadable = decode(key.removeprefix(keys.JOBS), raw, revision, now=self.clock())
+        return Stored(record, revision, unreadable)
 
     def forget(self, job_id: str) -> None:
         """Drop what this instance cached of a job after a write to it (its own, or the leader's
@@ -115,7 +136,7 @@ class JobService:
             batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=max(limit, 100))
             for entry in batch:
                 after = entry.key
-                record = JobRecord.from_json(entry.value)
+                record = self._decode(entry.key, entry.value, entry.mod_revision).record
                 if state is None or record.state == state:
                     out.append(record)
                     if len(out) == limit:
@@ -125,16 +146,31 @@ class JobService:
                 break
         return out, None
 
-    def all_versioned(self) -> builtins.list[tuple[JobRecord, int]]:
-        """Every job with its mod_revision, in id order (one range read per 1,000 jobs)."""
-        out: builtins.list[tuple[JobRecord, int]] = []
+    def scan(self) -> builtins.list[Stored]:
+        """Every job as stored, in id order (one range read per 1,000 jobs); a record that cannot
+        be read comes as its stand-in, with why (the reconciler quarantines it)."""
+        out: builtins.list[Stored] = []
         after: str | None = None
         while True:
             batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=1000)
-            out += [(JobRecord.from_json(e.value), e.mod_revision) for e in batch]
+            out += [self._decode(e.key, e.value, e.mod_revision) for e in batch]
             if len(batch) < 1000:
                 return out
             after = batch[-1].key
+
+    def quarantine(self, bad: Unreadable, *, fence: Fence | None = None) -> JobRecord | None:
+        """Replace a record that cannot be read by its FAILED stand-in and keep the bytes as found
+        under ``keys.quarantine``: one compare-and-set on the bad record's revision (a record
+        fixed meanwhile is left alone: None). Idempotent per revision."""
+        stand_in = salvage(bad, now=self.clock())
+        writes = [
+            Write(keys.job(bad.job_id), stand_in.to_json(), bad.revision),
+            Write(keys.quarantine(bad.job_id), bad.raw, None),
+        ]
+        if not self.writes.commit(writes, fence=fence):
+            return None
+        self.forget(bad.job_id)
+        return stand_in
 
     def worker_token(self, job_id: str) -> str:
         return derive_worker_token(self.secret, job_id)
@@ -210,10 +246,15 @@ class JobService:
         which the record was read still holds."""
         fence = fence if fence is not None else self.writes.fence()
         for _ in range(50):
-            record, revision = self.get_versioned(job_id)
+            record, revision, unreadable = self.read(job_id)
             changed = change(record)
             if changed == record:
                 return record
+            if unreadable is not None:
+                raise ConflictError(
+                    f"job {job_id}'s stored record cannot be read ({unreadable.problem}); the "
+                    "reconciler fails the job and keeps the record as found"
+                )
             if self.write_record(changed, revision, fence=fence):
                 return changed
         raise ConflictError(f"job {job_id} changed too often to update; retry the request")
