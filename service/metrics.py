@@ -55,6 +55,11 @@ class Metrics:
         # the reconciler and the scheduler it drives
         self.is_leader = Gauge("elastrain_reconciler_is_leader", "1 while this instance leads", registry=r)
         self.passes = Counter("elastrain_reconciler_passes_total", "Reconciler passes", registry=r)
+        self.last_pass = Gauge(
+            "elastrain_reconciler_last_pass_timestamp_seconds",
+            "When the reconciler last completed a pass (Unix time)",
+            registry=r,
+        )
         self.pass_errors = Counter(
             "elastrain_reconciler_errors_total", "Reconciler errors by kind", ["kind"], registry=r
         )

@@ -117,6 +117,8 @@ class Reconciler:
         self._adopted_at = float("-inf")
         self._failing: dict[str, int] = {}
         """Per job, the passes in a row that failed on it."""
+        self._passed_at = clock()
+        """When the last pass completed (or the reconciler was made or started)."""
 
     @property
     def is_leader(self) -> bool:
@@ -130,6 +132,7 @@ class Reconciler:
         fence = self.election.campaign()
         self.metrics.is_leader.set(1 if fence else 0)
         if fence is None:
+            self._passed_at = self.clock()  # a standby's pass is complete: it has nothing to do
             return False
         listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
         records = [record for record, _ in listed]
@@ -160,12 +163,35 @@ class Reconciler:
                 self._failing.pop(record.id, None)
         self.metrics.observe_jobs(records)
         self.metrics.passes.inc()
+        self._passed_at = self.clock()
+        self.metrics.last_pass.set(self._passed_at)
         self.metrics.pass_seconds.observe(time.perf_counter() - started)
         return True
+
+    @property
+    def stale_after_s(self) -> float:
+        """A leader whose last completed pass is older than this is not ready: three idle
+        intervals (15 s by default), time for two passes to fail or hang in a row."""
+        return 3 * self.idle_interval_s
+
+    def stalled(self) -> str | None:
+        """Why this instance is not ready as the leader: its passes stopped completing (each
+        fails, or one hangs). None while they complete, and on a standby (it runs none)."""
+        if not self.is_leader:
+            return None
+        late = self.clock() - self._passed_at
+        if late <= self.stale_after_s:
+            return None
+        return (
+            f"the reconciler has not completed a pass for {late:.0f} s (it should every "
+            f"{self.idle_interval_s:g} s at the latest); see elastrain_reconciler_errors_total and "
+            "the service log"
+        )
 
     def start(self) -> None:
         """Run passes (and the leader lease keep-alive) in background threads until stop()."""
         self._stop.clear()
+        self._passed_at = self.clock()
         for target, name in ((self._loop, "reconciler"), (self._keepalive, "leader-keepalive")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()

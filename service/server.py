@@ -187,6 +187,7 @@ def build_app(
         checkpoints=checkpoints,
         metrics=metrics,
         leader=lambda: reconciler.is_leader,
+        stalled=reconciler.stalled,
         forward=LeaderLookup(lambda: leader_address(store)),
         holder=election.holder,
         lifespan=lifespan,

@@ -34,6 +34,9 @@ class Context:
     api_token_hash: str
     leader: Callable[[], bool]
     """Whether this instance leads (runs the reconciler)."""
+    stalled: Callable[[], str | None] = lambda: None
+    """Why this instance, as the leader, is not ready (its reconciler's passes stopped
+    completing); None when it is."""
     scheduler: Scheduler | None = None
     """None: the app runs without a scheduler (tests of the API alone); logs are then unreadable."""
     checkpoints: Checkpoints | None = None

@@ -60,6 +60,8 @@ class World:
             api_token=TOKEN,
             parts=self.parts,
             metrics=self.metrics,
+            leader=lambda: self.reconciler.is_leader,
+            stalled=self.reconciler.stalled,
         )
         self.api = TestClient(app, raise_server_exceptions=False)
 
@@ -183,3 +185,34 @@ def test_a_job_the_reconciler_keeps_failing_on_is_failed_and_the_others_go_on(
     record = world.jobs.get(bad)
     assert record.state == JobState.FAILED and "TypeError" in (record.reason or "")
     assert world.errors(bad) == 3 and world.errors(healthy) == 0
+
+
+def test_readyz_says_not_ready_while_the_leaders_passes_do_not_complete(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13 item 3: every pass failed while /readyz stayed 200. A leader whose reconciler
+    has not completed a pass for 3 idle intervals (15 s by default) is not ready, with why."""
+    r = world.reconciler
+    assert r.stalled() is None  # nothing expected yet: it has only just started
+    assert r.run_once() and r.stalled() is None
+    world.clock.advance(14)
+    assert r.stalled() is None and world.api.get("/readyz").status_code == 200
+
+    def broken() -> Any:
+        raise TypeError("boom")
+
+    monkeypatch.setattr(world.jobs, "scan", broken)
+    with pytest.raises(TypeError):
+        r.run_once()
+    world.clock.advance(2)
+    reason = r.stalled()
+    assert reason is not None and "16 s" in reason and "every 5 s" in reason
+    resp = world.api.get("/readyz")
+    assert resp.status_code == 503 and "reconciler" in resp.json()["error"]["message"], resp.text
+    monkeypatch.undo()
+    assert r.run_once() and r.stalled() is None
+    assert world.api.get("/readyz").status_code == 200
+    # A standby runs no passes and is not judged by them.
+    world.clock.advance(60)
+    r.election.resign()
+    assert r.stalled() is None
