@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from service.api.admission import admit
 from service.api.deps import Context, ContextDep, require_api
 from service.api.errors import error_responses
 from service.api.logfiles import tail_lines
@@ -50,6 +51,7 @@ async def submit_job(
 ) -> JSONResponse:
     """Submit a JobSpec. With ``Idempotency-Key`` the same key returns the same job (200)."""
     spec = spec_from_body(await request.body())
+    admit(spec, ctx.settings)
     record, created = await run_in_threadpool(ctx.jobs.create, spec, idempotency_key=idempotency_key)
     view = public(record, None).model_dump(mode="json")
     headers = {"Location": f"/v1/jobs/{record.id}"}
