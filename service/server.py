@@ -195,6 +195,20 @@ def build_app(
     return app, reconciler
 
 
+_WILDCARDS = {"0.0.0.0": "every IPv4 interface", "::": "every interface", "": "every interface"}
+
+
+def serving_line(settings: Settings) -> str:
+    """What ``serve`` logs at start: the address it listens on, and the one workers are told
+    (the advertise URL; for a wildcard host without one, loopback)."""
+    where = _WILDCARDS.get(settings.host)
+    listens = settings.listen_url + (f" ({where})" if where else "")
+    return (
+        f"listening on {listens}; workers reach it at {settings.service_url}; "
+        f"checkpoints under {settings.checkpoint_root}"
+    )
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, whose housekeeping loop wakes once a second instead of ten times (each
     wake-up of the service lands on a core the training ranks use); a shutdown signal still ends
@@ -233,7 +247,7 @@ def serve(settings: Settings, *, scheduler: Scheduler | None = None) -> int:
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     with etcd_for(settings) as endpoints:
         app, reconciler = build_app(settings, endpoints, scheduler=scheduler)
-        log.info("serving on %s (checkpoints under %s)", settings.service_url, settings.checkpoint_root)
+        log.info("%s", serving_line(settings))
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_level="warning", access_log=False, lifespan="on"
         )

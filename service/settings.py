@@ -103,6 +103,12 @@ class Settings(BaseSettings):
         return self.instance_url or self.service_url
 
     @property
+    def listen_url(self) -> str:
+        """The address uvicorn binds, as a URL (``http://0.0.0.0:8080`` binds every interface)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
     def service_url(self) -> str:
         if self.advertise_url:
             return self.advertise_url
