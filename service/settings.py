@@ -3,6 +3,7 @@ overridden by ``elastrain serve`` flags. Nonsense is refused with a message sayi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
@@ -44,6 +45,10 @@ class Settings(BaseSettings):
     instance_url: str = ""
     """URL the other service instances use to reach this one (a standby forwards writes to the
     leader there); default: the advertise URL. On Kubernetes the chart sets the pod's IP."""
+    factory_allowlist: str | None = None
+    """Comma-separated module prefixes the factories of a spec (model, data, loss) may come from:
+    ``team_a`` allows ``team_a:f`` and ``team_a.models:f``. Unset: any module (whoever holds the
+    API token runs code on the workers anyway); empty: the built-in models and data only."""
     reconcile_interval_s: float = Field(default=1.0, gt=0, le=60)
     reconcile_idle_interval_s: float = Field(default=5.0, gt=0, le=300)
     """Between passes while every job runs steadily (a job write wakes the reconciler at once)."""
@@ -59,6 +64,22 @@ class Settings(BaseSettings):
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
                 raise ValueError(f"etcd endpoint {url!r} must look like http://HOST:PORT")
         return value
+
+    @field_validator("factory_allowlist")
+    @classmethod
+    def _module_prefixes(cls, value: str | None) -> str | None:
+        for prefix in _prefixes(value):
+            if not _MODULE_RE.match(prefix):
+                raise ValueError(
+                    f"{prefix!r} is not a module name; give dotted Python module names, e.g. "
+                    "'team_a,team_b.models'"
+                )
+        return value
+
+    @property
+    def factory_prefixes(self) -> tuple[str, ...] | None:
+        """The allowed module prefixes; None: any module."""
+        return None if self.factory_allowlist is None else _prefixes(self.factory_allowlist)
 
     @field_validator("advertise_url", "instance_url")
     @classmethod
@@ -114,6 +135,13 @@ class Settings(BaseSettings):
             return self.advertise_url
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
+
+
+_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _prefixes(value: str | None) -> tuple[str, ...]:
+    return tuple(p.strip() for p in (value or "").split(",") if p.strip())
 
 
 def load_settings(**overrides: object) -> Settings:

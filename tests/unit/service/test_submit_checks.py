@@ -69,3 +69,57 @@ def test_resources_a_scheduler_can_use_are_accepted(client: TestClient) -> None:
     resources = {"cpu": "4", "gpu": "1", "memory": "16Gi", "instance_type": "m5.xlarge"}
     resp = client.post("/v1/jobs", json=SPEC | {"resources": resources}, headers=AUTH)
     assert resp.status_code == 201 and resp.json()["spec"]["resources"] == resources
+
+
+FACTORY_FIELDS = {
+    "model.factory": lambda f: {"model": {"factory": f}},
+    "data.factory": lambda f: {"data": {"factory": f}},
+    "loss.factory": lambda f: {"loss": {"factory": f}},
+}
+
+
+@pytest.mark.parametrize("field", sorted(FACTORY_FIELDS))
+def test_with_an_empty_allowlist_only_built_ins_run(tmp_path: Path, field: str) -> None:
+    """Issue 13 item 10: holding the API token meant running any importable code on the workers
+    ('torch.hub:load' with source 'local' ran a hubconf.py). ELASTRAIN_FACTORY_ALLOWLIST='' (the
+    chart's default) allows the built-ins only."""
+    with make_client(tmp_path, factory_allowlist="") as client:
+        error = refused(client, SPEC | FACTORY_FIELDS[field]("torch.hub:load"))
+        assert error["field"] == field, error
+        assert "ELASTRAIN_FACTORY_ALLOWLIST" in error["message"] and "built-in" in error["message"]
+        assert client.post("/v1/jobs", json=SPEC, headers=AUTH).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("factory", "allowed"),
+    [
+        ("team_a.models:build", True),
+        ("team_a:build", True),
+        ("team_b.vision.resnet:make", True),
+        ("team_b.other:make", False),
+        ("team_ab.models:build", False),  # a prefix is a whole module name, not a string prefix
+        ("torch.hub:load", False),
+        ("os:system", False),
+    ],
+)
+def test_an_allowlist_names_module_prefixes(tmp_path: Path, factory: str, allowed: bool) -> None:
+    with make_client(tmp_path, factory_allowlist="team_a, team_b.vision") as client:
+        for field, build in FACTORY_FIELDS.items():
+            resp = client.post("/v1/jobs", json=SPEC | build(factory), headers=AUTH)
+            assert resp.status_code == (201 if allowed else 422), (field, resp.text)
+            if not allowed:
+                assert resp.json()["error"]["field"] == field
+
+
+def test_without_an_allowlist_any_factory_is_taken(client: TestClient) -> None:
+    """Unset (one machine, the default): the service trusts whoever holds the API token."""
+    resp = client.post("/v1/jobs", json=SPEC | {"model": {"factory": "team_x.models:build"}}, headers=AUTH)
+    assert resp.status_code == 201, resp.text
+
+
+@pytest.mark.parametrize("value", ["team-a", "team a", ".team", "team..a", "team.", "a:b"])
+def test_an_allowlist_entry_must_be_a_module_name(tmp_path: Path, value: str) -> None:
+    from service.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="ELASTRAIN_FACTORY_ALLOWLIST"):
+        load_settings(data_dir=tmp_path, factory_allowlist=value)
