@@ -123,3 +123,43 @@ def test_an_allowlist_entry_must_be_a_module_name(tmp_path: Path, value: str) ->
 
     with pytest.raises(SettingsError, match="ELASTRAIN_FACTORY_ALLOWLIST"):
         load_settings(data_dir=tmp_path, factory_allowlist=value)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"max_steps": 10**30}, "max_steps"),
+        ({"max_steps": 10**9 + 1}, "max_steps"),
+        ({"micro_batch_size": 10**12}, "micro_batch_size"),
+        ({"grad_accum_steps": 10**6}, "grad_accum_steps"),
+        ({"global_batch_size": 2**40, "micro_batch_size": 8}, "global_batch_size"),
+        ({"data": {"name": "synthetic", "samples": 10**12}}, "data.samples"),
+        ({"data": {"name": "synthetic", "eval_samples": 10**12}}, "data.eval_samples"),
+        ({"optimizer": {"lr": 1e300}}, "optimizer.lr"),
+        ({"optimizer": {"betas": [0.9, 1.5]}}, "optimizer.betas.1"),
+        ({"loss_scale": {"init_scale": 1e300}}, "loss_scale.init_scale"),
+        (
+            {"checkpoint": {"retention": {"pinned_steps": list(range(2000))}}},
+            "checkpoint.retention.pinned_steps",
+        ),
+        ({"model": {"name": "mlp", "kwargs": {f"k{i}": 1 for i in range(100)}}}, "model.kwargs"),
+        ({"model": {"name": "mlp", "kwargs": {"note": "x" * 5000}}}, "model.kwargs.note"),
+        ({"log_every_steps": 10**12}, "log_every_steps"),
+    ],
+)
+def test_sizes_no_run_can_use_are_refused_at_submit(
+    client: TestClient, change: dict[str, Any], field: str
+) -> None:
+    """Issue 13 item 7: max_steps 1e30 and micro_batch_size 1e12 were accepted."""
+    error = refused(client, SPEC | change)
+    assert error["field"] == field, error
+    assert field in error["message"]
+
+
+def test_the_largest_sizes_the_spec_allows_are_accepted(client: TestClient) -> None:
+    spec = SPEC | {
+        "max_steps": 10**9,
+        "micro_batch_size": 2**20,
+        "data": {"name": "synthetic", "samples": 10**10},
+    }
+    assert client.post("/v1/jobs", json=spec, headers=AUTH).status_code == 201
