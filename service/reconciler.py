@@ -72,6 +72,9 @@ def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLa
 
 ADOPT_EVERY_S = 10.0
 """How often a leader re-reconciles live jobs' checkpoint registries with storage."""
+SWEEP_AGAIN_S = 30.0
+"""After a job ends, its heartbeats, reports and outcomes are deleted at once and again this
+much later (a callback in flight as it ended may have written one more)."""
 FAIL_AFTER_ERRORS = 3
 """Passes in a row that may fail on one job before the job is failed (a lost race or a blip
 passes; a bug or data this version cannot handle repeats every pass)."""
@@ -115,6 +118,9 @@ class Reconciler:
         self._threads: list[threading.Thread] = []
         self._adopted_term: int | None = None
         self._adopted_at = float("-inf")
+        self.budget = parts.budget
+        self._sweep_again: dict[str, float] = {}
+        """Jobs that ended, and when to drop their transient keys once more."""
         self._failing: dict[str, int] = {}
         """Per job, the passes in a row that failed on it."""
         self._passed_at = clock()
@@ -161,6 +167,7 @@ class Reconciler:
                 self._job_failed(record, exc, fence)
             else:
                 self._failing.pop(record.id, None)
+        self._sweep(fence)
         self.metrics.observe_jobs(records)
         self.metrics.passes.inc()
         self._passed_at = self.clock()
@@ -323,10 +330,24 @@ class Reconciler:
         if decision.job.state.terminal and not record.state.terminal:
             self.progress.flush(job_id)
             self._adopt_storage([decision.job])
-            self.writes.commit(
-                [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
-            )
+            self._drop_transient(job_id, fence)
+            self._sweep_again[job_id] = self.clock() + SWEEP_AGAIN_S
+            self.budget.forget(job_id)
         return decision.job
+
+    def _drop_transient(self, job_id: str, fence: Fence) -> None:
+        """Delete the job's heartbeats, reports and outcomes (it ended)."""
+        self.writes.commit(
+            [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
+        )
+
+    def _sweep(self, fence: Fence) -> None:
+        """Drop once more what a callback that read the record just before the job ended may have
+        written just after (its worker token answers 409 from then on)."""
+        now = self.clock()
+        for job_id in [j for j, due in self._sweep_again.items() if due <= now]:
+            self._drop_transient(job_id, fence)
+            del self._sweep_again[job_id]
 
     def _observe(self, record: JobRecord) -> Observation:
         statuses: dict[str, NodeStatus] = {}

@@ -71,6 +71,7 @@ def create_app(
         progress=parts.progress,
         heartbeats=parts.heartbeats,
         views=parts.views,
+        budget=parts.budget,
         metrics=metrics,
         api_token_hash=hash_token(api_token),
         leader=leader or (lambda: False),

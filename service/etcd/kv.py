@@ -73,8 +73,11 @@ class KVStore(Protocol):
 
     def get(self, key: str) -> Versioned | None: ...
 
-    def list_prefix(self, prefix: str, *, start_after: str | None = None, limit: int = 0) -> list[Entry]:
-        """Keys under ``prefix`` in key order, after ``start_after`` when given; ``limit`` 0 = all."""
+    def list_prefix(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+    ) -> list[Entry]:
+        """Keys under ``prefix`` in key order, after ``start_after`` when given; ``limit`` 0 = all;
+        ``keys_only``: every value is ``b""`` (etcd sends none)."""
         ...
 
     def commit(self, writes: Sequence[Write], *, fence: Fence | None = None) -> bool:
@@ -160,11 +163,15 @@ class EtcdStore:
             return None
         return Versioned(unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"]))
 
-    def list_prefix(self, prefix: str, *, start_after: str | None = None, limit: int = 0) -> list[Entry]:
+    def list_prefix(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+    ) -> list[Entry]:
         start = (start_after + "\0") if start_after is not None else prefix
         body: dict[str, Any] = {"key": b64(start), "range_end": b64(range_end(prefix))}
         if limit:
             body["limit"] = limit
+        if keys_only:
+            body["keys_only"] = True
         kvs = self.client.range(body).get("kvs", [])
         return [
             Entry(unb64(kv["key"]).decode(), unb64(kv.get("value", "")), int(kv["mod_revision"]))

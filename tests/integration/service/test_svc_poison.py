@@ -135,3 +135,57 @@ def test_a_bomb_manifest_in_a_live_and_a_finished_job_stops_nothing(
             assert httpx.get(f"{svc.url}/readyz", timeout=5).status_code == 200
     finally:
         assert svc.stop() == 0
+
+
+def _db_size(endpoint: str) -> int:
+    """The bytes etcd's database holds (its maintenance status: ``dbSizeInUse``; ``dbSize``, the
+    file, grows in whole bbolt pages and allocations)."""
+    status = httpx.post(f"{endpoint}/v3/maintenance/status", json={}, timeout=5).json()
+    return int(status.get("dbSizeInUse", status["dbSize"]))
+
+
+def test_a_flooding_worker_cannot_fill_etcd(tmp_path: Path, fresh_etcd: EtcdServer) -> None:
+    """Issue 13 item 4: 30 reports of 1 MB with distinct steps grew etcd from 2.7 to 48.8 MB."""
+    svc = ServiceProcess(tmp_path, etcd=fresh_etcd.endpoint).start()
+    try:
+        with svc.client() as client:
+            job = client.post("/v1/jobs", json=job_spec("flood", "2", max_steps=1000)).json()
+            healthy = client.post("/v1/jobs", json=job_spec("healthy", "1")).json()["id"]
+            wait_for(lambda: _state(svc, job["id"]) == "RUNNING", what="the job RUNNING")
+        token = svc.launch_env(f"{job['id']}-n0-a0")["ELASTRAIN_WORKER_TOKEN"]
+        worker = httpx.Client(base_url=f"{svc.url}/v1/jobs/{job['id']}/workers", timeout=30,
+                              headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+        before = _db_size(fresh_etcd.endpoint)
+        pad = "x" * 900_000  # each body just under the 1 MiB limit
+        answers = []
+        for step in range(1, 31):
+            body = {"step": step, "generation": 0, "rank": 0, "world_size": 2, "ok": True, "error": "",
+                    "files": {}, "pieces": [], "tensors": {}, "meta_digest": "",
+                    "rank_meta": {"pad": pad}, "context": {}}  # fmt: skip
+            answers.append(worker.post("/checkpoints", json=body).status_code)
+        beats = [
+            worker.post("/heartbeat", json={"launch_id": f"made-up-{i}", "local_rank": 0}).status_code
+            for i in range(50)
+        ]
+        grown = _db_size(fresh_etcd.endpoint) - before
+        print(
+            f"etcd grew {grown / 1e6:.1f} MB under the flood (reports: {answers}; heartbeats: {set(beats)})"
+        )
+        assert answers == [200] * 4 + [429] * 26 and set(beats) == {422}
+        assert grown < 8e6, f"etcd grew by {grown / 1e6:.1f} MB"
+        assert svc.metric("elastrain_api_worker_throttled_total", job_id=job["id"]) == 26
+        # The job ends: its token stops working and its keys go.
+        for launch_id in svc.launches():
+            if launch_id.startswith(job["id"]):
+                svc.set_status(launch_id, "succeeded", 0)
+        wait_for(lambda: _state(svc, job["id"]) == "SUCCEEDED", what="the job SUCCEEDED")
+        late = worker.post("/heartbeat", json={"launch_id": f"{job['id']}-n0-a0", "local_rank": 0})
+        assert late.status_code == 409, late.text
+        store = EtcdStore(fresh_etcd.endpoint)
+        for prefix in keys.job_prefixes(job["id"]):
+            assert store.list_prefix(prefix, keys_only=True) == [], prefix
+        store.client.close()
+        worker.close()
+        assert _state(svc, healthy) == "RUNNING"
+    finally:
+        assert svc.stop() == 0
