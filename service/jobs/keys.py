@@ -20,6 +20,15 @@ def idempotency(key: str) -> str:
     return IDEMPOTENCY + hashlib.sha256(key.encode()).hexdigest()
 
 
+DIR_CLAIMS = f"{ROOT}/dirs"
+
+
+def dir_claim(path: str) -> str:
+    """Which job a checkpoint directory (its real, absolute path) belongs to; the key of a
+    directory's descendants start with this key and '/'."""
+    return f"{DIR_CLAIMS}{path}"
+
+
 def quarantine(job_id: str) -> str:
     """Where the bytes of a job record the service could not read are kept, as found."""
     return f"{ROOT}/quarantine/{job_id}"

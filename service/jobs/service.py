@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from typing import NamedTuple
 from service.etcd.kv import Fence, KVStore, Write
 from service.jobs import keys
 from service.jobs.cache import TTLCache
+from service.jobs.claims import check_free, claim_write
 from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done, merge_progress
 from service.jobs.machine import request_cancel, request_scale
@@ -29,8 +32,12 @@ from service.jobs.progress import ProgressBuffer
 from service.jobs.salvage import Unreadable, decode, salvage
 from service.jobs.tokens import derive_worker_token, hash_token
 from service.jobs.writes import LeaderWrites
+from worker.checkpoint.owner import claim
+from worker.errors import SpecError
 from worker.failpoints import failpoint
 from worker.spec import JobSpec, parse_nodes, spec_json
+
+log = logging.getLogger("elastrain.jobs")
 
 
 def ensure_worker_secret(store: KVStore) -> bytes:
@@ -189,14 +196,32 @@ class JobService:
                 if existing is not None:
                     return existing, False
             record = self._new_record(spec, spec_hash)
-            writes = [Write(keys.job(record.id), record.to_json(), 0)]
+            directory = Path(record.checkpoint_dir)
+            check_free(self.store, directory, root=self._real_root, job_id=record.id)
+            writes = [
+                Write(keys.job(record.id), record.to_json(), 0),
+                claim_write(directory, record.id, now=record.created_at),
+            ]
             if idempotency_key is not None:
                 writes.append(Write(keys.idempotency(idempotency_key), record.id.encode(), 0))
             if self.writes.commit(writes, fence=fence):
+                self._mark(directory, record.id)
                 self._on_change(record.id)
                 self._on_job_write(record.id)
                 return record, True
         raise ConflictError("could not store the job after repeated races; retry the request")
+
+    @property
+    def _real_root(self) -> Path:
+        return Path(os.path.realpath(self.storage_root))
+
+    def _mark(self, directory: Path, job_id: str) -> None:
+        """The owner marker the workers check, written now that etcd holds the claim (a worker
+        writes it at its start too, if this could not)."""
+        try:
+            claim(directory, job_id)
+        except (OSError, SpecError) as exc:
+            log.warning("job %s: could not write the owner marker in %s: %s", job_id, directory, exc)
 
     def _by_idempotency(self, key: str, spec_hash: str) -> JobRecord | None:
         found = self.store.get(keys.idempotency(key))
