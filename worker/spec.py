@@ -25,21 +25,23 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from worker.errors import SpecError
+from worker.spec_limits import (
+    IMAGE_RE,
+    MAX_ACCUM,
+    MAX_ENV,
+    MAX_GLOBAL_BATCH,
+    MAX_IMAGE,
+    MAX_KWARGS,
+    MAX_MICRO_BATCH,
+    MAX_NODES,
+    MAX_SAMPLES,
+    MAX_STEPS,
+    MAX_TEXT,
+    check_env_name,
+)
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
-
-MAX_NODES = 10_000
-"""The most nodes a job may ask for (the scale route's cap too)."""
-# Bounds of what a run can do at all (issue 13 item 7: max_steps 1e30 and micro_batch_size 1e12
-# passed the schema and failed wherever they were first used). The README lists them.
-MAX_STEPS = 10**9
-MAX_MICRO_BATCH = 1 << 20
-MAX_ACCUM = 1 << 16
-MAX_GLOBAL_BATCH = 1 << 30
-MAX_SAMPLES = 10**10
-MAX_KWARGS = 64
-MAX_TEXT = 4096
 
 Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
@@ -282,6 +284,23 @@ class JobSpec(_Frozen):
     resources: dict[Annotated[str, Field(max_length=100)], Annotated[str, Field(max_length=300)]] = Field(
         default_factory=dict, max_length=16
     )
+    image: str | None = Field(
+        default=None,
+        max_length=MAX_IMAGE,
+        pattern=IMAGE_RE,
+        description=(
+            "Kubernetes: the container image of this job's worker pods (default: the service's "
+            "worker image); it must contain elastrain's worker. Ignored on one machine."
+        ),
+    )
+    env: dict[str, Annotated[str, Field(max_length=MAX_TEXT)]] = Field(
+        default_factory=dict,
+        max_length=MAX_ENV,
+        description=(
+            "Environment of this job's nodes (and so of its workers), e.g. PYTHONPATH for the "
+            "team's code; names like shell variables, none of ELASTRAIN_*, TORCH* or torchrun's own."
+        ),
+    )
 
     @field_validator("nodes")
     @classmethod
@@ -291,6 +310,13 @@ class JobSpec(_Frozen):
             raise ValueError(f"{value!r} must be N or MIN:MAX with 1 <= MIN <= MAX")
         if hi > MAX_NODES:
             raise ValueError(f"{value!r} asks for more than {MAX_NODES} nodes; give a smaller MAX")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            check_env_name(name)
         return value
 
     @model_validator(mode="after")

@@ -126,9 +126,12 @@ def torchrun_args(
 
 
 def node_env(node: NodeLaunch) -> dict[str, str]:
-    """The environment of a node's torchrun agent (and so of its workers): what the service says
-    (``node.env``), then what no caller overrides: the rendezvous variable and who the node is."""
+    """The environment of a node's torchrun agent (and so of its workers): the spec's ``env``
+    (the team's, e.g. ``PYTHONPATH``), what the service says (``node.env``), then what no caller
+    overrides: the rendezvous variable and who the node is. (The spec cannot name the service's
+    variables: :func:`worker.spec_limits.check_env_name`.)"""
     return {
+        **node.spec.env,
         **dict(node.env),
         **LAUNCH_ENV,
         "ELASTRAIN_JOB_ID": node.job_id,
@@ -204,8 +207,9 @@ def local_node_app(
     """The app of one node on this machine: :func:`node_app` run by ``python``, under the node
     wrapper (:mod:`service.launch.node_exec`, which records the node's fate in ``node_dir``),
     in ``workdir``, with ``import_root`` (the directory holding ``service`` and ``worker``) on
-    the ``PYTHONPATH`` after the caller's. Pure."""
-    pythonpath = os.pathsep.join(p for p in (node.env.get("PYTHONPATH", ""), import_root) if p)
+    the ``PYTHONPATH`` after the spec's and the caller's. Pure."""
+    given = (node.spec.env.get("PYTHONPATH", ""), node.env.get("PYTHONPATH", ""), import_root)
+    pythonpath = os.pathsep.join(p for p in given if p)
     app = node_app(
         dataclasses.replace(node, env={**node.env, "PYTHONPATH": pythonpath}),
         rdzv_endpoint=settings.rdzv_endpoint,

@@ -163,3 +163,37 @@ def test_the_largest_sizes_the_spec_allows_are_accepted(client: TestClient) -> N
         "data": {"name": "synthetic", "samples": 10**10},
     }
     assert client.post("/v1/jobs", json=spec, headers=AUTH).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"env": {"ELASTRAIN_WORKER_TOKEN": "x"}}, "env"),
+        ({"env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}}, "env"),
+        ({"env": {"TORCHELASTIC_RUN_ID": "x"}}, "env"),
+        ({"env": {"torch_home": "/x"}}, "env"),
+        ({"env": {"MASTER_ADDR": "evil"}}, "env"),
+        ({"env": {"RANK": "0"}}, "env"),
+        ({"env": {"PET_NNODES": "9"}}, "env"),
+        ({"env": {"1BAD": "x"}}, "env"),
+        ({"env": {"A-B": "x"}}, "env"),
+        ({"env": {f"V{i}": "x" for i in range(65)}}, "env"),
+        ({"env": {"BIG": "x" * 5000}}, "env.BIG"),
+        ({"image": "Not An Image"}, "image"),
+        ({"image": "x" * 300}, "image"),
+    ],
+)
+def test_a_jobs_env_and_image_are_checked_at_submit(
+    client: TestClient, change: dict[str, Any], field: str
+) -> None:
+    """Issue 12 item 6: a bounded map, names checked, nothing the service or torchrun sets."""
+    error = refused(client, SPEC | change)
+    assert error["field"] == field, error
+
+
+def test_a_jobs_image_and_env_are_stored_with_it(client: TestClient) -> None:
+    team = {"image": "registry.example.com/team/worker:1.2@sha256:" + "a" * 64,
+            "env": {"PYTHONPATH": "/opt/team", "HF_HOME": "/tmp/hf", "NCCL_DEBUG": "WARN"}}  # fmt: skip
+    resp = client.post("/v1/jobs", json=SPEC | team, headers=AUTH)
+    assert resp.status_code == 201, resp.text
+    assert {k: resp.json()["spec"][k] for k in team} == team
