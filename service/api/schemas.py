@@ -72,8 +72,9 @@ class ScaleRequest(_Request):
 
 MAX_COUNT = 1 << 62
 """The largest step or sample count a worker may send."""
-MAX_ROUND = 1 << 31
-"""The largest generation or save number (``seq``) a worker may send."""
+MAX_ROUND = 1 << 62
+"""The largest generation or save number (``seq``) a worker may send (a generation is agreed
+from the clock in milliseconds: about 1.8e12 today)."""
 
 
 class HeartbeatRequest(_Request):

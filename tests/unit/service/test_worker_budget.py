@@ -143,7 +143,7 @@ def test_a_publish_collects_the_rounds_that_can_no_longer_publish(svc: Service) 
         ({"world_size": 3}, "world_size"),  # nodes 1:2, one process each: 1 or 2
         ({"world_size": 99_999, "rank": 7}, "world_size"),
         ({"step": 1001}, "step"),  # beyond max_steps
-        ({"generation": 1 << 40}, "generation"),
+        ({"generation": 1 << 63}, "generation"),
     ],
 )
 def test_reports_are_checked_against_the_job(svc: Service, change: dict[str, Any], field: str) -> None:
