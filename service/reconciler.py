@@ -19,7 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.checkpoints.adopt import StorageAdoption
-from service.etcd.client import EtcdRefusedError, EtcdUnavailableError
+from service.etcd.access import JobUsers
+from service.etcd.access import node_env as etcd_node_env
+from service.etcd.client import Credentials, EtcdRefusedError, EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
@@ -52,15 +54,18 @@ class LaunchContext:
     etcd_endpoints: tuple[str, ...] = ()
 
 
-def service_env(job: JobRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
-    """What the service tells every node of ``job``; who the node is (job id, node index, launch
-    id) its scheduler adds (:func:`service.launch.apps.node_env`)."""
-    return {
+def service_env(
+    job: JobRecord, ctx: LaunchContext, worker_token: str, etcd: Credentials | None = None
+) -> dict[str, str]:
+    """What the service tells every node of ``job``, with the job's own etcd user when etcd has
+    auth; who the node is its scheduler adds (:func:`service.launch.apps.node_env`)."""
+    env = {
         "ELASTRAIN_SERVICE_URL": ctx.service_url,
         "ELASTRAIN_WORKER_TOKEN": worker_token,
         "ELASTRAIN_CHECKPOINT_DIR": job.checkpoint_dir,
         "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
     }
+    return env | (etcd_node_env(etcd) if etcd is not None else {})
 
 
 def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLaunch:
@@ -94,6 +99,7 @@ class Reconciler:
         interval_s: float = 1.0,
         idle_interval_s: float = 5.0,
         storage: StorageAdoption | None = None,
+        users: JobUsers | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.jobs = parts.records
@@ -113,6 +119,8 @@ class Reconciler:
         """Set to run the next pass now (the server sets it on every job write)."""
         self.storage = storage
         """Reconciles the checkpoint registry with storage (None: no checkpoint duties)."""
+        self.users = users
+        """Each job's own etcd user (None: etcd without auth)."""
         self.clock = clock
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -336,10 +344,12 @@ class Reconciler:
         return decision.job
 
     def _drop_transient(self, job_id: str, fence: Fence) -> None:
-        """Delete the job's heartbeats, reports and outcomes (it ended)."""
+        """Delete the job's heartbeats, reports, outcomes, rendezvous, and its etcd user (it ended)."""
         self.writes.commit(
             [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
         )
+        if self.users is not None:
+            self.users.remove(job_id)
 
     def _sweep(self, fence: Fence) -> None:
         """Drop once more what a callback that read the record just before the job ended may have
@@ -362,7 +372,9 @@ class Reconciler:
         return Observation(now=self.clock(), statuses=statuses, last_seen=last_seen)
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
-        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))
+        # An etcd error here stops the pass (the intent stays: the next pass launches), no node fails.
+        etcd = self.users.credentials(record.id) if self.users is not None else None
+        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id), etcd)
         try:
             handle = self.scheduler.launch(node_launch(record, node, env))
         except Exception as exc:

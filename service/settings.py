@@ -28,6 +28,13 @@ class Settings(BaseSettings):
     """Embedded etcd data, the generated API token."""
     etcd: str = ""
     """Comma-separated etcd endpoints (http://HOST:PORT); empty starts an embedded etcd."""
+    etcd_user: str = Field(default="root", min_length=1, max_length=128)
+    """The etcd user the service acts as: root, or a user with the root role (it creates each
+    job's own user)."""
+    etcd_password: SecretStr | None = None
+    """Its password. The embedded etcd: generated at first start into
+    ``<data dir>/etcd-root-password``. Unset with ELASTRAIN_ETCD: an etcd without auth, where every
+    job's code can read and write all of etcd."""
     storage_root: Path | None = None
     """Where checkpoints live; default <data_dir>/checkpoints. Every job's dir resolves inside it."""
     api_token: SecretStr | None = None

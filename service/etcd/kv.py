@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from service.etcd.client import (
+    Credentials,
     EtcdClient,
     EtcdEndpoint,
     EtcdUnavailableError,
@@ -146,7 +147,13 @@ class EtcdStore:
     """:class:`KVStore` on etcd v3. ``endpoints``: one or more ``http://host:port`` (a list, or
     comma-separated); a request that cannot connect moves on to the next endpoint."""
 
-    def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout_s: float = 5.0,
+        credentials: Credentials | None = None,
+    ) -> None:
         urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         urls = [u.strip() for part in urls for u in part.split(",") if u.strip()]
         if not urls:
@@ -155,7 +162,7 @@ class EtcdStore:
             members = [EtcdEndpoint.from_url(u) for u in urls]
         except ValueError as exc:
             raise EtcdUnavailableError(str(exc)) from None
-        self.client = EtcdClient(members, timeout_s=timeout_s)
+        self.client = EtcdClient(members, timeout_s=timeout_s, credentials=credentials)
 
     def get(self, key: str) -> Versioned | None:
         kvs = self.client.range({"key": b64(key)}).get("kvs", [])

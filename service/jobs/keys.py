@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+from service.etcd.access import rendezvous_prefix
+
 ROOT = "/elastrain"
 JOBS = f"{ROOT}/jobs/"
 IDEMPOTENCY = f"{ROOT}/idempotency/"
@@ -75,5 +77,6 @@ def checkpoint(job_id: str, step: int) -> str:
 
 
 def job_prefixes(job_id: str) -> tuple[str, ...]:
-    """Per-job prefixes (each ends in '/') of transient data, dropped when a job finishes."""
-    return (heartbeats(job_id), reports(job_id), outcomes(job_id))
+    """Per-job prefixes (each ends in '/') of transient data, dropped when a job finishes: its
+    heartbeats, checkpoint reports and outcomes, and its torchrun rendezvous."""
+    return (heartbeats(job_id), reports(job_id), outcomes(job_id), rendezvous_prefix(job_id))

@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from scripts.demo import worker_pids
+from service.etcd.client import Credentials
 from service.etcd.kv import EtcdStore
 from service.jobs import keys
 from tests.faults.conftest import seeded
@@ -90,6 +91,8 @@ class Row:
         self.svc, self.rng = svc, rng
         ports = json.loads((svc.data_dir / "etcd" / "ports.json").read_text())
         self.etcd = f"http://127.0.0.1:{ports['client_port']}"
+        # The embedded etcd has auth on: writing records by hand takes its root (an operator).
+        self.root = Credentials("root", (svc.data_dir / "etcd-root-password").read_text().strip())
 
     def state(self, job_id: str) -> str:
         return str(self.svc.job(job_id)["state"])
@@ -100,7 +103,7 @@ class Row:
             assert 400 <= resp.status_code < 500, f"{what}: {resp.status_code} {resp.text[:300]}"
 
     def poison_records(self, template_id: str) -> list[str]:
-        store = EtcdStore(self.etcd)
+        store = EtcdStore(self.etcd, credentials=self.root)
         try:
             found = store.get(keys.job(template_id))
             assert found is not None
@@ -119,7 +122,11 @@ class Row:
         (step / "manifest.json").write_bytes(BOMB)
 
     def db_in_use(self) -> int:
-        status = httpx.post(f"{self.etcd}/v3/maintenance/status", json={}, timeout=5).json()
+        store = EtcdStore(self.etcd, credentials=self.root)
+        try:
+            status = store.client.post("maintenance/status", {})
+        finally:
+            store.client.close()
         return int(status.get("dbSizeInUse", status["dbSize"]))
 
     def flood(self, job_id: str) -> None:
