@@ -70,10 +70,10 @@ def serve(port: int, data_dir: str, etcd: str = "") -> int:
 
 
 def start_service(
-    workdir: Path, *, etcd: str = "", token: str | None = None
+    workdir: Path, *, etcd: str = "", token: str | None = None, etcd_password: str | None = None
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     """``elastrain serve`` in a child process: on its own embedded etcd, or on ``etcd`` (then
-    with the API token ``token``, as replicas share one)."""
+    with the API token ``token``, as replicas share one, and etcd's root password)."""
     from service.ports import free_port
 
     port = free_port()
@@ -81,6 +81,8 @@ def start_service(
     env.pop("ELASTRAIN_API_TOKEN", None)
     if token is not None:
         env["ELASTRAIN_API_TOKEN"] = token
+    if etcd_password is not None:
+        env["ELASTRAIN_ETCD_PASSWORD"] = etcd_password
     cmd = [sys.executable, "-m", "benchmarks.service_api", "--serve", str(port), "--data-dir", str(workdir)]
     cmd += ["--etcd", etcd] if etcd else []
     log = open(workdir / "service.log", "wb")  # noqa: SIM115 - the child owns it
@@ -214,7 +216,10 @@ def start_standby(workdir: Path, token: str) -> tuple[subprocess.Popen[bytes], s
     """A second instance on the first one's embedded etcd: it stands by while the first leads."""
     ports = json.loads((workdir / "etcd" / "ports.json").read_text())
     (workdir / "standby").mkdir()
-    standby = start_service(workdir / "standby", etcd=f"http://127.0.0.1:{ports['client_port']}", token=token)
+    root = (workdir / "etcd-root-password").read_text().strip()  # the embedded etcd has auth on
+    standby = start_service(
+        workdir / "standby", etcd=f"http://127.0.0.1:{ports['client_port']}", token=token, etcd_password=root
+    )
     if httpx.get(f"{standby[1]}/readyz", timeout=5).json().get("leader"):
         raise SystemExit("the second instance leads: the first lost its lease")
     return standby

@@ -41,6 +41,7 @@ ROWS: dict[str, str] = {
     "bad-path-fields": T + "test_bad_input.py::test_traversal_paths_are_422",
     "bad-large-bodies": T + "test_bad_input.py::test_large_and_deep_bodies_are_refused",
     "bad-manifest-code": T + "test_bad_input.py::test_crafted_checkpoint_never_executes_code",
+    "poison": T + "test_poison.py::test_poison_next_to_a_healthy_job",
 }
 
 

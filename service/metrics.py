@@ -46,6 +46,13 @@ class Metrics:
             registry=r,
         )
         self.errors = Counter("elastrain_api_errors_total", "Error responses by code", ["code"], registry=r)
+        self.worker_throttled = Counter(
+            "elastrain_api_worker_throttled_total",
+            "Worker callbacks refused (429) because the job's workers were over a budget (requests, "
+            "bytes, open checkpoint rounds)",
+            ["job_id", "budget"],
+            registry=r,
+        )
         self.forwarded = Counter(
             "elastrain_api_forwarded_total",
             "Writes a standby passed to the leader, by outcome (forwarded, unreachable)",
@@ -55,8 +62,20 @@ class Metrics:
         # the reconciler and the scheduler it drives
         self.is_leader = Gauge("elastrain_reconciler_is_leader", "1 while this instance leads", registry=r)
         self.passes = Counter("elastrain_reconciler_passes_total", "Reconciler passes", registry=r)
+        self.last_pass = Gauge(
+            "elastrain_reconciler_last_pass_timestamp_seconds",
+            "When the reconciler last completed a pass (Unix time)",
+            registry=r,
+        )
         self.pass_errors = Counter(
             "elastrain_reconciler_errors_total", "Reconciler errors by kind", ["kind"], registry=r
+        )
+        self.job_errors = Counter(
+            "elastrain_reconciler_job_errors_total",
+            "Reconciler failures on one job: its record cannot be read (kind unreadable), or "
+            "reconciling it raised (kind processing); the job is failed, the others go on",
+            ["job_id", "kind"],
+            registry=r,
         )
         self.pass_seconds = Histogram(
             "elastrain_reconciler_pass_duration_seconds",
@@ -212,9 +231,11 @@ class InstrumentedStore:
         with self._metrics.etcd_call("get"):
             return self.inner.get(key)
 
-    def list_prefix(self, prefix: str, *, start_after: str | None = None, limit: int = 0) -> list[Entry]:
+    def list_prefix(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+    ) -> list[Entry]:
         with self._metrics.etcd_call("list_prefix"):
-            return self.inner.list_prefix(prefix, start_after=start_after, limit=limit)
+            return self.inner.list_prefix(prefix, start_after=start_after, limit=limit, keys_only=keys_only)
 
     def commit(self, writes: Sequence[Write], *, fence: Fence | None = None) -> bool:
         with self._metrics.etcd_call("commit"):

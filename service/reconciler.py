@@ -19,11 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.checkpoints.adopt import StorageAdoption
-from service.etcd.client import EtcdUnavailableError
+from service.etcd.access import JobUsers
+from service.etcd.access import node_env as etcd_node_env
+from service.etcd.client import Credentials, EtcdRefusedError, EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
-from service.jobs.errors import NotFoundError, NotLeaderError
+from service.jobs.errors import InvalidRequestError, NotFoundError, NotLeaderError
 from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
     Cancel,
@@ -31,14 +33,15 @@ from service.jobs.machine import (
     Observation,
     Policy,
     confirm_launch,
+    fail,
     launch_failed,
     reconcile,
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
 from service.jobs.parts import JobParts
+from service.jobs.service import Stored
 from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
 from service.metrics import Metrics
-from worker.errors import ElastrainError
 
 log = logging.getLogger("elastrain.reconciler")
 
@@ -51,24 +54,35 @@ class LaunchContext:
     etcd_endpoints: tuple[str, ...] = ()
 
 
-def service_env(job: JobRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
-    """What the service tells every node of ``job``; who the node is (job id, node index, launch
-    id) its scheduler adds (:func:`service.launch.apps.node_env`)."""
-    return {
+def service_env(
+    job: JobRecord, ctx: LaunchContext, worker_token: str, etcd: Credentials | None = None
+) -> dict[str, str]:
+    """What the service tells every node of ``job``, with the job's own etcd user when etcd has
+    auth; who the node is its scheduler adds (:func:`service.launch.apps.node_env`)."""
+    env = {
         "ELASTRAIN_SERVICE_URL": ctx.service_url,
         "ELASTRAIN_WORKER_TOKEN": worker_token,
         "ELASTRAIN_CHECKPOINT_DIR": job.checkpoint_dir,
         "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
     }
+    return env | (etcd_node_env(etcd) if etcd is not None else {})
 
 
 def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLaunch:
     """The launch of ``node`` of ``job`` that the reconciler asks its scheduler for. Pure."""
+    if job.spec is None:  # only the FAILED stand-in of an unreadable record has none; it launches nothing
+        raise InvalidRequestError(f"job {job.id} has no readable spec; nothing of it can be launched")
     return NodeLaunch(job.id, job.spec, node.index, node.launch_id, env)
 
 
 ADOPT_EVERY_S = 10.0
 """How often a leader re-reconciles live jobs' checkpoint registries with storage."""
+SWEEP_AGAIN_S = 30.0
+"""After a job ends, its heartbeats, reports and outcomes are deleted at once and again this
+much later (a callback in flight as it ended may have written one more)."""
+FAIL_AFTER_ERRORS = 3
+"""Passes in a row that may fail on one job before the job is failed (a lost race or a blip
+passes; a bug or data this version cannot handle repeats every pass)."""
 
 
 class Reconciler:
@@ -85,6 +99,7 @@ class Reconciler:
         interval_s: float = 1.0,
         idle_interval_s: float = 5.0,
         storage: StorageAdoption | None = None,
+        users: JobUsers | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.jobs = parts.records
@@ -104,11 +119,20 @@ class Reconciler:
         """Set to run the next pass now (the server sets it on every job write)."""
         self.storage = storage
         """Reconciles the checkpoint registry with storage (None: no checkpoint duties)."""
+        self.users = users
+        """Each job's own etcd user (None: etcd without auth)."""
         self.clock = clock
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._adopted_term: int | None = None
         self._adopted_at = float("-inf")
+        self.budget = parts.budget
+        self._sweep_again: dict[str, float] = {}
+        """Jobs that ended, and when to drop their transient keys once more."""
+        self._failing: dict[str, int] = {}
+        """Per job, the passes in a row that failed on it."""
+        self._passed_at = clock()
+        """When the last pass completed (or the reconciler was made or started)."""
 
     @property
     def is_leader(self) -> bool:
@@ -122,8 +146,9 @@ class Reconciler:
         fence = self.election.campaign()
         self.metrics.is_leader.set(1 if fence else 0)
         if fence is None:
+            self._passed_at = self.clock()  # a standby's pass is complete: it has nothing to do
             return False
-        listed = self.jobs.all_versioned()
+        listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
         records = [record for record, _ in listed]
         self.busy = any(not r.state.terminal and r.state != JobState.RUNNING for r in records)
         if self._adopted_term != fence.lease_id:
@@ -142,17 +167,46 @@ class Reconciler:
                 log.warning("lost leadership during a pass; stopping it")
                 self.metrics.is_leader.set(0)
                 return False
-            except (ElastrainError, OSError) as exc:
-                self.metrics.pass_errors.labels(type(exc).__name__).inc()
-                log.warning("job %s: %s", record.id, exc)
+            except EtcdUnavailableError as exc:
+                if not isinstance(exc, EtcdRefusedError):
+                    raise  # etcd is down for every job: the loop counts it and retries
+                self._job_failed(record, exc, fence)
+            except Exception as exc:  # a bug, or data this version cannot handle: this job only
+                self._job_failed(record, exc, fence)
+            else:
+                self._failing.pop(record.id, None)
+        self._sweep(fence)
         self.metrics.observe_jobs(records)
         self.metrics.passes.inc()
+        self._passed_at = self.clock()
+        self.metrics.last_pass.set(self._passed_at)
         self.metrics.pass_seconds.observe(time.perf_counter() - started)
         return True
+
+    @property
+    def stale_after_s(self) -> float:
+        """A leader whose last completed pass is older than this is not ready: three idle
+        intervals (15 s by default), time for two passes to fail or hang in a row."""
+        return 3 * self.idle_interval_s
+
+    def stalled(self) -> str | None:
+        """Why this instance is not ready as the leader: its passes stopped completing (each
+        fails, or one hangs). None while they complete, and on a standby (it runs none)."""
+        if not self.is_leader:
+            return None
+        late = self.clock() - self._passed_at
+        if late <= self.stale_after_s:
+            return None
+        return (
+            f"the reconciler has not completed a pass for {late:.0f} s (it should every "
+            f"{self.idle_interval_s:g} s at the latest); see elastrain_reconciler_errors_total and "
+            "the service log"
+        )
 
     def start(self) -> None:
         """Run passes (and the leader lease keep-alive) in background threads until stop()."""
         self._stop.clear()
+        self._passed_at = self.clock()
         for target, name in ((self._loop, "reconciler"), (self._keepalive, "leader-keepalive")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -207,9 +261,52 @@ class Reconciler:
         for record in records:
             try:
                 self.storage.adopt(record)
-            except (ElastrainError, OSError) as exc:
+            except Exception as exc:  # one job's storage never stops the pass for the others
                 self.metrics.pass_errors.labels("adopt").inc()
-                log.warning("job %s: reconciling checkpoints with storage failed: %s", record.id, exc)
+                log.warning("job %s: reconciling checkpoints with storage failed: %r", record.id, exc)
+
+    # ------------------------------------------------------------------ one bad job
+
+    def _readable(self, stored: Stored, fence: Fence) -> tuple[JobRecord, int]:
+        """A record that cannot be read is replaced by its FAILED stand-in (the bytes kept for
+        the operator) and counted; the pass goes on with the stand-in."""
+        if stored.unreadable is None:
+            return stored.record, stored.revision
+        bad = stored.unreadable
+        log.error("job %s: its stored record cannot be read (%s); failing the job", bad.job_id, bad.problem)
+        self.metrics.job_errors.labels(bad.job_id, "unreadable").inc()
+        if self.jobs.quarantine(bad, fence=fence) is None:
+            return stored.record, stored.revision  # rewritten meanwhile: the next pass reads it again
+        record, revision, _ = self.jobs.read(bad.job_id)
+        return record, revision
+
+    def _job_failed(self, record: JobRecord, exc: Exception, fence: Fence) -> None:
+        """Reconciling one job raised: count it; after ``FAIL_AFTER_ERRORS`` passes in a row,
+        fail the job with the error and stop its nodes, so that it stops costing every pass."""
+        count = self._failing[record.id] = self._failing.get(record.id, 0) + 1
+        self.metrics.job_errors.labels(record.id, "processing").inc()
+        self.metrics.pass_errors.labels(type(exc).__name__).inc()
+        log.warning(
+            "job %s: reconciling failed (%d in a row): %r", record.id, count, exc, exc_info=count == 1
+        )
+        if count < FAIL_AFTER_ERRORS:
+            return
+        reason = (
+            f"the reconciler failed on this job in {count} passes in a row "
+            f"({type(exc).__name__}: {str(exc)[:300]}); the service failed the job so that the "
+            "others go on"
+        )
+        try:
+            failed = self.jobs.update(record.id, lambda r: fail(r, self.clock(), reason=reason), fence=fence)
+        except NotLeaderError:
+            raise
+        except Exception:
+            log.exception("job %s: could not record the failure; retried next pass", record.id)
+            return
+        self._failing.pop(record.id, None)
+        for node in failed.nodes:
+            if node.phase == NodePhase.STOPPING:
+                self._cancel(node)
 
     # ------------------------------------------------------------------ one job
 
@@ -241,10 +338,26 @@ class Reconciler:
         if decision.job.state.terminal and not record.state.terminal:
             self.progress.flush(job_id)
             self._adopt_storage([decision.job])
-            self.writes.commit(
-                [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
-            )
+            self._drop_transient(job_id, fence)
+            self._sweep_again[job_id] = self.clock() + SWEEP_AGAIN_S
+            self.budget.forget(job_id)
         return decision.job
+
+    def _drop_transient(self, job_id: str, fence: Fence) -> None:
+        """Delete the job's heartbeats, reports, outcomes, rendezvous, and its etcd user (it ended)."""
+        self.writes.commit(
+            [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
+        )
+        if self.users is not None:
+            self.users.remove(job_id)
+
+    def _sweep(self, fence: Fence) -> None:
+        """Drop once more what a callback that read the record just before the job ended may have
+        written just after (its worker token answers 409 from then on)."""
+        now = self.clock()
+        for job_id in [j for j, due in self._sweep_again.items() if due <= now]:
+            self._drop_transient(job_id, fence)
+            del self._sweep_again[job_id]
 
     def _observe(self, record: JobRecord) -> Observation:
         statuses: dict[str, NodeStatus] = {}
@@ -259,7 +372,9 @@ class Reconciler:
         return Observation(now=self.clock(), statuses=statuses, last_seen=last_seen)
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
-        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))
+        # An etcd error here stops the pass (the intent stays: the next pass launches), no node fails.
+        etcd = self.users.credentials(record.id) if self.users is not None else None
+        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id), etcd)
         try:
             handle = self.scheduler.launch(node_launch(record, node, env))
         except Exception as exc:

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -30,7 +31,8 @@ from fastapi import FastAPI
 from service.api.app import create_app
 from service.api.forward import LeaderLookup
 from service.checkpoints.service import Checkpoints
-from service.etcd.client import EtcdUnavailableError
+from service.etcd.access import ROOT_USER, EtcdAuth, JobUsers
+from service.etcd.client import Credentials, EtcdClient, EtcdEndpoint, EtcdUnavailableError
 from service.etcd.election import LeaderElection, leader_address
 from service.etcd.kv import EtcdStore, Fence
 from service.etcd.server import EtcdServer
@@ -44,6 +46,7 @@ from service.settings import Settings, SettingsError
 
 log = logging.getLogger("elastrain.server")
 TOKEN_FILE_NAME = "api-token"
+ROOT_PASSWORD_FILE = "etcd-root-password"
 
 
 def resolve_api_token(settings: Settings) -> tuple[str, str]:
@@ -66,11 +69,7 @@ def resolve_api_token(settings: Settings) -> tuple[str, str]:
             raise SettingsError(f"the token in {str(path)!r} is shorter than 16 characters; use a longer one")
         return token, str(path)
     token = secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)
+    _write_secret(path, token)
     return token, f"{path} (generated)"
 
 
@@ -113,10 +112,11 @@ def wait_for_store(store: EtcdStore, endpoints: list[str], timeout_s: float = 60
 
 
 @contextlib.contextmanager
-def etcd_for(settings: Settings) -> Iterator[list[str]]:
-    """The etcd endpoints to use; starts (and finally stops) the embedded one if none is given."""
+def etcd_for(settings: Settings) -> Iterator[tuple[list[str], Credentials | None]]:
+    """The etcd endpoints to use and the service's credentials there (None: etcd without auth);
+    starts (and finally stops) the embedded one if none is given, with auth on."""
     if not settings.embedded_etcd:
-        yield settings.etcd_endpoints
+        yield settings.etcd_endpoints, external_credentials(settings)
         return
     # It outlives a crashed service (running nodes keep their rendezvous); the next start adopts it.
     server = EtcdServer(settings.data_dir / "etcd", die_with_parent=False, adopt=True)
@@ -124,18 +124,69 @@ def etcd_for(settings: Settings) -> Iterator[list[str]]:
     how = "adopted the still running" if server.adopted else "started"
     log.info("%s embedded etcd at %s (pid %s, data in %s)", how, server.endpoint, server.pid, server.data_dir)
     try:
-        yield [server.endpoint]
+        yield [server.endpoint], embedded_credentials(settings, server.endpoint)
     finally:
         server.stop()
         log.info("embedded etcd stopped")
 
 
+def embedded_credentials(settings: Settings, endpoint: str) -> Credentials:
+    """root of the embedded etcd: its password from ``<data dir>/etcd-root-password``
+    (generated, 0600, at first start), auth turned on if it is off."""
+    path = settings.data_dir / ROOT_PASSWORD_FILE
+    try:
+        password = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        password = ""
+    auth = EtcdAuth(EtcdClient([EtcdEndpoint.from_url(endpoint)]))
+    if not password:
+        if auth.enabled():
+            raise SettingsError(
+                f"the embedded etcd has auth on but {path} is missing; restore the file, or delete "
+                f"{settings.data_dir / 'etcd'} to start with an empty etcd"
+            )
+        password = secrets.token_urlsafe(32)
+        _write_secret(path, password)
+    auth.enable(password)
+    log.info("embedded etcd: auth on, the service is root (password in %s)", path)
+    return Credentials(ROOT_USER, password)
+
+
+def external_credentials(settings: Settings) -> Credentials | None:
+    """The service's etcd user (ELASTRAIN_ETCD_USER/PASSWORD); auth is turned on when it is off
+    and the user is root (the chart's own etcd at the first start). None: no password given."""
+    if settings.etcd_password is None:
+        log.warning(
+            "etcd without auth (no ELASTRAIN_ETCD_PASSWORD): every job's code can read and write all "
+            "of etcd, the worker-token secret included"
+        )
+        return None
+    credentials = Credentials(settings.etcd_user, settings.etcd_password.get_secret_value())
+    bare = EtcdClient([EtcdEndpoint.from_url(u) for u in settings.etcd_endpoints])
+    if settings.etcd_user == ROOT_USER:
+        EtcdAuth(bare).enable(credentials.password)
+    return credentials
+
+
+def _write_secret(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
+
+
 def build_app(
-    settings: Settings, endpoints: list[str], *, scheduler: Scheduler | None = None
+    settings: Settings,
+    endpoints: list[str],
+    *,
+    credentials: Credentials | None = None,
+    scheduler: Scheduler | None = None,
 ) -> tuple[FastAPI, Reconciler]:
-    """The app and its reconciler (started by the app's lifespan)."""
+    """The app and its reconciler (started by the app's lifespan); ``credentials``: the
+    service's etcd user (root), None for an etcd without auth."""
     metrics = Metrics()
-    etcd = EtcdStore(endpoints)
+    etcd = EtcdStore(endpoints, credentials=credentials)
     wait_for_store(etcd, endpoints)
     store = InstrumentedStore(etcd, metrics)
     token, where = resolve_api_token(settings)
@@ -145,10 +196,11 @@ def build_app(
         store, holder_id(settings), ttl_s=settings.leader_ttl_s, address=settings.instance_address
     )
     wake = threading.Event()  # any write of a job wakes the reconciler at once
+    secret = ensure_worker_secret(store)
     parts = JobParts.build(
         store,
         storage_root=settings.checkpoint_root,
-        secret=ensure_worker_secret(store),
+        secret=secret,
         fence_source=lambda: leader_fence(election, wait_s=2 * settings.reconcile_interval_s + 1),
         on_fence_refused=metrics.fenced_refusals.inc,
         on_job_write=lambda job_id: wake.set(),
@@ -168,6 +220,7 @@ def build_app(
         interval_s=settings.reconcile_interval_s,
         idle_interval_s=settings.reconcile_idle_interval_s,
         storage=checkpoints.storage,
+        users=None if credentials is None else JobUsers(EtcdAuth(etcd.client), parts.records.etcd_password),
     )
 
     @contextlib.asynccontextmanager
@@ -187,11 +240,26 @@ def build_app(
         checkpoints=checkpoints,
         metrics=metrics,
         leader=lambda: reconciler.is_leader,
+        stalled=reconciler.stalled,
         forward=LeaderLookup(lambda: leader_address(store)),
         holder=election.holder,
         lifespan=lifespan,
     )
     return app, reconciler
+
+
+_WILDCARDS = {"0.0.0.0": "every IPv4 interface", "::": "every interface", "": "every interface"}
+
+
+def serving_line(settings: Settings) -> str:
+    """What ``serve`` logs at start: the address it listens on, and the one workers are told
+    (the advertise URL; for a wildcard host without one, loopback)."""
+    where = _WILDCARDS.get(settings.host)
+    listens = settings.listen_url + (f" ({where})" if where else "")
+    return (
+        f"listening on {listens}; workers reach it at {settings.service_url}; "
+        f"checkpoints under {settings.checkpoint_root}"
+    )
 
 
 class _Server(uvicorn.Server):
@@ -230,9 +298,9 @@ def serve(settings: Settings, *, scheduler: Scheduler | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
-    with etcd_for(settings) as endpoints:
-        app, reconciler = build_app(settings, endpoints, scheduler=scheduler)
-        log.info("serving on %s (checkpoints under %s)", settings.service_url, settings.checkpoint_root)
+    with etcd_for(settings) as (endpoints, credentials):
+        app, reconciler = build_app(settings, endpoints, credentials=credentials, scheduler=scheduler)
+        log.info("%s", serving_line(settings))
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_level="warning", access_log=False, lifespan="on"
         )

@@ -3,6 +3,7 @@ overridden by ``elastrain serve`` flags. Nonsense is refused with a message sayi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
@@ -27,6 +28,13 @@ class Settings(BaseSettings):
     """Embedded etcd data, the generated API token."""
     etcd: str = ""
     """Comma-separated etcd endpoints (http://HOST:PORT); empty starts an embedded etcd."""
+    etcd_user: str = Field(default="root", min_length=1, max_length=128)
+    """The etcd user the service acts as: root, or a user with the root role (it creates each
+    job's own user)."""
+    etcd_password: SecretStr | None = None
+    """Its password. The embedded etcd: generated at first start into
+    ``<data dir>/etcd-root-password``. Unset with ELASTRAIN_ETCD: an etcd without auth, where every
+    job's code can read and write all of etcd."""
     storage_root: Path | None = None
     """Where checkpoints live; default <data_dir>/checkpoints. Every job's dir resolves inside it."""
     api_token: SecretStr | None = None
@@ -44,6 +52,10 @@ class Settings(BaseSettings):
     instance_url: str = ""
     """URL the other service instances use to reach this one (a standby forwards writes to the
     leader there); default: the advertise URL. On Kubernetes the chart sets the pod's IP."""
+    factory_allowlist: str | None = None
+    """Comma-separated module prefixes the factories of a spec (model, data, loss) may come from:
+    ``team_a`` allows ``team_a:f`` and ``team_a.models:f``. Unset: any module (whoever holds the
+    API token runs code on the workers anyway); empty: the built-in models and data only."""
     reconcile_interval_s: float = Field(default=1.0, gt=0, le=60)
     reconcile_idle_interval_s: float = Field(default=5.0, gt=0, le=300)
     """Between passes while every job runs steadily (a job write wakes the reconciler at once)."""
@@ -59,6 +71,22 @@ class Settings(BaseSettings):
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
                 raise ValueError(f"etcd endpoint {url!r} must look like http://HOST:PORT")
         return value
+
+    @field_validator("factory_allowlist")
+    @classmethod
+    def _module_prefixes(cls, value: str | None) -> str | None:
+        for prefix in _prefixes(value):
+            if not _MODULE_RE.match(prefix):
+                raise ValueError(
+                    f"{prefix!r} is not a module name; give dotted Python module names, e.g. "
+                    "'team_a,team_b.models'"
+                )
+        return value
+
+    @property
+    def factory_prefixes(self) -> tuple[str, ...] | None:
+        """The allowed module prefixes; None: any module."""
+        return None if self.factory_allowlist is None else _prefixes(self.factory_allowlist)
 
     @field_validator("advertise_url", "instance_url")
     @classmethod
@@ -103,11 +131,24 @@ class Settings(BaseSettings):
         return self.instance_url or self.service_url
 
     @property
+    def listen_url(self) -> str:
+        """The address uvicorn binds, as a URL (``http://0.0.0.0:8080`` binds every interface)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
     def service_url(self) -> str:
         if self.advertise_url:
             return self.advertise_url
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
+
+
+_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _prefixes(value: str | None) -> tuple[str, ...]:
+    return tuple(p.strip() for p in (value or "").split(",") if p.strip())
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -21,6 +21,7 @@ from torch.nn import functional
 
 from worker.errors import SpecError
 from worker.models import check_kwargs, load_factory
+from worker.sizing import check_builtin_fits, is_out_of_memory, out_of_memory
 from worker.spec import DataSpec
 
 TASKS = ("regression", "classification", "lm")
@@ -124,10 +125,18 @@ def build_data(spec: DataSpec, seed: int, split: str = "train") -> Dataset:
     samples = spec.samples if split == "train" else spec.eval_samples
     factory = BUILTIN[spec.name] if spec.name else load_factory(spec.factory or "", "data.factory")
     check_kwargs(factory, dict(spec.kwargs), "data.kwargs", skip=3)
+    sized = "data.samples" if split == "train" else "data.eval_samples"
+    if spec.name:  # built in memory by every process of the node: refuse what cannot fit first
+        count = DEFAULT_SAMPLES if samples is None else samples
+        check_builtin_fits(spec.name, count, dict(spec.kwargs), field=sized)
     try:
         data = factory(samples=samples, seed=seed, split=split, **spec.kwargs)
     except (TypeError, ValueError) as exc:
         raise SpecError(f"field 'data.kwargs': {exc}") from None
+    except (MemoryError, RuntimeError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise out_of_memory(sized, f"the {split} data ({samples or 'default'} samples)") from None
     if not callable(getattr(data, "batch", None)) or not hasattr(data, "__len__"):
         raise SpecError(
             "field 'data.factory': must return a dataset with len() and batch(indices), "

@@ -12,6 +12,9 @@ rules here, in the order they run, each refusal one line (:class:`JSONRefused`, 
    (``NaN``, ``Infinity``, ``-Infinity``, and literals such as ``1e999`` that overflow to
    infinity); an integer of more digits than Python converts is refused by name.
 
+:func:`finite` is the writer's side: what the worker sends the service carries ``null`` where a
+number is not finite (a diverged loss), since the service refuses ``NaN`` and ``Infinity``.
+
 Used for checkpoint manifests (:mod:`worker.checkpoint.layout`); the REST API reuses it for
 request bodies (duplicate keys and non-finite numbers refused there).
 """
@@ -26,7 +29,7 @@ from array import array
 from itertools import accumulate
 from typing import Any
 
-__all__ = ["JSONRefused", "json_depth", "loads"]
+__all__ = ["JSONRefused", "finite", "json_depth", "loads"]
 
 # A JSON string as the byte scanner sees it: a quote, then anything with backslash escapes,
 # then a quote (unrolled loop: no backtracking).
@@ -132,4 +135,17 @@ def _finite(token: str, what: str) -> float:
     value = float(token)
     if not math.isfinite(value):
         raise JSONRefused(what, f"non-finite number {token} (too large for a 64-bit float)")
+    return value
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, +-Infinity) replaced by ``None``, at any depth
+    of dicts, lists and tuples (tuples become lists, as JSON has them): JSON that any reader,
+    the service's included, accepts."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
     return value

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from worker.errors import SpecError
+from worker.sizing import is_out_of_memory, out_of_memory
 from worker.spec import ModelSpec
 
 
@@ -177,6 +178,10 @@ def build_model(spec: ModelSpec, meta: dict[str, Any]) -> nn.Module:
         model = factory(meta, **spec.kwargs)
     except (TypeError, ValueError) as exc:
         raise SpecError(f"field 'model.kwargs': {exc}") from None
+    except (MemoryError, RuntimeError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise out_of_memory("model.kwargs", "the model") from None
     if not isinstance(model, nn.Module):
         raise SpecError("field 'model.factory': the factory must return a torch.nn.Module")
     return model.float()

@@ -23,6 +23,7 @@ import httpx
 
 from worker.checkpoint.commit import Report, report_to_json
 from worker.checkpoint.coordinator import Outcome
+from worker.jsonlimits import finite
 
 log = logging.getLogger("elastrain.service_client")
 
@@ -157,7 +158,7 @@ class ServiceClient:
         delays = iter(self._event_retry_s if retry else ())
         while True:
             try:
-                answer = self.http.post(self.base + path, json=body)
+                answer = self.http.post(self.base + path, json=finite(body))  # the service refuses NaN
             except httpx.ConnectError as exc:
                 failure = f"service unreachable: {exc}"
             except httpx.HTTPError as exc:  # sent, perhaps applied: not repeated
@@ -199,10 +200,13 @@ class HttpCoordinator:
         self.retry_s = retry_s
 
     def report(self, report: Report, *, seq: int) -> None:
-        """Deliver the phase-1 report, retrying a while: the service may be restarting."""
+        """Deliver the phase-1 report, retrying a while: the service may be restarting (5xx, no
+        connection) or ask this job to slow down (429, after its Retry-After). Any other answer
+        is final (a 409: the job has ended)."""
         body = report_to_json(report)
         deadline = time.monotonic() + 60.0
         while True:
+            wait = self.retry_s
             try:
                 answer = self.client.http.post(
                     self.client.base + "/workers/checkpoints",
@@ -210,13 +214,14 @@ class HttpCoordinator:
                     content=body,
                     headers={"Content-Type": "application/json"},
                 )
-                if answer.status_code < 500:
+                if answer.status_code < 500 and answer.status_code != 429:
                     return
+                wait = max(wait, retry_after(answer.headers.get("retry-after")))
             except httpx.HTTPError as exc:
                 log.warning("checkpoint report for step %s not delivered yet: %s", report.step, exc)
-            if time.monotonic() > deadline:
+            if time.monotonic() + wait > deadline:
                 return  # the outcome poll will time out and the save aborts
-            time.sleep(self.retry_s)
+            time.sleep(wait)
 
     def outcome(self, step: int, generation: int, *, seq: int, timeout: float) -> Outcome:
         """Poll until the service says published or aborted; no answer in time means abort."""
@@ -248,6 +253,14 @@ def attempt_id(env: Mapping[str, str], generation: int | None) -> str:
         return f"generation-{generation}"
     launch = env.get("ELASTRAIN_LAUNCH_ID", "local")
     return f"{launch}-restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0') or '0'}"
+
+
+def retry_after(header: str | None) -> float:
+    """Seconds a 429's ``Retry-After`` asks for (0 when absent or not a number; at most 30)."""
+    try:
+        return min(30.0, max(0.0, float(header or 0)))
+    except ValueError:
+        return 0.0
 
 
 def from_env(env: Mapping[str, str] | None = None) -> ServiceClient | None:

@@ -25,14 +25,26 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from worker.errors import SpecError
+from worker.spec_limits import (
+    IMAGE_RE,
+    MAX_ACCUM,
+    MAX_ENV,
+    MAX_GLOBAL_BATCH,
+    MAX_IMAGE,
+    MAX_KWARGS,
+    MAX_MICRO_BATCH,
+    MAX_NODES,
+    MAX_SAMPLES,
+    MAX_STEPS,
+    MAX_TEXT,
+    check_env_name,
+)
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
 
-MAX_NODES = 10_000
-"""The most nodes a job may ask for (the scale route's cap too)."""
-
-PositiveInt = Annotated[int, Field(gt=0)]
+Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
 
 
 def _one_scalar(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -40,6 +52,10 @@ def _one_scalar(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     try:
         return handler(value)
     except ValidationError:
+        if isinstance(value, str):
+            raise PydanticCustomError(
+                "string_too_long", "give at most {limit} characters", {"limit": MAX_TEXT}
+            ) from None
         kind = {dict: "an object", list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
         raise PydanticCustomError(
             "scalar_type",
@@ -49,7 +65,10 @@ def _one_scalar(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         ) from None
 
 
-Scalar = Annotated[str | int | float | bool, WrapValidator(_one_scalar)]
+Scalar = Annotated[
+    Annotated[str, Field(max_length=MAX_TEXT)] | int | float | bool, WrapValidator(_one_scalar)
+]
+Kwargs = Annotated[dict[Annotated[str, Field(max_length=100)], Scalar], Field(max_length=MAX_KWARGS)]
 
 
 def _one_output(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -70,7 +89,9 @@ OutputChoice = Annotated[
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # Finite numbers only: Python's json and pydantic's parser take NaN, Infinity and 1e999, which
+    # no optimizer, scaler or schedule can use and which JSON writes back as null.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _check_factory(value: str | None) -> str | None:
@@ -90,8 +111,8 @@ class ModelSpec(_Frozen):
     )
 
     name: Literal["mlp", "tiny-gpt"] | None = None
-    factory: str | None = None
-    kwargs: dict[str, Scalar] = Field(default_factory=dict)
+    factory: Text | None = None
+    kwargs: Kwargs = Field(default_factory=dict)
     output: OutputChoice = Field(
         default="auto",
         description=(
@@ -122,17 +143,17 @@ class DataSpec(_Frozen):
     )
 
     name: Literal["synthetic", "tokens"] | None = None
-    factory: str | None = None
-    samples: PositiveInt | None = Field(
+    factory: Text | None = None
+    samples: Annotated[int, Field(gt=0, le=MAX_SAMPLES)] | None = Field(
         default=None,
         description=(
             "Training samples; unset: the dataset's own length (the built-ins generate 4096). A "
             "factory is called with samples=None then."
         ),
     )
-    eval_samples: int = Field(default=0, ge=0)
-    version: str = "1"
-    kwargs: dict[str, Scalar] = Field(default_factory=dict)
+    eval_samples: int = Field(default=0, ge=0, le=MAX_SAMPLES)
+    version: str = Field(default="1", max_length=200)
+    kwargs: Kwargs = Field(default_factory=dict)
 
     _factory = field_validator("factory")(_check_factory)
 
@@ -147,50 +168,50 @@ class LossSpec(_Frozen):
     """A user loss, called as ``factory(output, targets, **kwargs)`` on every micro-batch; it
     returns one loss per sample (a tensor whose first dimension is the micro-batch)."""
 
-    factory: str
-    kwargs: dict[str, Scalar] = Field(default_factory=dict)
+    factory: Text
+    kwargs: Kwargs = Field(default_factory=dict)
 
     _factory = field_validator("factory")(_check_factory)
 
 
 class OptimizerSpec(_Frozen):
     name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(default=1e-3, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = Field(default=1e-3, gt=0, le=1e6)
+    weight_decay: float = Field(default=0.0, ge=0, le=1e6)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     momentum: float = Field(default=0.0, ge=0, lt=1)
-    grad_clip_norm: float | None = Field(default=1.0, gt=0)
+    grad_clip_norm: float | None = Field(default=1.0, gt=0, le=1e12)
 
 
 class LRScheduleSpec(_Frozen):
     """An LR schedule keyed by samples seen, never by local steps."""
 
-    warmup_samples: int = Field(default=0, ge=0)
+    warmup_samples: int = Field(default=0, ge=0, le=1 << 62)
     decay: Literal["constant", "linear", "cosine"] = "constant"
-    decay_samples: int | None = Field(default=None, gt=0)
+    decay_samples: int | None = Field(default=None, gt=0, le=1 << 62)
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
 
 
 class LossScaleSpec(_Frozen):
     """Dynamic loss scaling for fp16 (ignored for fp32 and bf16)."""
 
-    init_scale: float = Field(default=2.0**16, gt=0)
-    growth_factor: float = Field(default=2.0, gt=1)
+    init_scale: float = Field(default=2.0**16, gt=0, le=2.0**64)
+    growth_factor: float = Field(default=2.0, gt=1, le=1e3)
     backoff_factor: float = Field(default=0.5, gt=0, lt=1)
-    growth_interval: PositiveInt = 2000
-    min_scale: float = Field(default=1.0, gt=0)
+    growth_interval: Steps = 2000
+    min_scale: float = Field(default=1.0, gt=0, le=2.0**64)
 
 
 class DDPSpec(_Frozen):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    bucket_cap_mb: float = Field(default=25.0, gt=0)
+    bucket_cap_mb: float = Field(default=25.0, gt=0, le=65536)
 
 
 class MonitorSpec(_Frozen):
     """Underflow watch: how often to measure, and when a parameter counts as stale."""
 
-    every_steps: PositiveInt = 10
-    stale_after_steps: PositiveInt = 100
+    every_steps: Steps = 10
+    stale_after_steps: Steps = 100
     # Exposed gradient communication, timed by a DDP comm hook (Python futures on every bucket):
     # off by default because it cost about 5-10% of samples/s on CPU/gloo in benchmarks/.
     time_communication: bool = False
@@ -198,22 +219,22 @@ class MonitorSpec(_Frozen):
 
 class RetentionSpec(_Frozen):
     # At least two: the newest may still be in flight when a failure hits.
-    keep_latest: int = Field(default=3, ge=2)
-    milestone_every_steps: int | None = Field(default=None, gt=0)
-    keep_best: int = Field(default=0, ge=0)
-    best_metric: str = "loss"
+    keep_latest: int = Field(default=3, ge=2, le=10_000)
+    milestone_every_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
+    keep_best: int = Field(default=0, ge=0, le=10_000)
+    best_metric: str = Field(default="loss", max_length=100)
     best_mode: Literal["min", "max"] = "min"
-    pinned_steps: tuple[int, ...] = ()
+    pinned_steps: tuple[Annotated[int, Field(ge=0, le=MAX_STEPS)], ...] = Field(default=(), max_length=1000)
 
 
 class CheckpointSpec(_Frozen):
-    dir: str | None = None
-    interval_steps: int | None = Field(default=None, gt=0)
-    interval_seconds: float | None = Field(default=None, gt=0)
+    dir: Text | None = None
+    interval_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
+    interval_seconds: float | None = Field(default=None, gt=0, le=1e7)
     interval: Literal["fixed", "auto"] = "fixed"
-    mtbf_seconds: float | None = Field(default=None, gt=0)
+    mtbf_seconds: float | None = Field(default=None, gt=0, le=1e9)
     async_save: bool = Field(default=False, alias="async")
-    resume: str = "auto"
+    resume: Text = "auto"
     retention: RetentionSpec = Field(default_factory=RetentionSpec)
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
@@ -226,7 +247,7 @@ class CheckpointSpec(_Frozen):
 
 
 class EvalSpec(_Frozen):
-    every_steps: int | None = Field(default=None, gt=0)
+    every_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
 
 
 class JobSpec(_Frozen):
@@ -238,29 +259,48 @@ class JobSpec(_Frozen):
     data: DataSpec
     loss: LossSpec | None = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    micro_batch_size: PositiveInt
-    grad_accum_steps: int | None = Field(default=None, gt=0)
-    global_batch_size: int | None = Field(default=None, gt=0)
-    max_steps: PositiveInt
+    micro_batch_size: int = Field(gt=0, le=MAX_MICRO_BATCH)
+    grad_accum_steps: int | None = Field(default=None, gt=0, le=MAX_ACCUM)
+    global_batch_size: int | None = Field(default=None, gt=0, le=MAX_GLOBAL_BATCH)
+    max_steps: Steps
     seed: int = Field(default=0, ge=0, lt=2**32)
     deterministic: bool = False
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)
     lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
-    lr_reference_batch_size: int | None = Field(default=None, gt=0)
+    lr_reference_batch_size: int | None = Field(default=None, gt=0, le=MAX_GLOBAL_BATCH)
     loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec)
     ddp: DDPSpec = Field(default_factory=DDPSpec)
     monitor: MonitorSpec = Field(default_factory=MonitorSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
-    log_every_steps: PositiveInt = 10
+    log_every_steps: Steps = 10
     # Fields for the control plane; a bare torchrun worker ignores them.
     nodes: str = Field(default="1", json_schema_extra={"pattern": r"^[0-9]+(:[0-9]+)?$"})
     initial_nodes: int | None = Field(default=None, gt=0, le=MAX_NODES)
     nproc_per_node: int = Field(default=1, gt=0, le=1024)
     max_restarts: int = Field(default=3, ge=0, le=10_000)
-    resources: dict[str, str] = Field(default_factory=dict)
+    resources: dict[Annotated[str, Field(max_length=100)], Annotated[str, Field(max_length=300)]] = Field(
+        default_factory=dict, max_length=16
+    )
+    image: str | None = Field(
+        default=None,
+        max_length=MAX_IMAGE,
+        pattern=IMAGE_RE,
+        description=(
+            "Kubernetes: the container image of this job's worker pods (default: the service's "
+            "worker image); it must contain elastrain's worker. Ignored on one machine."
+        ),
+    )
+    env: dict[str, Annotated[str, Field(max_length=MAX_TEXT)]] = Field(
+        default_factory=dict,
+        max_length=MAX_ENV,
+        description=(
+            "Environment of this job's nodes (and so of its workers), e.g. PYTHONPATH for the "
+            "team's code; names like shell variables, none of ELASTRAIN_*, TORCH* or torchrun's own."
+        ),
+    )
 
     @field_validator("nodes")
     @classmethod
@@ -270,6 +310,13 @@ class JobSpec(_Frozen):
             raise ValueError(f"{value!r} must be N or MIN:MAX with 1 <= MIN <= MAX")
         if hi > MAX_NODES:
             raise ValueError(f"{value!r} asks for more than {MAX_NODES} nodes; give a smaller MAX")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            check_env_name(name)
         return value
 
     @model_validator(mode="after")
@@ -328,6 +375,7 @@ _FIX_HINTS = {
     "literal_error": "use one of the listed values",
     "string_pattern_mismatch": "use lowercase letters, digits and '-' (like a DNS label)",
     "json_invalid": "fix the JSON syntax",
+    "finite_number": "give a finite number (not NaN or Infinity)",
 }
 
 

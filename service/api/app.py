@@ -43,6 +43,7 @@ def create_app(
     secret: bytes | None = None,
     clock: Callable[[], float] = time.time,
     leader: Callable[[], bool] | None = None,
+    stalled: Callable[[], str | None] | None = None,
     forward: LeaderLookup | None = None,
     holder: str = "",
     lifespan: Lifespan | None = None,
@@ -50,7 +51,8 @@ def create_app(
     """Build the app. ``store`` must be reachable (the worker-token secret is read from it)
     unless ``parts`` (the job duties, built on the same store) are given. With ``forward`` (and
     ``leader``) a standby passes writes to the leader's published address
-    (:mod:`service.api.forward`)."""
+    (:mod:`service.api.forward`). ``stalled`` says why the leader is not ready (see
+    :meth:`service.reconciler.Reconciler.stalled`)."""
     metrics = metrics or Metrics()
     if parts is None:
         secret = secret or ensure_worker_secret(store)
@@ -69,9 +71,11 @@ def create_app(
         progress=parts.progress,
         heartbeats=parts.heartbeats,
         views=parts.views,
+        budget=parts.budget,
         metrics=metrics,
         api_token_hash=hash_token(api_token),
         leader=leader or (lambda: False),
+        stalled=stalled or (lambda: None),
         scheduler=scheduler,
         checkpoints=checkpoints,
     )

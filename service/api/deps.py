@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from service.api.auth import Principal, authorize, bearer
 from service.api.errors import ApiError
 from service.checkpoints.service import Checkpoints
+from service.jobs.budget import WorkerBudget
 from service.jobs.cache import TTLCache
 from service.jobs.heartbeats import Heartbeats
 from service.jobs.progress import ProgressBuffer
@@ -30,10 +31,15 @@ class Context:
     heartbeats: Heartbeats
     views: TTLCache[bytes]
     """Rendered GET /v1/jobs/{id} bodies; dropped on every write this instance makes."""
+    budget: WorkerBudget
+    """What each job's workers may still send."""
     metrics: Metrics
     api_token_hash: str
     leader: Callable[[], bool]
     """Whether this instance leads (runs the reconciler)."""
+    stalled: Callable[[], str | None] = lambda: None
+    """Why this instance, as the leader, is not ready (its reconciler's passes stopped
+    completing); None when it is."""
     scheduler: Scheduler | None = None
     """None: the app runs without a scheduler (tests of the API alone); logs are then unreadable."""
     checkpoints: Checkpoints | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
 from service.etcd.client import EtcdUnavailableError
-from service.jobs.errors import ConflictError, InvalidRequestError, NotFoundError, NotLeaderError
+from service.jobs.errors import (
+    ConflictError,
+    InvalidRequestError,
+    JobEndedError,
+    NotFoundError,
+    NotLeaderError,
+    OverBudgetError,
+)
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError
 from worker.errors import ElastrainError, SpecError
@@ -34,12 +42,21 @@ log = logging.getLogger("elastrain.api")
 class ApiError(Exception):
     """An HTTP error with a message for a person; raise it from routes and dependencies."""
 
-    def __init__(self, status: int, code: str, message: str, *, field: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.field = field
+        self.headers = headers or {}
 
 
 class ErrorDetail(BaseModel):
@@ -62,6 +79,7 @@ _STATUS_TEXT = {
     409: "Conflicts with the job's state, or lost a race that retrying resolves",
     413: "Request body over the size limit (ELASTRAIN_MAX_BODY_BYTES)",
     422: "Invalid field, path, parameter, or a body nested too deep",
+    429: "A job's workers are over their budget (requests, bytes, open checkpoint rounds); retry later",
     501: "Not supported by this service's scheduler or configuration",
     503: "etcd is unreachable or this instance is not the leader; retry",
 }
@@ -78,11 +96,17 @@ def error_body(code: str, message: str, field: str | None = None) -> dict[str, A
 
 
 async def send_error(
-    send: Send, status: int, code: str, message: str, headers: Sequence[tuple[bytes, bytes]] = ()
+    send: Send,
+    status: int,
+    code: str,
+    message: str,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    *,
+    field: str | None = None,
 ) -> None:
     """Answer with an :class:`ErrorResponse` from raw ASGI middleware (outside FastAPI's routes
     and exception handlers)."""
-    body = json.dumps(error_body(code, message)).encode()
+    body = json.dumps(error_body(code, message, field)).encode()
     start = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     await send({"type": "http.response.start", "status": status, "headers": start})
     await send({"type": "http.response.body", "body": body})
@@ -107,9 +131,14 @@ def from_domain(exc: ElastrainError) -> ApiError:
         status = 422 if exc.code == "out_of_range" else 409
         return ApiError(status, exc.code, message, field="nodes" if exc.code == "out_of_range" else None)
     if isinstance(exc, InvalidRequestError):
-        return ApiError(422, "invalid_request", message)
+        return ApiError(422, "invalid_request", message, field=exc.field)
+    if isinstance(exc, JobEndedError):
+        return ApiError(409, "job_finished", message)
     if isinstance(exc, ConflictError):
         return ApiError(409, "conflict", message)
+    if isinstance(exc, OverBudgetError):
+        retry = str(max(1, math.ceil(exc.retry_after)))
+        return ApiError(429, "too_many_requests", message, headers={"Retry-After": retry})
     if isinstance(exc, (EtcdUnavailableError, NotLeaderError)):
         return ApiError(503, "unavailable", f"{message}; retry in a few seconds")
     return ApiError(400, "bad_request", message)
@@ -168,7 +197,8 @@ def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
 
     def respond(err: ApiError) -> JSONResponse:
         on_error(err.code)
-        return JSONResponse(error_body(err.code, err.message, err.field), status_code=err.status)
+        body = error_body(err.code, err.message, err.field)
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)

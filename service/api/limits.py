@@ -1,9 +1,9 @@
 """Refuse a request body over the limit with 413 before any route parses it.
 
 The whole body (at most ``max_bytes``) is read first, then replayed to the app as one message;
-a ``Content-Length`` over the limit is refused without reading anything. A JSON body nested
-deeper than ``MAX_DEPTH`` is refused with 422 too: Python's JSON and pydantic parsers recurse, and
-a few thousand brackets would otherwise end in a RecursionError (a 500).
+a ``Content-Length`` over the limit is refused without reading anything. A JSON body that no
+route may read (nested too deep, a non-finite number, a key twice, an integer of thousands of
+digits: :mod:`service.api.jsonbody`) is refused with 422 naming the field, on every route.
 """
 
 from __future__ import annotations
@@ -11,35 +11,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import send_error
-
-MAX_DEPTH = 64
-_OPEN, _CLOSE, _QUOTE, _ESCAPE = frozenset(b"[{"), frozenset(b"]}"), ord('"'), ord("\\")
-
-
-def json_depth(data: bytes) -> int:
-    """The deepest bracket nesting of a JSON text (brackets inside strings do not count).
-    Stops counting once past MAX_DEPTH; malformed text is left to the parser."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in data:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == _ESCAPE:
-                escaped = True
-            elif byte == _QUOTE:
-                in_string = False
-        elif byte == _QUOTE:
-            in_string = True
-        elif byte in _OPEN:
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > MAX_DEPTH:
-                    return deepest
-        elif byte in _CLOSE:
-            depth -= 1
-    return deepest
+from service.api.jsonbody import refusal
 
 
 class BodyLimit:
@@ -73,12 +45,9 @@ class BodyLimit:
             if not message.get("more_body", False):
                 break
         data = b"".join(chunks)
-        # The byte-by-byte scan runs only where the brackets could nest that deep (a C-speed count).
-        if data.count(b"[") + data.count(b"{") > MAX_DEPTH and json_depth(data) > MAX_DEPTH:
-            reason = (
-                f"the JSON body is nested deeper than {MAX_DEPTH} levels; no elastrain document needs that"
-            )
-            await send_error(send, 422, "too_deep", reason)
+        refused = refusal(data)
+        if refused is not None:
+            await send_error(send, refused.status, refused.code, refused.message, field=refused.field)
             return
         body: Message = {"type": "http.request", "body": data, "more_body": False}
         await self.app(scope, _replay([body], receive), send)

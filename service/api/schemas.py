@@ -70,10 +70,17 @@ class ScaleRequest(_Request):
     nodes: int = Field(ge=1, le=10_000, description="Desired node count, within the job's min:max.")
 
 
+MAX_COUNT = 1 << 62
+"""The largest step or sample count a worker may send."""
+MAX_ROUND = 1 << 62
+"""The largest generation or save number (``seq``) a worker may send (a generation is agreed
+from the clock in milliseconds: about 1.8e12 today)."""
+
+
 class HeartbeatRequest(_Request):
     launch_id: str = Field(min_length=1, max_length=200, pattern=r"^[a-z0-9-]+$")
     local_rank: int = Field(ge=0, le=1024)
-    step: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=0, le=MAX_COUNT)
 
 
 class WorkerEventRequest(WorkerEvent):
@@ -84,18 +91,19 @@ class WorkerEventRequest(WorkerEvent):
 
 
 class ProgressRequest(_Request):
-    step: int = Field(ge=0)
-    samples_seen: int | None = Field(default=None, ge=0)
-    samples_per_s: float | None = Field(default=None, ge=0)
+    step: int = Field(ge=0, le=MAX_COUNT)
+    samples_seen: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    samples_per_s: float | None = Field(default=None, ge=0, le=1e15)
     loss: float | None = None
-    world_size: int | None = Field(default=None, ge=1)
+    world_size: int | None = Field(default=None, ge=1, le=100_000)
 
 
 MAX_WORLD_SIZE = 100_000
 """The largest world size the API takes (a report or a resume for more ranks is refused, 422):
 phase 2 enumerates the ranks of a round, so an unbounded one would exhaust memory."""
 Count = Annotated[StrictInt, Field(ge=0)]
-FileReport = tuple[Count, StrictStr]
+Name = Annotated[StrictStr, Field(max_length=1024)]
+FileReport = tuple[Count, Name]
 """A staged file: size in bytes, digest."""
 PieceReport = tuple[StrictStr, StrictStr, Count, Count, tuple[Count, Count], list[StrictStr]]
 """A tensor piece: tensor name, file, offset, bytes, rows [start, stop), digests."""
@@ -126,16 +134,16 @@ class CheckpointReportRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    step: Count
-    generation: Count
+    step: Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
+    generation: Annotated[StrictInt, Field(ge=0, le=MAX_ROUND)]
     rank: Annotated[StrictInt, Field(ge=0, lt=MAX_WORLD_SIZE)]
     world_size: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)]
     ok: StrictBool
-    error: StrictStr = ""
-    files: dict[str, FileReport] = Field(default_factory=dict)
+    error: Annotated[StrictStr, Field(max_length=2000)] = ""
+    files: dict[Name, FileReport] = Field(default_factory=dict)
     pieces: list[PieceReport] = Field(default_factory=list)
-    tensors: dict[str, TensorReport] = Field(default_factory=dict)
-    meta_digest: StrictStr = ""
+    tensors: dict[Name, TensorReport] = Field(default_factory=dict)
+    meta_digest: Annotated[StrictStr, Field(max_length=200)] = ""
     rank_meta: dict[str, Any] = Field(default_factory=dict)
     context: ReportContext = Field(default_factory=ReportContext)
 
@@ -256,5 +264,5 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
         events=list(record.events[-20:]),
         updated_at=record.updated_at,
         finished_at=record.finished_at,
-        spec=record.spec.model_dump(mode="json", by_alias=True),
+        spec={} if record.spec is None else record.spec.model_dump(mode="json", by_alias=True),
     )

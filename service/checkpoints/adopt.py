@@ -24,6 +24,8 @@ class StorageAdoption:
 
     def adopt(self, record: JobRecord) -> None:
         """Make the registry say what storage holds for ``record``'s job. Idempotent."""
+        if not record.checkpoint_dir:
+            return  # the stand-in of a record that could not be read: no directory is known
         job_dir = Path(record.checkpoint_dir)
         on_disk = dict(list_published(job_dir))
         recorded = {e.step for e in self._registry.entries(record.id)}

@@ -25,7 +25,7 @@ from service.checkpoints.results import OUTCOME_RECORD, CheckpointOutcome, Publi
 from service.checkpoints.retention import retain
 from service.etcd.kv import Write
 from service.jobs import keys
-from service.jobs.errors import InvalidRequestError
+from service.jobs.errors import InvalidRequestError, OverBudgetError
 from service.jobs.model import JobRecord
 from service.jobs.writes import LeaderWrites
 from service.metrics import Metrics
@@ -37,6 +37,21 @@ from worker.errors import ElastrainError
 log = logging.getLogger("elastrain.coordinator")
 # A publish claim older than this, held by another service instance, belongs to a dead publisher.
 STALE_CLAIM_S = 10.0
+MAX_OPEN_ROUNDS = 4
+"""Saves of one job that may collect reports at once (a save in flight, an async one behind it,
+one the ranks gave up on that a later publish collects)."""
+KEEP_OUTCOMES = 16
+"""Outcomes of a job's newest rounds kept in etcd."""
+
+
+def _older(step: int, newest: int) -> str:
+    return f"step {step} is older than the published step {newest}"
+
+
+def _round_step(name: str) -> int:
+    """The step of a report round's key name (``<step>-<generation>-<seq>``)."""
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() else -1
 
 
 def parse_report(body: bytes) -> Report:
@@ -82,10 +97,10 @@ class Publisher:
         if record.state.terminal:
             return CheckpointOutcome.of("aborted", step, generation, f"job {record.id} is {record.state}")
         newest = record.last_published_step
-        if newest is not None and step < newest:
-            return self._finish_abort(
-                record, report, seq, f"step {step} is older than the published step {newest}"
-            )
+        if newest is not None and step < newest:  # answered, never stored (see outcome())
+            self._collect(record, step, generation, _older(step, newest))
+            return CheckpointOutcome.of("aborted", step, generation, _older(step, newest))
+        self._check_open_rounds(record, keys.report_round(record.id, step, generation, seq))
         self._writes.put(keys.report(record.id, step, generation, report.rank, seq), body)
         reports = self._round(record.id, step, generation, seq)
         expected = Expected(step, generation, report.world_size)
@@ -103,6 +118,9 @@ class Publisher:
     def outcome(self, record: JobRecord, step: int, generation: int, *, seq: int = 0) -> CheckpointOutcome:
         """Where a reported step stands; finishes a publish whose publisher died."""
         found = self._writes.store.get(keys.outcome(record.id, step, generation, seq))
+        newest = record.last_published_step
+        if found is None and newest is not None and step < newest:
+            return CheckpointOutcome.of("aborted", step, generation, _older(step, newest))
         if found is None:
             return CheckpointOutcome.of("pending", step, generation, "not all ranks have reported")
         stored = OUTCOME_RECORD.validate_json(found.value)
@@ -152,13 +170,48 @@ class Publisher:
         step, generation = report.step, report.generation
         result = CheckpointOutcome.of("aborted", step, generation, reason)
         key = keys.outcome(record.id, step, generation, seq)
-        if self._writes.commit([Write(key, result.model_dump_json().encode(), 0)]):
+        drop = Write(keys.report_round(record.id, step, generation, seq), None, None, prefix=True)
+        if self._writes.commit([Write(key, result.model_dump_json().encode(), 0), drop]):
             self._metrics.aborted.inc()
-            try:
-                abort_staged(Path(record.checkpoint_dir) / staging_dir_name(step, generation), reason)
-            except OSError as exc:
-                log.warning("job %s: removing staging of step %s failed: %s", record.id, step, exc)
+            self._collect(record, step, generation, reason)
+            self._prune_outcomes(record)
         return self.outcome(record, step, generation, seq=seq)
+
+    def _collect(self, record: JobRecord, step: int, generation: int, reason: str) -> None:
+        try:
+            abort_staged(Path(record.checkpoint_dir) / staging_dir_name(step, generation), reason)
+        except OSError as exc:
+            log.warning("job %s: removing staging of step %s failed: %s", record.id, step, exc)
+
+    def _check_open_rounds(self, record: JobRecord, round_prefix: str) -> None:
+        """At most ``MAX_OPEN_ROUNDS`` saves of a job collect reports at once (each a key per
+        rank in etcd): a report opening one more is refused (429). Rounds that can no longer
+        publish (older than the newest published step) are dropped first."""
+        base = keys.reports(record.id)
+        entries = self._writes.store.list_prefix(base, keys_only=True)
+        rounds = {e.key[len(base) :].split("/", 1)[0] for e in entries}
+        current = round_prefix[len(base) :].rstrip("/")
+        newest = record.last_published_step
+        stale = {r for r in rounds if newest is not None and _round_step(r) < newest and r != current}
+        if stale:
+            self._writes.commit([Write(f"{base}{r}/", None, None, prefix=True) for r in sorted(stale)])
+        open_rounds = rounds - stale
+        if current not in open_rounds and len(open_rounds) >= MAX_OPEN_ROUNDS:
+            raise OverBudgetError(
+                f"job {record.id} already has {len(open_rounds)} checkpoint saves collecting reports "
+                f"(at most {MAX_OPEN_ROUNDS}); a new one can start once one of them is published or "
+                "aborted",
+                retry_after=5.0,
+                budget="rounds",
+            )
+
+    def _prune_outcomes(self, record: JobRecord) -> None:
+        """Keep the outcomes of the newest ``KEEP_OUTCOMES`` rounds (a rank polls only its own
+        recent one; an older step is answered 'aborted' or is in the registry)."""
+        found = self._writes.store.list_prefix(keys.outcomes(record.id), keys_only=True)
+        old = found[: max(0, len(found) - KEEP_OUTCOMES)]
+        if old:
+            self._writes.commit([Write(e.key, None, None) for e in old])
 
     def _aborted(
         self, record: JobRecord, key: str, step: int, generation: int, reason: str
@@ -198,6 +251,7 @@ class Publisher:
         self._writes.commit(
             [Write(keys.report_round(record.id, step, generation, seq), None, None, prefix=True)]
         )
+        self._prune_outcomes(record)
         self._metrics.published.inc()
         self._metrics.publish.observe(time.perf_counter() - started)
         retain(self._registry, record, newest=step)

@@ -4,9 +4,12 @@ the step, and the job record's ``last_published_step`` moved with it."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from service.checkpoints.results import CheckpointEntry, RegistryEntry
 from service.etcd.kv import Write
@@ -14,6 +17,8 @@ from service.jobs import keys
 from service.jobs.model import JobRecord
 from service.jobs.service import JobService
 from worker.checkpoint.manifest import Manifest
+
+log = logging.getLogger("elastrain.coordinator")
 
 
 class Registry:
@@ -23,8 +28,13 @@ class Registry:
 
     def entries(self, job_id: str) -> list[RegistryEntry]:
         """Every registered step of the job, oldest first."""
-        found = self._jobs.store.list_prefix(keys.checkpoints(job_id))
-        return [RegistryEntry.model_validate_json(e.value) for e in found]
+        out = []
+        for entry in self._jobs.store.list_prefix(keys.checkpoints(job_id)):
+            try:
+                out.append(RegistryEntry.model_validate_json(entry.value))
+            except ValidationError:  # a hand edit: the entry is skipped (adoption re-registers it)
+                log.warning("job %s: registry entry %s cannot be read; skipped", job_id, entry.key)
+        return out
 
     def published(self, record: JobRecord) -> list[CheckpointEntry]:
         """The registry as the API lists it, oldest first."""

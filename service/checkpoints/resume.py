@@ -48,6 +48,8 @@ class ResumePlanner:
     def newest(self, record: JobRecord) -> tuple[Path, Manifest] | None:
         """The newest published, verified checkpoint whose manifest is valid and whose files are
         all there: its directory and manifest (from storage when the registry is empty)."""
+        if not record.checkpoint_dir:
+            return None  # the stand-in of a record that could not be read: no directory is known
         entries = [(e.step, Path(e.dir), e.verified) for e in self._registry.entries(record.id)]
         if not entries:
             entries = [(step, path, True) for step, path in list_published(Path(record.checkpoint_dir))]

@@ -14,6 +14,8 @@ from worker.checkpoint.retention import CheckpointInfo, apply_retention
 def retain(registry: Registry, record: JobRecord, *, newest: int) -> list[int]:
     """Apply the job's retention policy now that ``newest`` is published; returns the steps
     deleted. Never deletes ``newest`` (the policy keeps the newest verified step)."""
+    if record.spec is None or not record.checkpoint_dir:
+        return []  # the stand-in of a record that could not be read: its policy is unknown
     infos = [CheckpointInfo(e.step, e.metrics) for e in registry.entries(record.id)]
     policy = record.spec.checkpoint.retention
     job_dir = Path(record.checkpoint_dir)

@@ -11,13 +11,22 @@ client certificate apply to every member.
 
 Errors: :class:`EtcdUnavailableError` when no member answered, :class:`EtcdRefusedError` (a
 subclass) when a member answered with an error (a lease that expired, a request etcd refuses).
+
+Authentication (etcd's own users and roles): with :class:`Credentials` the client asks
+``/v3/auth/authenticate`` for a token at its first request and sends it as the
+``Authorization`` header of every request. etcd's simple tokens expire after
+``--auth-token-ttl`` (300 s) without use, die with their user, and may be refused once the auth
+store changed ("revision of auth store is old"): a request refused for its token is sent once
+more with a fresh one (it was not applied). The password never leaves this object (``repr``
+hides it) and never appears in an error.
 """
 
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -64,6 +73,23 @@ class EtcdEndpoint:
         return cls(parsed.scheme, parsed.hostname, parsed.port or DEFAULT_PORT)
 
 
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """An etcd user and its password (``repr`` hides the password)."""
+
+    user: str
+    password: str = field(repr=False)
+
+
+_TOKEN_REFUSED = ("invalid auth token", "revision of auth store is old", "user name is empty")
+
+
+def token_refused(detail: str) -> bool:
+    """Whether etcd refused a request for its token (a fresh token may pass): expired, its user
+    gone or changed, the auth store changed, or none sent."""
+    return any(reason in detail for reason in _TOKEN_REFUSED)
+
+
 def b64(data: str | bytes) -> str:
     """A key or value as the gateway takes it."""
     return base64.b64encode(data.encode("utf-8") if isinstance(data, str) else data).decode("ascii")
@@ -90,16 +116,50 @@ class EtcdClient:
         timeout_s: float = 5.0,
         ca_cert: str | None = None,
         cert: tuple[str, str] | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("give at least one etcd endpoint")
         self.endpoints = tuple(endpoints)
         self._clients = [_member(e, timeout_s, ca_cert, cert) for e in self.endpoints]
         self._current = 0
+        self.credentials = credentials
+        self._token: str | None = None
+        self._token_lock = threading.Lock()
 
     # -- transport -----------------------------------------------------------------------
     def post(self, path: str, body: dict[str, Any], *, replay_safe: bool = True) -> dict[str, Any]:
-        """POST ``body`` to ``/v3/<path>`` of the first member that answers."""
+        """POST ``body`` to ``/v3/<path>`` of the first member that answers (authenticated when
+        the client has credentials; a request refused for its token goes once more with a new one)."""
+        if self.credentials is None:
+            return self._post(path, body, replay_safe=replay_safe, token=None)
+        token = self._token or self._authenticate(stale=None)
+        try:
+            return self._post(path, body, replay_safe=replay_safe, token=token)
+        except EtcdRefusedError as exc:
+            if not token_refused(exc.detail):
+                raise
+        return self._post(path, body, replay_safe=replay_safe, token=self._authenticate(stale=token))
+
+    def _authenticate(self, *, stale: str | None) -> str:
+        """A token for the credentials (a new one unless another thread replaced ``stale``)."""
+        assert self.credentials is not None
+        with self._token_lock:
+            if self._token is not None and self._token != stale:
+                return self._token
+            answer = self._post(
+                "auth/authenticate",
+                {"name": self.credentials.user, "password": self.credentials.password},
+                replay_safe=True,
+                token=None,
+            )
+            self._token = str(answer["token"])
+            return self._token
+
+    def _post(
+        self, path: str, body: dict[str, Any], *, replay_safe: bool, token: str | None
+    ) -> dict[str, Any]:
+        headers = {"Authorization": token} if token else None
         errors: list[str] = []
         start = self._current
         for step in range(len(self._clients)):
@@ -107,7 +167,7 @@ class EtcdClient:
             client = self._clients[index]
             url = self.endpoints[index].url
             try:
-                result = dict(client.post(client.get_url(path), json=body))
+                result = dict(client.post(client.get_url(path), json=body, headers=headers))
             except etcd_errors.ConnectionFailedError as exc:
                 errors.append(f"{url}: connection failed ({_detail(exc)})")
                 continue
@@ -118,6 +178,12 @@ class EtcdClient:
                 continue
             except etcd_errors.Etcd3Exception as exc:
                 detail = _detail(exc)
+                if path == "auth/authenticate":  # the text names the user; say what to fix instead
+                    raise EtcdRefusedError(
+                        f"etcd refused the credentials of user {self.credentials.user!r} "  # type: ignore[union-attr]
+                        f"({detail}); check the etcd user and password settings",
+                        detail=detail,
+                    ) from None
                 raise EtcdRefusedError(f"etcd refused {path}: {detail}", detail=detail) from None
             self._current = index
             return result

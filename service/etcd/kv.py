@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from service.etcd.client import (
+    Credentials,
     EtcdClient,
     EtcdEndpoint,
     EtcdUnavailableError,
@@ -73,8 +74,11 @@ class KVStore(Protocol):
 
     def get(self, key: str) -> Versioned | None: ...
 
-    def list_prefix(self, prefix: str, *, start_after: str | None = None, limit: int = 0) -> list[Entry]:
-        """Keys under ``prefix`` in key order, after ``start_after`` when given; ``limit`` 0 = all."""
+    def list_prefix(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+    ) -> list[Entry]:
+        """Keys under ``prefix`` in key order, after ``start_after`` when given; ``limit`` 0 = all;
+        ``keys_only``: every value is ``b""`` (etcd sends none)."""
         ...
 
     def commit(self, writes: Sequence[Write], *, fence: Fence | None = None) -> bool:
@@ -143,7 +147,13 @@ class EtcdStore:
     """:class:`KVStore` on etcd v3. ``endpoints``: one or more ``http://host:port`` (a list, or
     comma-separated); a request that cannot connect moves on to the next endpoint."""
 
-    def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout_s: float = 5.0,
+        credentials: Credentials | None = None,
+    ) -> None:
         urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         urls = [u.strip() for part in urls for u in part.split(",") if u.strip()]
         if not urls:
@@ -152,7 +162,7 @@ class EtcdStore:
             members = [EtcdEndpoint.from_url(u) for u in urls]
         except ValueError as exc:
             raise EtcdUnavailableError(str(exc)) from None
-        self.client = EtcdClient(members, timeout_s=timeout_s)
+        self.client = EtcdClient(members, timeout_s=timeout_s, credentials=credentials)
 
     def get(self, key: str) -> Versioned | None:
         kvs = self.client.range({"key": b64(key)}).get("kvs", [])
@@ -160,11 +170,15 @@ class EtcdStore:
             return None
         return Versioned(unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"]))
 
-    def list_prefix(self, prefix: str, *, start_after: str | None = None, limit: int = 0) -> list[Entry]:
+    def list_prefix(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+    ) -> list[Entry]:
         start = (start_after + "\0") if start_after is not None else prefix
         body: dict[str, Any] = {"key": b64(start), "range_end": b64(range_end(prefix))}
         if limit:
             body["limit"] = limit
+        if keys_only:
+            body["keys_only"] = True
         kvs = self.client.range(body).get("kvs", [])
         return [
             Entry(unb64(kv["key"]).decode(), unb64(kv.get("value", "")), int(kv["mod_revision"]))

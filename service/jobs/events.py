@@ -33,12 +33,12 @@ class WorkerEvent(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: WorkerEventKind
-    rank: int | None = Field(default=None, ge=0)
-    node_index: int | None = Field(default=None, ge=0)
+    rank: int | None = Field(default=None, ge=0, le=100_000)
+    node_index: int | None = Field(default=None, ge=0, le=100_000)
     group_id: str | None = Field(default=None, max_length=200)
-    world_size: int | None = Field(default=None, gt=0)
-    restart_count: int | None = Field(default=None, ge=0)
-    step: int | None = Field(default=None, ge=0)
+    world_size: int | None = Field(default=None, gt=0, le=100_000)
+    restart_count: int | None = Field(default=None, ge=0, le=1 << 31)
+    step: int | None = Field(default=None, ge=0, le=1 << 62)
     message: str = Field(default="", max_length=2000)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+from service.etcd.access import rendezvous_prefix
+
 ROOT = "/elastrain"
 JOBS = f"{ROOT}/jobs/"
 IDEMPOTENCY = f"{ROOT}/idempotency/"
@@ -18,6 +20,20 @@ def job(job_id: str) -> str:
 
 def idempotency(key: str) -> str:
     return IDEMPOTENCY + hashlib.sha256(key.encode()).hexdigest()
+
+
+DIR_CLAIMS = f"{ROOT}/dirs"
+
+
+def dir_claim(path: str) -> str:
+    """Which job a checkpoint directory (its real, absolute path) belongs to; the key of a
+    directory's descendants start with this key and '/'."""
+    return f"{DIR_CLAIMS}{path}"
+
+
+def quarantine(job_id: str) -> str:
+    """Where the bytes of a job record the service could not read are kept, as found."""
+    return f"{ROOT}/quarantine/{job_id}"
 
 
 def progress(job_id: str) -> str:
@@ -61,5 +77,6 @@ def checkpoint(job_id: str, step: int) -> str:
 
 
 def job_prefixes(job_id: str) -> tuple[str, ...]:
-    """Per-job prefixes (each ends in '/') of transient data, dropped when a job finishes."""
-    return (heartbeats(job_id), reports(job_id), outcomes(job_id))
+    """Per-job prefixes (each ends in '/') of transient data, dropped when a job finishes: its
+    heartbeats, checkpoint reports and outcomes, and its torchrun rendezvous."""
+    return (heartbeats(job_id), reports(job_id), outcomes(job_id), rendezvous_prefix(job_id))

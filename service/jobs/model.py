@@ -126,7 +126,9 @@ class Recovery(_Frozen):
 class JobRecord(_Frozen):
     id: str
     name: str
-    spec: JobSpec
+    spec: JobSpec | None
+    """The job's spec; None only in the FAILED stand-in of a record whose stored spec could not be
+    read (:mod:`service.jobs.salvage`)."""
     spec_hash: str
     state: JobState = JobState.PENDING
     state_since: float
@@ -155,16 +157,17 @@ class JobRecord(_Frozen):
     finished_at: float | None = None
 
     @field_serializer("spec")
-    def _spec_as_submitted(self, spec: JobSpec) -> dict[str, Any]:
-        return spec.model_dump(mode="json", by_alias=True)
+    def _spec_as_submitted(self, spec: JobSpec | None) -> dict[str, Any] | None:
+        return None if spec is None else spec.model_dump(mode="json", by_alias=True)
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> JobRecord:
-        """Decode a stored record: the one place that does (every reader of etcd's job keys
-        calls it), so a record that cannot be decoded is handled in one place."""
+        """Decode a stored record: the one place that does. Readers of etcd's job keys go through
+        :func:`service.jobs.salvage.decode`, which turns a record this raises for into a FAILED
+        stand-in."""
         return cls.model_validate_json(raw)
 
     @property

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.etcd.kv import Fence, KVStore
+from service.jobs.budget import WorkerBudget
 from service.jobs.cache import TTLCache
 from service.jobs.heartbeats import Heartbeats
 from service.jobs.progress import ProgressBuffer
@@ -29,6 +30,8 @@ class JobParts:
     heartbeats: Heartbeats
     views: TTLCache[bytes]
     """Rendered ``GET /v1/jobs/{id}`` bodies; dropped on every write this instance makes."""
+    budget: WorkerBudget
+    """What each job's workers may still send (requests and bytes)."""
 
     @classmethod
     def build(
@@ -60,4 +63,11 @@ class JobParts:
             on_job_write=on_job_write,
         )
         heartbeats = Heartbeats(writes, write_every_s=heartbeat_write_s, clock=clock)
-        return cls(writes=writes, records=records, progress=progress, heartbeats=heartbeats, views=views)
+        return cls(
+            writes=writes,
+            records=records,
+            progress=progress,
+            heartbeats=heartbeats,
+            views=views,
+            budget=WorkerBudget(),
+        )

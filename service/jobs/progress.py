@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from service.jobs import keys
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.writes import LeaderWrites
@@ -53,7 +55,7 @@ class ProgressBuffer:
     def newest(self, job_id: str) -> Progress | None:
         """The newest progress: etcd's, or the newer one this instance holds but has not written."""
         found = self._writes.store.get(keys.progress(job_id))
-        stored = Progress.model_validate_json(found.value) if found else None
+        stored = _decode(found.value) if found else None
         held = self._held.get(job_id)
         if held is not None and (stored is None or held.progress.time > stored.time):
             return held.progress
@@ -64,3 +66,12 @@ class ProgressBuffer:
         held = self._held.pop(job_id, None)
         if held is not None and not held.written:
             self._writes.put(keys.progress(job_id), held.progress.model_dump_json().encode())
+
+
+def _decode(raw: bytes) -> Progress | None:
+    """A stored progress report; one that cannot be read counts as none (the next report
+    replaces it) rather than failing every read of the job."""
+    try:
+        return Progress.model_validate_json(raw)
+    except ValidationError:
+        return None

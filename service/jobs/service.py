@@ -11,24 +11,33 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from service.etcd.kv import Fence, KVStore, Write
 from service.jobs import keys
 from service.jobs.cache import TTLCache
+from service.jobs.claims import check_free, claim_write
 from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done, merge_progress
 from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.paths import checkpoint_dir, resume_source
 from service.jobs.progress import ProgressBuffer
-from service.jobs.tokens import derive_worker_token, hash_token
+from service.jobs.salvage import Unreadable, decode, salvage
+from service.jobs.tokens import derive_etcd_password, derive_worker_token, hash_token
 from service.jobs.writes import LeaderWrites
+from worker.checkpoint.owner import claim
+from worker.errors import SpecError
 from worker.failpoints import failpoint
 from worker.spec import JobSpec, parse_nodes, spec_json
+
+log = logging.getLogger("elastrain.jobs")
 
 
 def ensure_worker_secret(store: KVStore) -> bytes:
@@ -43,6 +52,15 @@ def ensure_worker_secret(store: KVStore) -> bytes:
 
 def valid_job_id(job_id: str) -> bool:
     return bool(keys.JOB_ID_RE.match(job_id))
+
+
+class Stored(NamedTuple):
+    """A job key as read: the record (or the stand-in of one that cannot be read), its
+    mod_revision, and why it cannot be read (None: it can)."""
+
+    record: JobRecord
+    revision: int
+    unreadable: Unreadable | None
 
 
 class JobService:
@@ -80,14 +98,24 @@ class JobService:
 
     # ------------------------------------------------------------------ reads
 
-    def get_versioned(self, job_id: str) -> tuple[JobRecord, int]:
+    def read(self, job_id: str) -> Stored:
+        """The job's record as stored (or the stand-in of one that cannot be read, see
+        :mod:`service.jobs.salvage`), with its revision."""
         found = self.store.get(keys.job(job_id)) if valid_job_id(job_id) else None
         if found is None:
             raise NotFoundError(f"no job {job_id!r}; list jobs with GET /v1/jobs or `elastrain jobs`")
-        return JobRecord.from_json(found.value), found.mod_revision
+        return self._decode(keys.job(job_id), found.value, found.mod_revision)
+
+    def get_versioned(self, job_id: str) -> tuple[JobRecord, int]:
+        stored = self.read(job_id)
+        return stored.record, stored.revision
 
     def get(self, job_id: str) -> JobRecord:
-        return self.get_versioned(job_id)[0]
+        return self.read(job_id).record
+
+    def _decode(self, key: str, raw: bytes, revision: int) -> Stored:
+        record, unreadable = decode(key.removeprefix(keys.JOBS), raw, revision, now=self.clock())
+        return Stored(record, revision, unreadable)
 
     def forget(self, job_id: str) -> None:
         """Drop what this instance cached of a job after a write to it (its own, or the leader's
@@ -115,7 +143,7 @@ class JobService:
             batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=max(limit, 100))
             for entry in batch:
                 after = entry.key
-                record = JobRecord.from_json(entry.value)
+                record = self._decode(entry.key, entry.value, entry.mod_revision).record
                 if state is None or record.state == state:
                     out.append(record)
                     if len(out) == limit:
@@ -125,19 +153,38 @@ class JobService:
                 break
         return out, None
 
-    def all_versioned(self) -> builtins.list[tuple[JobRecord, int]]:
-        """Every job with its mod_revision, in id order (one range read per 1,000 jobs)."""
-        out: builtins.list[tuple[JobRecord, int]] = []
+    def scan(self) -> builtins.list[Stored]:
+        """Every job as stored, in id order (one range read per 1,000 jobs); a record that cannot
+        be read comes as its stand-in, with why (the reconciler quarantines it)."""
+        out: builtins.list[Stored] = []
         after: str | None = None
         while True:
             batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=1000)
-            out += [(JobRecord.from_json(e.value), e.mod_revision) for e in batch]
+            out += [self._decode(e.key, e.value, e.mod_revision) for e in batch]
             if len(batch) < 1000:
                 return out
             after = batch[-1].key
 
+    def quarantine(self, bad: Unreadable, *, fence: Fence | None = None) -> JobRecord | None:
+        """Replace a record that cannot be read by its FAILED stand-in and keep the bytes as found
+        under ``keys.quarantine``: one compare-and-set on the bad record's revision (a record
+        fixed meanwhile is left alone: None). Idempotent per revision."""
+        stand_in = salvage(bad, now=self.clock())
+        writes = [
+            Write(keys.job(bad.job_id), stand_in.to_json(), bad.revision),
+            Write(keys.quarantine(bad.job_id), bad.raw, None),
+        ]
+        if not self.writes.commit(writes, fence=fence):
+            return None
+        self.forget(bad.job_id)
+        return stand_in
+
     def worker_token(self, job_id: str) -> str:
         return derive_worker_token(self.secret, job_id)
+
+    def etcd_password(self, job_id: str) -> str:
+        """The password of the job's own etcd user (:mod:`service.etcd.access`)."""
+        return derive_etcd_password(self.secret, job_id)
 
     # ------------------------------------------------------------------ writes
 
@@ -153,14 +200,32 @@ class JobService:
                 if existing is not None:
                     return existing, False
             record = self._new_record(spec, spec_hash)
-            writes = [Write(keys.job(record.id), record.to_json(), 0)]
+            directory = Path(record.checkpoint_dir)
+            check_free(self.store, directory, root=self._real_root, job_id=record.id)
+            writes = [
+                Write(keys.job(record.id), record.to_json(), 0),
+                claim_write(directory, record.id, now=record.created_at),
+            ]
             if idempotency_key is not None:
                 writes.append(Write(keys.idempotency(idempotency_key), record.id.encode(), 0))
             if self.writes.commit(writes, fence=fence):
+                self._mark(directory, record.id)
                 self._on_change(record.id)
                 self._on_job_write(record.id)
                 return record, True
         raise ConflictError("could not store the job after repeated races; retry the request")
+
+    @property
+    def _real_root(self) -> Path:
+        return Path(os.path.realpath(self.storage_root))
+
+    def _mark(self, directory: Path, job_id: str) -> None:
+        """The owner marker the workers check, written now that etcd holds the claim (a worker
+        writes it at its start too, if this could not)."""
+        try:
+            claim(directory, job_id)
+        except (OSError, SpecError) as exc:
+            log.warning("job %s: could not write the owner marker in %s: %s", job_id, directory, exc)
 
     def _by_idempotency(self, key: str, spec_hash: str) -> JobRecord | None:
         found = self.store.get(keys.idempotency(key))
@@ -210,10 +275,15 @@ class JobService:
         which the record was read still holds."""
         fence = fence if fence is not None else self.writes.fence()
         for _ in range(50):
-            record, revision = self.get_versioned(job_id)
+            record, revision, unreadable = self.read(job_id)
             changed = change(record)
             if changed == record:
                 return record
+            if unreadable is not None:
+                raise ConflictError(
+                    f"job {job_id}'s stored record cannot be read ({unreadable.problem}); the "
+                    "reconciler fails the job and keeps the record as found"
+                )
             if self.write_record(changed, revision, fence=fence):
                 return changed
         raise ConflictError(f"job {job_id} changed too often to update; retry the request")

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from torchx import specs
 
 from service.launch.protocol import NodeLaunch
+from service.launch.resources import parse_resources
 from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_nodes, spec_json
@@ -34,8 +35,6 @@ ROLE_NAME = "node"
 SPEC_ENV = "ELASTRAIN_SPEC_JSON"
 K8S_SPEC_PATH = "/tmp/elastrain/spec.json"
 LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
-_MEM_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
-_MEM_RE = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|K|M|G)?$")
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"
 
 
@@ -93,41 +92,11 @@ class SchedulerSettings:
 
 
 def resource_from_spec(resources: Mapping[str, str]) -> specs.Resource:
-    """``spec.resources`` -> a TorchX Resource. Keys: ``cpu`` (cores), ``gpu`` (count),
-    ``memory`` (``"16Gi"``, ``"512Mi"``, bytes) or ``memMB``, ``instance_type``. Unset: no limit."""
-    known = {"cpu", "gpu", "memory", "memMB", "instance_type"}
-    unknown = sorted(set(resources) - known)
-    if unknown:
-        raise SpecError(f"resources: unknown key(s) {unknown}; known: {sorted(known)}")
-    if "memory" in resources and "memMB" in resources:
-        raise SpecError("resources: give 'memory' or 'memMB', not both")
-    cpu = _count(resources, "cpu")
-    gpu = _count(resources, "gpu")
-    mem_mb = _count(resources, "memMB") if "memMB" in resources else _memory_mb(resources.get("memory"))
-    capabilities = {INSTANCE_TYPE: resources["instance_type"]} if "instance_type" in resources else {}
-    return specs.Resource(cpu=cpu, gpu=gpu, memMB=mem_mb, capabilities=capabilities)
-
-
-def _count(resources: Mapping[str, str], key: str) -> int:
-    if key not in resources:
-        return -1
-    try:
-        value = int(resources[key])
-    except ValueError:
-        raise SpecError(f"resources.{key}={resources[key]!r}: give a whole number") from None
-    if value < 0:
-        raise SpecError(f"resources.{key}={value}: give 0 or more")
-    return value
-
-
-def _memory_mb(text: str | None) -> int:
-    if text is None:
-        return -1
-    match = _MEM_RE.match(text.strip())
-    if not match:
-        raise SpecError(f"resources.memory={text!r}: give a size like '16Gi', '512Mi' or bytes")
-    size = float(match.group(1)) * _MEM_UNITS.get(match.group(2) or "", 1)
-    return max(int(size // 2**20), 1)
+    """``spec.resources`` (read by :func:`service.launch.resources.parse_resources`, which the
+    submit checks too) -> a TorchX Resource."""
+    parsed = parse_resources(resources)
+    capabilities = {INSTANCE_TYPE: parsed.instance_type} if parsed.instance_type else {}
+    return specs.Resource(cpu=parsed.cpu, gpu=parsed.gpu, memMB=parsed.mem_mb, capabilities=capabilities)
 
 
 def torchrun_args(
@@ -157,9 +126,12 @@ def torchrun_args(
 
 
 def node_env(node: NodeLaunch) -> dict[str, str]:
-    """The environment of a node's torchrun agent (and so of its workers): what the service says
-    (``node.env``), then what no caller overrides: the rendezvous variable and who the node is."""
+    """The environment of a node's torchrun agent (and so of its workers): the spec's ``env``
+    (the team's, e.g. ``PYTHONPATH``), what the service says (``node.env``), then what no caller
+    overrides: the rendezvous variable and who the node is. (The spec cannot name the service's
+    variables: :func:`worker.spec_limits.check_env_name`.)"""
     return {
+        **node.spec.env,
         **dict(node.env),
         **LAUNCH_ENV,
         "ELASTRAIN_JOB_ID": node.job_id,
@@ -235,8 +207,9 @@ def local_node_app(
     """The app of one node on this machine: :func:`node_app` run by ``python``, under the node
     wrapper (:mod:`service.launch.node_exec`, which records the node's fate in ``node_dir``),
     in ``workdir``, with ``import_root`` (the directory holding ``service`` and ``worker``) on
-    the ``PYTHONPATH`` after the caller's. Pure."""
-    pythonpath = os.pathsep.join(p for p in (node.env.get("PYTHONPATH", ""), import_root) if p)
+    the ``PYTHONPATH`` after the spec's and the caller's. Pure."""
+    given = (node.spec.env.get("PYTHONPATH", ""), node.env.get("PYTHONPATH", ""), import_root)
+    pythonpath = os.pathsep.join(p for p in given if p)
     app = node_app(
         dataclasses.replace(node, env={**node.env, "PYTHONPATH": pythonpath}),
         rdzv_endpoint=settings.rdzv_endpoint,

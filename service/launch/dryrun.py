@@ -87,7 +87,7 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
     app = node_app(
         node,
         rdzv_endpoint=settings.rdzv_endpoint,
-        image=settings.worker_image,
+        image=node.spec.image or settings.worker_image,  # a team's image, built FROM the worker's
         checkpoint_mount=settings.checkpoint_mount,
         checkpoint_claim=settings.checkpoint_claim,
         rdzv=settings.rdzv,

@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from service.etcd.access import RENDEZVOUS_ROOT
 from service.etcd.client import DEFAULT_PORT, EtcdEndpoint
 from worker.errors import ElastrainError
 
-DEFAULT_KEY_PREFIX = "/elastrain/rdzv"
+DEFAULT_KEY_PREFIX = RENDEZVOUS_ROOT
 
 
 class RendezvousConfigError(ElastrainError, ValueError):

@@ -24,6 +24,10 @@ Design
   hosts a fresh TCPStore on a fresh port for each attempt. Sharing one agent-hosted TCPStore
   across attempts is what loses torchrun's first restart (pytorch/pytorch#135712: the new
   gloo group reads the previous attempt's keys and fails ``connectFullMesh``).
+* **Credentials**: with ``ELASTRAIN_ETCD_USER`` and ``ELASTRAIN_ETCD_PASSWORD`` in its
+  environment (the service sets them for the nodes it launches: the job's own etcd user, which
+  may touch only ``<key_prefix>/<run id>/``) the handler authenticates; without them it talks
+  to an etcd without auth.
 * **Expiry**: every key is written under the writing agent's etcd lease (``state_ttl``), so
   a run's keys vanish ``state_ttl`` seconds after its last agent stopped; the service may
   delete ``<key_prefix>/<run id>`` at once when a job ends.
@@ -52,6 +56,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from service.etcd.access import credentials_from_env
 from service.etcd.client import EtcdRefusedError, EtcdUnavailableError
 from service.rendezvous.config import RendezvousConfig, parse_config, parse_endpoints
 from service.rendezvous.kv import EtcdKV
@@ -115,6 +120,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
         read_timeout=config.read_timeout,
         ca_cert=config.ca_cert,
         cert=cert,
+        credentials=credentials_from_env(dict(os.environ)),  # the job's own etcd user, if any
     )
     backend = EtcdV3RendezvousBackend(kv, config.state_key(params.run_id))
     store = EtcdV3Store(kv, config.store_prefix(params.run_id))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from service.etcd.client import (
+    Credentials,
     EtcdClient,
     EtcdEndpoint,
     EtcdRefusedError,
@@ -90,8 +91,11 @@ class EtcdKV:
         read_timeout: float,
         ca_cert: str | None = None,
         cert: tuple[str, str] | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
-        self._client = EtcdClient(endpoints, timeout_s=read_timeout, ca_cert=ca_cert, cert=cert)
+        self._client = EtcdClient(
+            endpoints, timeout_s=read_timeout, ca_cert=ca_cert, cert=cert, credentials=credentials
+        )
         self._lease_ttl = lease_ttl
         self._lease_id: int | None = None
         self._lease_refreshed = 0.0

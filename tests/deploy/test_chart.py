@@ -4,6 +4,7 @@ schema refuses with a message naming the key, and NOTES that show how to submit 
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -89,6 +90,7 @@ def test_default_render_has_the_expected_objects(render: Renderer) -> None:
             "Role/elastrain-scheduler",
             "RoleBinding/elastrain-scheduler",
             "Secret/elastrain-api-token",
+            "Secret/elastrain-etcd-root",
             "ConfigMap/elastrain-kubeconfig",
             "ConfigMap/elastrain-dashboards",  # deploy/grafana, copied into files/grafana
             "PersistentVolumeClaim/elastrain-checkpoints",
@@ -165,18 +167,43 @@ def test_checkpoint_claim_created_or_existing(render: Renderer) -> None:
 
 
 def test_api_token_comes_from_a_secret(render: Renderer) -> None:
-    generated = one(render(), "Secret")
+    generated = one(render(), "Secret", "elastrain-api-token")
     assert len(generated["data"]["token"]) >= 32
     assert _env(render())["ELASTRAIN_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "elastrain-api-token",
         "key": "token",
     }
     objects = render("existing-claim")  # also sets auth.existingSecret
-    assert not find(objects, "Secret")
+    assert not find(objects, "Secret", "elastrain-api-token")
     assert _env(objects)["ELASTRAIN_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "my-token",
         "key": "api-token",
     }
+
+
+def test_etcd_auth_is_on_with_a_generated_root_password(render: Renderer, tools: DeployTools) -> None:
+    """Issue 13 item 5: the service is etcd's root (it turns auth on at its first start and gives
+    each job a user of its own); the password is a Secret, generated once or the operator's."""
+    secret = one(render(), "Secret", "elastrain-etcd-root")
+    assert len(base64.b64decode(secret["data"]["password"])) >= 32
+    env = _env(render())
+    assert env["ELASTRAIN_ETCD_USER"]["value"] == "root"
+    assert env["ELASTRAIN_ETCD_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "elastrain-etcd-root",
+        "key": "password",
+    }
+    mine = render(set_values=("etcd.auth.existingSecret=ops-etcd", "etcd.auth.existingSecretKey=pw"))
+    assert not find(mine, "Secret", "elastrain-etcd-root")
+    assert _env(mine)["ELASTRAIN_ETCD_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ops-etcd",
+        "key": "pw",
+    }
+    off = render(set_values=("etcd.auth.enabled=false",))
+    assert "ELASTRAIN_ETCD_PASSWORD" not in _env(off) and not find(off, "Secret", "elastrain-etcd-root")
+    external = helm(
+        tools, "template", RELEASE, str(CHART_DIR), "--set", "etcd.external.endpoints={http://etcd:2379}"
+    )
+    assert external.returncode != 0 and "etcd.auth.existingSecret" in external.stderr
 
 
 def test_ingress_routes_to_the_service(render: Renderer) -> None:

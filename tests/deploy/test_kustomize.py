@@ -55,15 +55,14 @@ def test_monitoring_overlay_adds_only_the_crd_objects(tools: DeployTools, render
     }
 
 
-def test_kustomize_and_default_chart_differ_only_in_the_token_secret(
-    tools: DeployTools, render: Renderer
-) -> None:
-    """The one intended difference: kubectl users create the API token Secret themselves (a
-    generated token must not be committed), so deploy/k8s/values.yaml names an existing Secret."""
+def test_kustomize_and_default_chart_differ_only_in_the_secrets(tools: DeployTools, render: Renderer) -> None:
+    """The one intended difference: kubectl users create the API token and etcd root password
+    Secrets themselves (a generated secret must not be committed), so deploy/k8s/values.yaml
+    names existing Secrets (of the same names and keys)."""
     ours = by_key(kustomize(tools, "deploy/k8s"))
     chart = by_key(render())
-    assert _diff(ours, chart) == ["Secret/elastrain-api-token"]
-    assert "Secret/elastrain-api-token" not in ours
+    assert _diff(ours, chart) == ["Secret/elastrain-api-token", "Secret/elastrain-etcd-root"]
+    assert "Secret/elastrain-api-token" not in ours and "Secret/elastrain-etcd-root" not in ours
     env = ours["Deployment/elastrain"]["spec"]["template"]["spec"]["containers"][0]["env"]
     token = next(e for e in env if e["name"] == "ELASTRAIN_API_TOKEN")
     assert token["valueFrom"]["secretKeyRef"] == {"name": "elastrain-api-token", "key": "token"}

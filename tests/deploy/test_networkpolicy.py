@@ -111,6 +111,8 @@ def test_everything_else_is_denied(render: Renderer) -> None:
         (c["worker0"], KUBE_API, 443, "workers -> Kubernetes API"),
         (c["worker0"], INTERNET, 443, "workers -> internet"),
         (c["worker0"], c["etcd0"], 2380, "workers -> etcd peer port"),
+        (c["worker0"], c["etcd0"], 2381, "workers -> etcd metrics"),
+        (c["worker0"], c["service"], 9400, "workers -> the service off its API port"),
         (c["service"], c["worker0"], 29500, "service -> workers"),
         (c["service1"], c["service"], 9400, "standby -> leader, off the API port"),
         (c["service"], INTERNET, 80, "service -> internet"),

@@ -158,3 +158,15 @@ def test_worker_pod_exposes_metrics_for_scraping(render: Renderer, monkeypatch: 
     annotations = pod["metadata"]["annotations"]
     assert annotations.get("prometheus.io/scrape") == "true"
     assert annotations.get("prometheus.io/port") == str(port)
+
+
+def test_the_chart_runs_built_in_factories_only_unless_told(
+    render: Renderer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13 item 10: on by default, with an empty list (built-ins only); the operator lists
+    packages, or turns the limit off."""
+    assert _settings(render(), monkeypatch).factory_prefixes == ()
+    listed = render(set_values=("service.factoryAllowlist={team_a,team_b.models}",))
+    assert _settings(listed, monkeypatch).factory_prefixes == ("team_a", "team_b.models")
+    off = render(set_values=("service.restrictFactories=false",))
+    assert _settings(off, monkeypatch).factory_prefixes is None

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from worker.checkpoint.manifest import FileEntry, Manifest, Piece, TensorEntry, validate
 from worker.errors import CorruptCheckpointError
+from worker.jsonlimits import finite
 
 Action = Literal["publish", "wait", "abort"]
 
@@ -174,6 +175,8 @@ def _manifest(reports: Sequence[Report], expected: Expected) -> Manifest:
 
 
 def report_to_json(r: Report) -> str:
+    """The report as JSON any reader accepts: a non-finite number in the JSON parts (a diverged
+    loss in the progress or the metrics) is written as ``null`` (the service refuses NaN)."""
     return json.dumps(
         {
             "step": r.step,
@@ -186,8 +189,8 @@ def report_to_json(r: Report) -> str:
             "pieces": [[n, p.file, p.offset, p.nbytes, list(p.rows), list(p.digests)] for n, p in r.pieces],
             "tensors": {n: [h.dtype, list(h.shape), h.kind, h.owner] for n, h in r.tensors.items()},
             "meta_digest": r.meta_digest,
-            "rank_meta": r.rank_meta,
-            "context": r.context,
+            "rank_meta": finite(r.rank_meta),
+            "context": finite(r.context),
         },
         separators=(",", ":"),
     )

@@ -29,6 +29,10 @@
 {{- default (printf "%s-checkpoints" (include "elastrain.fullname" .)) .Values.checkpoints.existingClaim -}}
 {{- end -}}
 
+{{- define "elastrain.etcdAuthSecret" -}}
+{{- default (printf "%s-etcd-root" (include "elastrain.fullname" .)) .Values.etcd.auth.existingSecret -}}
+{{- end -}}
+
 {{- define "elastrain.tokenSecret" -}}
 {{- default (printf "%s-api-token" (include "elastrain.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}

@@ -27,11 +27,15 @@ def healthz() -> dict[str, str]:
 
 @router.get("/readyz", response_model=Readiness, responses=error_responses(503), openapi_extra=_PUBLIC)
 def readyz(ctx: ContextDep) -> dict[str, Any]:
-    """Ready while etcd answers a linearizable read (it has quorum)."""
+    """Ready while etcd answers a linearizable read (it has quorum) and, on the leader, while
+    the reconciler completes its passes."""
     if not ctx.jobs.store.healthy():
         raise ApiError(
             503, "not_ready", "etcd does not answer (no quorum or unreachable); check the etcd members"
         )
+    stalled = ctx.stalled()
+    if stalled is not None:
+        raise ApiError(503, "not_ready", stalled)
     return {"ready": True, "leader": ctx.leader()}
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from service.api.admission import admit
 from service.api.deps import Context, ContextDep, require_api
 from service.api.errors import error_responses
+from service.api.logfiles import tail_lines
 from service.api.schemas import (
     CheckpointList,
     JobList,
@@ -50,6 +51,7 @@ async def submit_job(
 ) -> JSONResponse:
     """Submit a JobSpec. With ``Idempotency-Key`` the same key returns the same job (200)."""
     spec = spec_from_body(await request.body())
+    admit(spec, ctx.settings)
     record, created = await run_in_threadpool(ctx.jobs.create, spec, idempotency_key=idempotency_key)
     view = public(record, None).model_dump(mode="json")
     headers = {"Location": f"/v1/jobs/{record.id}"}
@@ -140,16 +142,3 @@ def job_logs(
             "read them where the nodes run (for kubernetes: kubectl logs)"
         )
     return JobLogs(job=job_id, nodes=out, note=note)
-
-
-def tail_lines(directory: Path | None, count: int) -> list[str]:
-    """The last ``count`` lines of every file under ``directory``, each prefixed by its name."""
-    if directory is None or not directory.is_dir():
-        return []
-    lines: list[str] = []
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        with path.open("rb") as f:
-            f.seek(max(0, path.stat().st_size - 256 * count))
-            text = f.read().decode("utf-8", errors="replace").splitlines()[-count:]
-        lines.extend(f"{path.relative_to(directory)}: {line}" for line in text)
-    return lines[-count:]

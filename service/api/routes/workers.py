@@ -12,6 +12,8 @@ from service.api.auth import bearer
 from service.api.deps import Context, ContextDep, WorkerAuth
 from service.api.errors import ApiError, error_responses, from_validation
 from service.api.schemas import (
+    MAX_COUNT,
+    MAX_ROUND,
     MAX_WORLD_SIZE,
     Ack,
     CheckpointReportRequest,
@@ -23,6 +25,8 @@ from service.api.schemas import (
 )
 from service.checkpoints.results import CheckpointOutcome, ResumeAnswer
 from service.checkpoints.service import Checkpoints
+from service.jobs.callbacks import check_node, check_open, check_rank, check_step, check_world_size
+from service.jobs.errors import OverBudgetError
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.tokens import hash_token
 
@@ -34,12 +38,37 @@ _WRITE = error_responses(400, 401, 403, 404, 409, 422, 503)
 
 def _job(ctx: Context, job_id: str, principal: str, request: Request, *, recent: bool = False) -> JobRecord:
     """The job, and the caller may act on it. ``recent``: a record up to ~2 s old will do (the
-    frequent heartbeats and progress reports; this instance's own writes are seen at once)."""
+    frequent heartbeats and progress reports; this instance's own writes are seen at once). A
+    worker token stops working when the job ends (409)."""
     record = ctx.jobs.get_recent(job_id) if recent else ctx.jobs.get(job_id)
     token = bearer(request.headers.get("authorization")) or ""
     if principal == "worker" and hash_token(token) != record.worker_token_hash:
         raise ApiError(403, "forbidden", f"this worker token does not belong to job {job_id!r}")
+    if principal == "worker":
+        check_open(record)
     return record
+
+
+def _write(ctx: Context, principal: str, record: JobRecord, size: int) -> None:
+    """A callback that writes: the job has not ended, and a worker is within its job's budget
+    (:mod:`service.jobs.budget`; the operator's API token is not budgeted)."""
+    check_open(record)
+    if principal != "worker":
+        return
+    world_size = record.world_size or record.desired_nodes * record.nproc_per_node
+    try:
+        ctx.budget.charge(record.id, world_size=world_size, size=size)
+    except OverBudgetError as exc:
+        ctx.metrics.worker_throttled.labels(record.id, exc.budget).inc()
+        raise
+
+
+def _size(request: Request) -> int:
+    """The body's size as sent (BodyLimit has read and bounded it)."""
+    try:
+        return int(request.headers.get("content-length", "0"))
+    except ValueError:
+        return 0
 
 
 def _checkpoints(ctx: Context) -> Checkpoints:
@@ -58,6 +87,8 @@ def heartbeat(
 ) -> Ack:
     """A rank is alive. The answer says whether the job is being cancelled."""
     record = _job(ctx, job_id, auth, request, recent=True)
+    check_node(record, body.launch_id, body.local_rank)
+    _write(ctx, auth, record, _size(request))
     ctx.heartbeats.beat(job_id, body.launch_id, body.local_rank, body.step)
     return _ack(record)
 
@@ -66,6 +97,8 @@ def heartbeat(
 def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
     """Newest training progress (rank 0): step, samples seen, samples/s, loss, world size."""
     record = _job(ctx, job_id, auth, request, recent=True)
+    check_world_size(record, body.world_size)
+    _write(ctx, auth, record, _size(request))
     report = Progress(**body.model_dump(), time=ctx.jobs.clock())
     ctx.progress.report(record, report)
     ctx.metrics.observe_job(record, report, now=report.time)
@@ -84,6 +117,12 @@ def _observe_recovery(ctx: Context, before: JobRecord, after: JobRecord) -> None
 def event(job_id: str, body: WorkerEventRequest, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
     """group_formed (rank 0, once per formation), state_loaded, first_step, failed, finished, log."""
     before = _job(ctx, job_id, auth, request)
+    check_world_size(before, body.world_size)
+    check_rank(before, body.rank)
+    if body.node_index is not None and body.node_index >= before.max_nodes:
+        raise ApiError(422, "invalid_request", f"node index {body.node_index} is not below the job's "
+                       f"largest node count {before.max_nodes}", field="node_index")  # fmt: skip
+    _write(ctx, auth, before, _size(request))
     after = ctx.jobs.worker_event(job_id, body)
     _observe_recovery(ctx, before, after)
     return _ack(after)
@@ -100,7 +139,7 @@ async def checkpoint_report(
     auth: WorkerAuth,
     ctx: ContextDep,
     request: Request,
-    seq: Annotated[ParamInt, Query(ge=0, description="Save number within the generation")] = 0,
+    seq: Annotated[ParamInt, Query(ge=0, le=MAX_ROUND, description="Save number within the generation")] = 0,
 ) -> CheckpointOutcome:
     """Phase 1 report of one rank (the JSON of ``worker.checkpoint.commit.report_to_json``).
     The answer says whether the step is pending, published or aborted (the fields of
@@ -108,13 +147,37 @@ async def checkpoint_report(
     record = await run_in_threadpool(_job, ctx, job_id, auth, request)
     body = await request.body()
     try:  # the shape only; the coordinator parses and stores the bytes exactly as sent
-        CheckpointReportRequest.model_validate_json(body)
+        shape = CheckpointReportRequest.model_validate_json(body)
     except ValidationError as exc:
         err = from_validation(list(exc.errors(include_url=False)))
         hint = "send a rank's checkpoint report (the JSON of worker.checkpoint.commit.report_to_json)"
         raise ApiError(err.status, err.code, f"{err.message}; {hint}", field=err.field) from None
     checkpoints = _checkpoints(ctx)
-    return await run_in_threadpool(checkpoints.publisher.report, record, body, seq=seq)
+    return await run_in_threadpool(
+        lambda: _report(ctx, record, checkpoints=checkpoints, auth=auth, shape=shape, body=body, seq=seq)
+    )
+
+
+def _report(
+    ctx: Context,
+    record: JobRecord,
+    *,
+    checkpoints: Checkpoints,
+    auth: str,
+    shape: CheckpointReportRequest,
+    body: bytes,
+    seq: int,
+) -> CheckpointOutcome:
+    """A rank's report, checked against the job (world size, step window, budget), then phase 2."""
+    check_world_size(record, shape.world_size)
+    newest = ctx.progress.newest(record.id)
+    check_step(record, shape.step, newest=newest.step if newest else record.last_step)
+    _write(ctx, auth, record, len(body))
+    try:
+        return checkpoints.publisher.report(record, body, seq=seq)
+    except OverBudgetError as exc:  # too many saves open at once
+        ctx.metrics.worker_throttled.labels(record.id, exc.budget).inc()
+        raise
 
 
 @router.get(
@@ -124,12 +187,12 @@ async def checkpoint_report(
 )
 def checkpoint_outcome(
     job_id: str,
-    step: Annotated[ParamInt, Path(ge=0)],
+    step: Annotated[ParamInt, Path(ge=0, le=MAX_COUNT)],
     auth: WorkerAuth,
     ctx: ContextDep,
     request: Request,
-    generation: Annotated[ParamInt, Query(ge=0)] = 0,
-    seq: Annotated[ParamInt, Query(ge=0)] = 0,
+    generation: Annotated[ParamInt, Query(ge=0, le=MAX_ROUND)] = 0,
+    seq: Annotated[ParamInt, Query(ge=0, le=MAX_ROUND)] = 0,
 ) -> CheckpointOutcome:
     """Whether a reported step was published, is pending or was aborted."""
     record = _job(ctx, job_id, auth, request)

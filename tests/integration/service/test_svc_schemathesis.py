@@ -12,7 +12,10 @@ Schemathesis's own checks judge every response: ``not_a_server_error``,
 ``negative_data_rejection`` (invalid input is answered 4xx, never 2xx). Operations whose only
 input is a free-form string (``GET /v1/jobs/{job_id}``, the health routes) have no negative
 cases; the test lists them. A few positive cases per operation go without a token, with a
-wrong one, and with another job's worker token: 401, 401 and 403 on every /v1 route.
+wrong one, and with another job's worker token: 401, 401 and 403 on every /v1 route. Every
+operation with a JSON body also gets schema-valid bodies with one number made NaN, Infinity,
+-Infinity or 1e999, or one key given twice (what schemathesis cannot generate: Python's json
+writes the first, JSON has no way to say the second): 422 naming that field.
 
 Examples per operation and mode: ``ELASTRAIN_SCHEMATHESIS_EXAMPLES``, default 200 (the file
 takes about 2 minutes on 2 shared cores; 300 about 3); ``make faults`` should run 500. The
@@ -25,6 +28,7 @@ seconds") is retried up to 5 times a second apart before it is judged, and the c
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -273,3 +277,89 @@ def test_the_schema_declares_our_error_model_for_every_error(service: ServicePro
                     assert content.get("schema") == {"$ref": "#/components/schemas/ErrorResponse"}, (
                         f"{method.upper()} {path} {status}"
                     )
+
+
+MARK = "\u0000poison\u0000"
+
+
+def poisoned(body: dict[str, Any], how: str, token: str, pick: int) -> tuple[bytes, str]:
+    """``body`` as JSON text with one number made non-finite (``token``) or one key given twice;
+    the bytes and the dotted path of the poisoned field."""
+    if how == "duplicate" and body:
+        key = sorted(body)[pick % len(body)]
+        text = json.dumps(body)
+        return ("{" + json.dumps(key) + ": " + json.dumps(body[key]) + ", " + text[1:]).encode(), key
+    numbers = list(_numbers(body, ()))
+    if numbers:
+        path = numbers[pick % len(numbers)]
+        target: Any = body
+        for part in path[:-1]:
+            target = target[part]
+        target[path[-1]] = MARK
+    else:
+        path = ("extra",)
+        body = body | {"extra": MARK}
+    text = json.dumps(body).replace(json.dumps(MARK), token)
+    return text.encode(), ".".join(str(p) for p in path)
+
+
+def _numbers(value: Any, path: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _numbers(item, (*path, index))
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        yield path
+
+
+def test_non_finite_numbers_and_keys_given_twice_are_refused_in_every_body(
+    service: ServiceProcess, operations: list[Any]
+) -> None:
+    """Issue 13 items 1 and 9, over every operation that takes a JSON body: a schema-valid body
+    with one number made NaN, Infinity, -Infinity or 1e999, or with one key given twice, is a
+    422 ErrorResponse naming that field (Python's json accepted the first, and let the last of
+    two keys win)."""
+    auth = {"Authorization": f"Bearer {service.token}", "Content-Type": "application/json"}
+    with_body = [op for op in operations if op.body]
+    sent: dict[str, int] = {}
+    assert {"POST /v1/jobs", "POST /v1/jobs/{job_id}/workers/progress"} <= {op.label for op in with_body}
+    failures = []
+    with service.client() as client, httpx.Client(base_url=service.url, timeout=30) as raw:
+        for op in with_body:
+            check = _poison_check(op, raw, auth, _submit(client), sent)
+            try:
+                check()
+            except (Exception, BaseExceptionGroup) as exc:
+                failures.append(f"{op.label}: {exc}")
+    assert not failures, "\n\n".join(failures)
+    assert set(sent) == {op.label for op in with_body} and min(sent.values()) >= 10, sent
+
+
+def _poison_check(
+    op: Any, raw: httpx.Client, auth: dict[str, str], job_id: str, sent: dict[str, int]
+) -> Callable[[], None]:
+    """The hypothesis test of one operation for the test above."""
+
+    @seed(SEED)
+    @given(
+        case=_strategy(op, GenerationMode.POSITIVE, job_id),
+        how=st.sampled_from(["non-finite", "duplicate"]),
+        token=st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]),
+        pick=st.integers(0, 1000),
+    )
+    @settings(max_examples=max(10, EXAMPLES // 10), deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])  # fmt: skip
+    def check(case: Any, how: str, token: str, pick: int) -> None:
+        if not isinstance(case.body, dict):
+            return
+        content, field = poisoned(json.loads(json.dumps(case.body)), how, token, pick)
+        resp = raw.post(case.formatted_path, content=content, params=case.query, headers=auth)
+        sent[op.label] = sent.get(op.label, 0) + 1
+        what = f"{op.label} {how} {field}: {resp.status_code} {resp.text[:300]} (seed {SEED})"
+        assert resp.status_code == 422, what
+        error = resp.json()["error"]
+        assert error["code"] == "invalid_request" and error["field"] == field, what
+
+    return check  # type: ignore[no-any-return]

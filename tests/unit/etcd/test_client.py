@@ -7,7 +7,8 @@ import base64
 
 import pytest
 
-from service.etcd.client import EtcdEndpoint, b64, range_end, unb64
+from service.etcd.access import credentials_from_env, job_permission, job_user, node_env
+from service.etcd.client import Credentials, EtcdEndpoint, b64, range_end, token_refused, unb64
 from service.etcd.kv import Fence, Write, txn_body
 
 
@@ -39,3 +40,36 @@ def test_a_fenced_commit_compares_revisions_and_the_leader_key() -> None:
     puts = [r["request_put"] for r in body["success"][:2]]
     assert "lease" not in puts[0] and puts[1]["lease"] == "5"
     assert body["success"][2] == {"request_delete_range": {"key": b64("/p/"), "range_end": b64("/p0")}}
+
+
+def test_a_password_never_shows_in_a_repr() -> None:
+    credentials = Credentials("elastrain-job-a", "s3cret-value")
+    assert "s3cret-value" not in repr(credentials) and "elastrain-job-a" in repr(credentials)
+
+
+@pytest.mark.parametrize(
+    ("detail", "again"),
+    [
+        ('{"error":"etcdserver: invalid auth token","code":16}', True),
+        ('{"error":"etcdserver: revision of auth store is old","code":3}', True),
+        ('{"error":"etcdserver: user name is empty","code":3}', True),
+        ('{"error":"etcdserver: permission denied","code":7}', False),
+        ('{"error":"etcdserver: requested lease not found","code":5}', False),
+    ],
+)
+def test_a_request_refused_for_its_token_goes_again_with_a_new_one(detail: str, again: bool) -> None:
+    assert token_refused(detail) is again
+
+
+def test_a_jobs_role_may_read_and_write_its_rendezvous_prefix_only() -> None:
+    perm = job_permission("train-7f3a")
+    assert perm["permType"] == "READWRITE"
+    assert unb64(perm["key"]) == b"/elastrain/rdzv/train-7f3a/"
+    assert unb64(perm["range_end"]) == b"/elastrain/rdzv/train-7f3a0"  # not train-7f3a2's keys
+    assert job_user("train-7f3a") == "elastrain-job-train-7f3a"
+
+
+def test_a_node_gets_its_credentials_through_its_environment() -> None:
+    credentials = Credentials(job_user("j"), "pw")
+    assert credentials_from_env(node_env(credentials)) == credentials
+    assert credentials_from_env({}) is None and credentials_from_env({"ELASTRAIN_ETCD_USER": "u"}) is None

@@ -3,6 +3,7 @@ on one machine, and the value says what will run."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,3 +106,33 @@ def test_the_local_dry_run_says_what_will_run_and_touches_nothing(
     for name, value in node_env(NODE).items():
         assert plan.env[name] == value, name
     assert not (tmp_path / "nodes").exists()  # a plan: nothing written, nothing started
+
+
+TEAM = SPEC.model_copy(
+    update={
+        "image": "registry.example.com/team/worker:1.2",
+        "env": {"PYTHONPATH": "/opt/team", "HF_HOME": "/tmp/hf"},
+    }
+)
+TEAM_NODE = NodeLaunch("job-7", TEAM, 0, "job-7-n0-a0", {"ELASTRAIN_SERVICE_URL": "http://svc:8080"})
+
+
+def test_a_jobs_image_and_env_are_what_its_pods_run() -> None:
+    """Issue 12 item 6: a team ships its code in its own image (FROM the worker image) and
+    sets its environment; the service's own variables still win."""
+    pod = worker_pod(kubernetes_dryrun(TEAM_NODE, K8S))
+    container = pod["spec"]["containers"][0]
+    assert container["image"] == "registry.example.com/team/worker:1.2"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PYTHONPATH"] == "/opt/team" and env["HF_HOME"] == "/tmp/hf"
+    assert env["ELASTRAIN_JOB_ID"] == "job-7" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    default = worker_pod(kubernetes_dryrun(NODE, K8S))["spec"]["containers"][0]
+    assert default["image"] == "img:1"  # the service's worker image when the spec names none
+
+
+def test_a_jobs_env_reaches_its_local_nodes_with_its_pythonpath_first(local: TorchXScheduler) -> None:
+    plan = local.dryrun(TEAM_NODE)
+    assert isinstance(plan, LocalLaunch)
+    assert plan.env["HF_HOME"] == "/tmp/hf"
+    paths = plan.env["PYTHONPATH"].split(os.pathsep)
+    assert paths[0] == "/opt/team" and (Path(paths[-1]) / "worker").is_dir()  # then elastrain's

@@ -18,7 +18,9 @@ from svc_fakes import stage_rank
 from service.api.app import create_app
 from service.checkpoints.service import Checkpoints
 from service.etcd.memory import MemoryStore
+from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
 from service.jobs.parts import JobParts
+from service.jobs.service import JobService
 from service.metrics import Metrics
 from service.settings import load_settings
 from worker.checkpoint.commit import report_to_json
@@ -48,6 +50,20 @@ def submit(client: TestClient, spec: dict[str, Any] | None = None, **headers: st
     resp = client.post("/v1/jobs", json=spec or SPEC, headers=AUTH | headers)
     assert resp.status_code in (200, 201), resp.text
     return resp.json()
+
+
+def launched(jobs: JobService, job_id: str, nodes: int = 1) -> JobRecord:
+    """The job as the reconciler leaves it after launching ``nodes`` nodes (what a heartbeat's
+    launch id must name)."""
+
+    def launch(record: JobRecord) -> JobRecord:
+        running = tuple(
+            NodeRecord(index=i, launch_id=f"{job_id}-n{i}-a0", phase=NodePhase.RUNNING, handle=f"h{i}")
+            for i in range(nodes)
+        )
+        return record.model_copy(update={"nodes": running, "state": JobState.RUNNING})
+
+    return jobs.update(job_id, launch)
 
 
 def error(resp: Any, status: int) -> dict[str, Any]:
@@ -152,6 +168,7 @@ def test_tokens(client: TestClient) -> None:
     ctx = client.app.state.ctx  # type: ignore[attr-defined]
     mine, other_job = ctx.jobs.worker_token(job["id"]), submit(client)
     worker = {"Authorization": f"Bearer {mine}"}
+    launched(ctx.jobs, job["id"])  # a heartbeat names one of the job's nodes
     beat = {"launch_id": f"{job['id']}-n0-a0", "local_rank": 0, "step": 3}
     assert (
         client.post(f"/v1/jobs/{job['id']}/workers/heartbeat", json=beat, headers=worker).status_code == 200

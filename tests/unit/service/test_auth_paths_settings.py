@@ -215,3 +215,27 @@ def test_the_readme_lists_every_setting_of_the_service() -> None:
         if f"`ELASTRAIN_{name.upper()}`" not in table
     ]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("host", "advertise", "listens", "reached"),
+    [
+        ("0.0.0.0", "", "http://0.0.0.0:8080 (every IPv4 interface)", "http://127.0.0.1:8080"),
+        ("::", "", "http://[::]:8080 (every interface)", "http://127.0.0.1:8080"),
+        ("10.1.2.3", "", "http://10.1.2.3:8080", "http://10.1.2.3:8080"),
+        (
+            "0.0.0.0",
+            "https://svc.example:443",
+            "http://0.0.0.0:8080 (every IPv4 interface)",
+            "https://svc.example:443",
+        ),
+    ],
+)
+def test_serve_says_where_it_listens_and_where_workers_reach_it(
+    host: str, advertise: str, listens: str, reached: str
+) -> None:
+    """Issue 13 item 11: `serve --host 0.0.0.0` logged http://127.0.0.1:8080 as where it served."""
+    from service.server import serving_line
+
+    line = serving_line(load_settings(host=host, port=8080, advertise_url=advertise))
+    assert f"listening on {listens}" in line and f"workers reach it at {reached}" in line

@@ -5,12 +5,15 @@ in-memory MockTransport (no socket); the client's own thread runs for real."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
 import httpx
 
-from worker.service_client import ServiceClient, ServiceConfig
+from worker.checkpoint.commit import Report
+from worker.jsonlimits import finite, loads
+from worker.service_client import HttpCoordinator, ServiceClient, ServiceConfig
 
 CFG = ServiceConfig(url="http://svc", token="t", job_id="job-1", launch_id="job-1-n0", node_index=0)
 
@@ -128,3 +131,44 @@ def test_a_rank_that_stops_says_why_where_and_in_which_attempt() -> None:
     assert attempt_id({}, 17) == "generation-17"
     before = {"ELASTRAIN_LAUNCH_ID": "j-n0-a0", "TORCHELASTIC_RESTART_COUNT": "2"}
     assert attempt_id(before, None) == "j-n0-a0-restart-2"
+
+
+def test_a_diverged_loss_reaches_the_service_as_null_not_nan() -> None:
+    """The service refuses NaN and Infinity in any body (they are not JSON): a run whose loss
+    diverged still reports its progress, with the loss as null."""
+    bodies: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(request.content)
+        return httpx.Response(200, json={"cancel_requested": False})
+
+    client = ServiceClient(CFG, heartbeat_s=3600, progress_s=3600, transport=httpx.MockTransport(handler))
+    client.progress(step=3, samples_seen=24, samples_per_s=float("inf"), loss=float("nan"), world_size=2)
+    client.close()
+    sent = loads(bodies[-1], max_bytes=1 << 20, max_depth=8, what="progress", reject_non_finite=True)
+    assert sent["loss"] is None and sent["step"] == 3
+
+
+def test_a_report_the_service_throttles_is_sent_again_after_its_retry_after() -> None:
+    answers = iter(
+        [httpx.Response(429, headers={"Retry-After": "0.01"}, json={}), httpx.Response(200, json={})]
+    )
+    posted: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        posted.append(request.content)
+        return next(answers)
+
+    client = ServiceClient(CFG, heartbeat_s=3600, progress_s=3600, transport=httpx.MockTransport(handler))
+    report = Report(step=4, generation=7, rank=0, world_size=2, ok=False, error="x")
+    report = dataclasses.replace(report, context={"metrics": {"loss": float("nan")}})
+    HttpCoordinator(client, retry_s=0.01).report(report, seq=1)
+    client.close()
+    assert len(posted) == 2 and posted[0] == posted[1]
+    body = loads(posted[-1], max_bytes=1 << 20, max_depth=16, what="report", reject_non_finite=True)
+    assert body["context"]["metrics"]["loss"] is None
+
+
+def test_finite_replaces_only_non_finite_numbers() -> None:
+    value = {"a": [1.0, float("nan"), (float("-inf"), 2)], "b": {"c": float("inf"), "d": "x"}, "e": 3}
+    assert finite(value) == {"a": [1.0, None, [None, 2]], "b": {"c": None, "d": "x"}, "e": 3}
