@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from service.checkpoints.adopt import StorageAdoption
 from service.etcd.access import JobUsers
 from service.etcd.access import node_env as etcd_node_env
-from service.etcd.client import Credentials, EtcdRefusedError, EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
@@ -42,6 +41,7 @@ from service.jobs.parts import JobParts
 from service.jobs.service import Stored
 from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
 from service.metrics import Metrics
+from worker.etcdclient import Credentials, EtcdRefusedError, EtcdUnavailableError
 
 log = logging.getLogger("elastrain.reconciler")
 

@@ -32,7 +32,6 @@ from service.api.app import create_app
 from service.api.forward import LeaderLookup
 from service.checkpoints.service import Checkpoints
 from service.etcd.access import ROOT_USER, EtcdAuth, JobUsers
-from service.etcd.client import Credentials, EtcdClient, EtcdEndpoint, EtcdUnavailableError
 from service.etcd.election import LeaderElection, leader_address
 from service.etcd.kv import EtcdStore, Fence
 from service.etcd.server import EtcdServer
@@ -43,6 +42,7 @@ from service.launch.protocol import Scheduler
 from service.metrics import InstrumentedStore, Metrics
 from service.reconciler import LaunchContext, Reconciler
 from service.settings import Settings, SettingsError
+from worker.etcdclient import Credentials, EtcdClient, EtcdEndpoint, EtcdUnavailableError
 
 log = logging.getLogger("elastrain.server")
 TOKEN_FILE_NAME = "api-token"

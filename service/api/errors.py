@@ -23,7 +23,6 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from service.etcd.client import EtcdUnavailableError
 from service.jobs.errors import (
     ConflictError,
     InvalidRequestError,
@@ -35,6 +34,7 @@ from service.jobs.errors import (
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError
 from worker.errors import ElastrainError, SpecError
+from worker.etcdclient import EtcdUnavailableError
 
 log = logging.getLogger("elastrain.api")
 

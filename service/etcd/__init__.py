@@ -1,6 +1,6 @@
 """etcd, the one place state lives.
 
-* :mod:`service.etcd.client`: the one etcd v3 client (transport, member failover, leases,
+* :mod:`worker.etcdclient`: the one etcd v3 client (transport, member failover, leases,
   transactions, TLS), used by the control plane's store and by the torchrun rendezvous;
 * :mod:`service.etcd.kv`: the control plane's store (``KVStore``: compare-and-set writes,
   fenced by the leader's lease) and ``EtcdStore`` on the client;

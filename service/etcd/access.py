@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service.etcd.client import Credentials, EtcdClient, EtcdRefusedError, b64, range_end
+from worker.etcdclient import Credentials, EtcdClient, EtcdRefusedError, b64, range_end
 
 ROOT_USER = "root"
 RENDEZVOUS_ROOT = "/elastrain/rdzv"

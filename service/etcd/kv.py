@@ -6,7 +6,7 @@ Every write that can race is a :class:`Write` with the ``mod_revision`` it expec
 leader's lease, so a leader that lost its lease (a stale leader) cannot write.
 
 :class:`EtcdStore` is the store on etcd, through the project's one etcd client
-(:mod:`service.etcd.client`; sync HTTP, the API calls it from a thread pool).
+(:mod:`worker.etcdclient`; sync HTTP, the API calls it from a thread pool).
 :class:`service.etcd.memory.MemoryStore` has the same semantics in memory for tests.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from service.etcd.client import (
+from worker.etcdclient import (
     Credentials,
     EtcdClient,
     EtcdEndpoint,
@@ -70,7 +70,7 @@ class Fence:
 
 class KVStore(Protocol):
     """What the control plane needs from etcd. All methods raise
-    :class:`service.etcd.client.EtcdUnavailableError` when the store cannot answer."""
+    :class:`worker.etcdclient.EtcdUnavailableError` when the store cannot answer."""
 
     def get(self, key: str) -> Versioned | None: ...
 

@@ -8,8 +8,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from service.etcd.client import EtcdUnavailableError
 from service.etcd.kv import Entry, Fence, Versioned, Write
+from worker.etcdclient import EtcdUnavailableError
 
 
 class MemoryStore:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from service.etcd.access import RENDEZVOUS_ROOT
-from service.etcd.client import DEFAULT_PORT, EtcdEndpoint
 from worker.errors import ElastrainError
+from worker.etcdclient import DEFAULT_PORT, EtcdEndpoint
 
 DEFAULT_KEY_PREFIX = RENDEZVOUS_ROOT
 

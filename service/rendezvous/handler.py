@@ -57,10 +57,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from service.etcd.access import credentials_from_env
-from service.etcd.client import EtcdRefusedError, EtcdUnavailableError
 from service.rendezvous.config import RendezvousConfig, parse_config, parse_endpoints
 from service.rendezvous.kv import EtcdKV
 from service.rendezvous.store import EtcdV3Store
+from worker.etcdclient import EtcdRefusedError, EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

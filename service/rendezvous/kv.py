@@ -1,5 +1,5 @@
 """The etcd operations the rendezvous needs: compare-and-set on ``mod_revision`` under one lease
-per process, on the project's one etcd client (:mod:`service.etcd.client`). Torch-free.
+per process, on the project's one etcd client (:mod:`worker.etcdclient`). Torch-free.
 
 Every write carries this process's lease, so the keys of a rendezvous disappear ``ttl`` seconds
 after the last live node stopped rewriting them; while any node lives, its keep-alives rewrite
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from service.etcd.client import (
+from worker.etcdclient import (
     Credentials,
     EtcdClient,
     EtcdEndpoint,

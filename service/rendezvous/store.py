@@ -23,8 +23,8 @@ from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 
-from service.etcd.client import EtcdRefusedError, EtcdUnavailableError
 from service.rendezvous.kv import EtcdKV
+from worker.etcdclient import EtcdRefusedError, EtcdUnavailableError
 
 T = TypeVar("T")
 P = ParamSpec("P")

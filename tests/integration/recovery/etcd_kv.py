@@ -1,12 +1,12 @@
 """worker.recovery.membership.KeyValue on a real etcd, through the project's one etcd client
-(service.etcd.kv.EtcdStore over service.etcd.client). Test code: the worker's own adapter comes
+(service.etcd.kv.EtcdStore over worker.etcdclient). Test code: the worker's own adapter comes
 when that client moves to a torch-free worker module (issue 15); until then the tests reach etcd
 this way and the package itself imports no service code."""
 
 from __future__ import annotations
 
-from service.etcd.client import EtcdRefusedError, EtcdUnavailableError, is_lease_not_found
 from service.etcd.kv import EtcdStore, Write
+from worker.etcdclient import EtcdRefusedError, EtcdUnavailableError, is_lease_not_found
 from worker.recovery.membership import KeyValueUnavailable, Stamped
 
 

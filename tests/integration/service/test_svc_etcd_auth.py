@@ -15,12 +15,12 @@ import pytest
 
 from scripts.demo import worker_pids
 from service.etcd.access import EtcdAuth, credentials_from_env, job_user, rendezvous_prefix
-from service.etcd.client import Credentials, EtcdClient, EtcdEndpoint, EtcdRefusedError
 from service.etcd.kv import EtcdStore
 from service.etcd.server import EtcdServer
 from service.jobs import keys
 from service.rendezvous.kv import EtcdKV
 from tests.integration.worker.test_service_e2e import Service, job_spec, until
+from worker.etcdclient import Credentials, EtcdClient, EtcdEndpoint, EtcdRefusedError
 
 pytestmark = pytest.mark.integration
 ROOT = Credentials("root", "root-password-for-the-test")

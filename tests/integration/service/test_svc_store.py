@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from service.etcd.client import EtcdUnavailableError
 from service.etcd.election import LeaderElection
 from service.etcd.kv import EtcdStore, Fence, KVStore, Write, delete_if, put_if
 from service.etcd.memory import MemoryStore
 from service.jobs.errors import NotLeaderError
 from service.jobs.parts import JobParts
+from worker.etcdclient import EtcdUnavailableError
 from worker.spec import parse_spec
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import base64
 import pytest
 
 from service.etcd.access import credentials_from_env, job_permission, job_user, node_env
-from service.etcd.client import Credentials, EtcdEndpoint, b64, range_end, token_refused, unb64
 from service.etcd.kv import Fence, Write, txn_body
+from worker.etcdclient import Credentials, EtcdEndpoint, b64, range_end, token_refused, unb64
 
 
 def test_keys_travel_base64_and_a_prefix_ends_past_its_last_byte() -> None:

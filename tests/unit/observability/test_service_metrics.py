@@ -8,12 +8,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.etcd.client import EtcdUnavailableError
 from service.etcd.kv import Write
 from service.etcd.memory import MemoryStore
 from service.jobs.model import JobRecord, JobState, NodeRecord, Progress, Recovery
 from service.jobs.recovery import estimated_goodput, goodput, recovery_phases
 from service.metrics import InstrumentedStore, Metrics
+from worker.etcdclient import EtcdUnavailableError
 from worker.spec import parse_spec
 
 SPEC = parse_spec(

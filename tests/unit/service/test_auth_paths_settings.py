@@ -10,13 +10,13 @@ import pytest
 
 from service.api.auth import authorize, bearer
 from service.api.errors import from_domain, from_validation
-from service.etcd.client import EtcdUnavailableError
 from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError, checkpoint_dir, contained, resume_source
 from service.jobs.tokens import derive_worker_token, hash_token, worker_token_job
 from service.settings import Settings, SettingsError, load_settings
 from worker.errors import SpecError
+from worker.etcdclient import EtcdUnavailableError
 
 SECRET = b"s" * 32
 API = "a" * 32

@@ -9,7 +9,6 @@ import pytest
 from svc_fakes import Clock, FakeScheduler
 
 from service.etcd.access import JobUsers, job_user
-from service.etcd.client import Credentials
 from service.etcd.election import LeaderElection
 from service.etcd.kv import put_if
 from service.etcd.memory import MemoryStore
@@ -19,6 +18,7 @@ from service.jobs.machine import Observation, reconcile
 from service.jobs.model import JobState, NodePhase
 from service.jobs.parts import JobParts
 from service.reconciler import LaunchContext, Reconciler, node_launch
+from worker.etcdclient import Credentials
 from worker.spec import parse_spec
 
 SPEC = {

@@ -1,5 +1,6 @@
-"""The project's one etcd v3 client: the control plane's state store and the torchrun rendezvous
-both talk to etcd through it.
+"""The project's one etcd v3 client (torch-free): the control plane's state store, the torchrun
+rendezvous and the workers' recovery group all talk to etcd through it (it lives in ``worker``
+because ``worker`` never imports ``service``; the service imports it from here).
 
 It speaks etcd's grpc-gateway JSON API (``/v3/...``) through ``etcd3gw``'s HTTP client: keys and
 values travel base64-encoded, a key range ends at :func:`range_end`. The members are tried in
