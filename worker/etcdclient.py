@@ -82,7 +82,14 @@ class Credentials:
     password: str = field(repr=False)
 
 
-_TOKEN_REFUSED = ("invalid auth token", "revision of auth store is old", "user name is empty")
+# etcd 3.5 words "the auth store changed since this token" two ways: the gRPC error
+# (ErrAuthOldRevision) and the gateway's own check of the token's revision header.
+_TOKEN_REFUSED = (
+    "invalid auth token",
+    "revision of auth store is old",
+    "revision in header is old",
+    "user name is empty",
+)
 
 
 def token_refused(detail: str) -> bool:

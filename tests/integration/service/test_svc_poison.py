@@ -172,7 +172,10 @@ def test_a_flooding_worker_cannot_fill_etcd(tmp_path: Path, fresh_etcd: EtcdServ
             f"etcd grew {grown / 1e6:.1f} MB under the flood (reports: {answers}; heartbeats: {set(beats)})"
         )
         assert answers == [200] * 4 + [429] * 26 and set(beats) == {422}
-        assert grown < 8e6, f"etcd grew by {grown / 1e6:.1f} MB"
+        # Unbounded, the same flood grew etcd by 46 MB. Four admitted reports of 0.9 MB, and the
+        # history etcd keeps of every key until it compacts (the job records rewritten meanwhile),
+        # measured 3.6 to 9 MB on a loaded machine.
+        assert grown < 16e6, f"etcd grew by {grown / 1e6:.1f} MB"
         assert svc.metric("elastrain_api_worker_throttled_total", job_id=job["id"]) == 26
         # The job ends: its token stops working and its keys go.
         for launch_id in svc.launches():
