@@ -10,8 +10,10 @@ other ranks learn it; it then deletes the reports (they can be large). The store
 through ``set``, ``get``, ``check``, ``wait``, ``add`` and ``delete_key``, which work from a
 background thread (unlike collectives on the training process group).
 
-The generation is the rendezvous generation; under torchrun that is
-``TORCHELASTIC_RESTART_COUNT`` (every restart of the worker group forms a new rendezvous).
+The generation is the number the worker group agreed on when it formed
+(:func:`worker.dist.agree_generation`: rank 0's clock in milliseconds, broadcast), so every
+group of a job has its own and all its ranks share it. It is not ``TORCHELASTIC_RESTART_COUNT``:
+each torchrun agent counts its own restarts, and an agent that joined later counts differently.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -110,15 +111,6 @@ class MemoryStore:
     def delete_key(self, key: str) -> bool:
         with self._lock:
             return self._data.pop(key, None) is not None
-
-
-def generation_from_env(env: Mapping[str, str]) -> int:
-    """The rendezvous generation of this worker group: ``TORCHELASTIC_RESTART_COUNT`` under
-    torchrun (each restart re-forms the group), 0 outside it."""
-    raw = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    if not raw.isdigit():
-        raise ElastrainError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a whole number")
-    return int(raw)
 
 
 def session_id(store: KeyValueStore, *, job: str, generation: int, world_size: int) -> str:

@@ -99,15 +99,3 @@ def test_sessions_keep_successive_checkpointers_apart() -> None:
     assert store.delete_key("elastrain/ckpt/j/g0/sessions") and not store.check(
         ["elastrain/ckpt/j/g0/sessions"]
     )
-
-
-def test_generation_from_env() -> None:
-    import pytest
-
-    from worker.checkpoint.coordinator import generation_from_env
-    from worker.errors import ElastrainError
-
-    assert generation_from_env({}) == 0
-    assert generation_from_env({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
-    with pytest.raises(ElastrainError):
-        generation_from_env({"TORCHELASTIC_RESTART_COUNT": "x"})
