@@ -120,6 +120,6 @@ def test_bare_torchrun_survives_a_sigkill(tmp_path: Path, reference: Reference, 
     assert run.code == 0, f"{what}: exit {run.code}; stderr tail:\n{run.stderr[-4000:]}"
     assert "elastrain failpoint after_grad_sync: kill" in run.stderr, f"{what}: the kill never happened"
     resumed = run.last("resumed")
-    before = [e["step"] for e in run.all("checkpoint_published") if e["time"] < resumed["time"]]
+    before = [e["step"] for e in run.before_last("checkpoint_published", "resumed")]
     assert before and resumed["step"] == max(before), f"{what}: resumed {resumed}"
     assert run.last("finished")["params_digest"] == reference.digest, what

@@ -35,6 +35,15 @@ class Run:
     def all(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == name]
 
+    def before_last(self, name: str, anchor: str) -> list[dict[str, Any]]:
+        """The ``name`` events written before the last ``anchor`` event, in stdout order: rank 0
+        writes every event, one line at a time, and a re-formed group's rank 0 starts after the
+        old group stopped, so the order of the lines is the order things happened (no clock)."""
+        events = self.events
+        cut = max((i for i, e in enumerate(events) if e["event"] == anchor), default=None)
+        assert cut is not None, f"no {anchor!r} event; stderr tail:\n{self.stderr[-3000:]}"
+        return [e for e in events[:cut] if e["event"] == name]
+
 
 # Not inherited by the workers: the tests run what a user gets. torchrun's agent then shares its
 # store with the workers across restarts (the worker protects itself: worker/dist.py), and sets

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -151,9 +152,12 @@ class InJobCoordinator:
 
     def __init__(
         self, store: KeyValueStore, *, rank: int, world_size: int, job: str, job_dir: Path,
-        session: str = "s0", poll: float = 0.1,
+        session: str = "s0", poll: float = 0.1, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
+        """``clock``: what the reports' deadline is measured on (tests inject one, so that
+        whether the deadline has passed is decided by the test, not by how fast threads run)."""
         self.store = store
+        self.clock = clock
         self.session = session
         self.rank = rank
         self.world_size = world_size
@@ -184,7 +188,7 @@ class InJobCoordinator:
     def _coordinate(self, step: int, generation: int, prefix: str, timeout: float) -> Outcome:
         expected = Expected(step, generation, self.world_size)
         staging = self.job_dir / staging_dir_name(step, generation)
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         reports: dict[int, Report] = {}
         keys = [f"{prefix}/report/{r}" for r in range(self.world_size)]
         while True:
@@ -203,7 +207,7 @@ class InJobCoordinator:
             decision = decide(
                 expected,
                 list(reports.values()),
-                deadline_passed=time.monotonic() >= deadline,
+                deadline_passed=self.clock() >= deadline,
                 observed_sizes=file_sizes(staging) if len(reports) == self.world_size else None,
             )
             if decision.action == "abort":

@@ -122,7 +122,7 @@ def test_sigkill_of_a_rank_resumes_bit_for_bit(
     ref = reference[variant]
     why = f"{variant} seed={seed} arm={arm}"
     resumed = run.last("resumed")
-    newest_published = max(e["step"] for e in run.all("checkpoint_published") if e["time"] < resumed["time"])
+    newest_published = max(e["step"] for e in run.before_last("checkpoint_published", "resumed"))
     assert resumed["step"] == newest_published and resumed["rng_restored"], why
     assert_rng_continued(run, trace_dir(run), trace_dir(ref), why)
     assert run.last("finished")["params_digest"] == ref.last("finished")["params_digest"], why
@@ -236,7 +236,7 @@ def test_async_checkpoints_resume_bit_for_bit(
     )  # fmt: skip
     ref = reference["fp32"]
     resumed = run.last("resumed")
-    published_before = [e["step"] for e in run.all("checkpoint_published") if e["time"] < resumed["time"]]
+    published_before = [e["step"] for e in run.before_last("checkpoint_published", "resumed")]
     # step 20's publish may have happened on the writer thread just before the kill, unlogged
     assert resumed["step"] in (10, 20) and resumed["step"] >= max(published_before), f"seed={seed} arm={arm}"
     assert all(e["background"] for e in run.all("checkpoint_published"))
