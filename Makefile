@@ -34,7 +34,7 @@ integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
 test: lint types
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
 
 # wrk (Debian package) is the low-CPU load generator of benchmarks/service_api.py; installed
 # with apt-get when missing and we are root, otherwise that benchmark says it ran without it.

@@ -7,6 +7,10 @@ every selected row once per seed in a single pytest session (rows share the unin
 reference run), and writes a Markdown table -- row, trials, passed, failed seeds, notes -- to
 stdout and to ``--out`` (default ``.elastrain/faults.md``). A failed seed reruns alone with
 ``ELASTRAIN_FAULT_SEED=<seed> pytest <row's test>``. Exit status 1 when any trial failed.
+
+A row that could not run here (pytest skipped it, e.g. no permission to mount the tmpfs of
+``enospc-tmpfs``, or it never reported) is ``NOT RUN`` in the passed column, with the reason, and
+the summary line counts such rows: it is never shown as passed.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class Tally:
     failed: list[int] = field(default_factory=list)
     notes: set[str] = field(default_factory=set)
 
+    @property
+    def not_run(self) -> bool:
+        """No trial of the row ran (skipped, or absent from the results)."""
+        return self.trials == 0
+
 
 def draw_seeds(base: int, trials: int) -> list[int]:
     """``trials`` distinct seeds determined by ``base``."""
@@ -71,7 +80,7 @@ def tally(junit: Path, rows: dict[str, str]) -> dict[str, Tally]:
         result = out[row]
         skipped = case.find("skipped")
         if skipped is not None:
-            result.notes.add("skipped: " + skipped.get("message", "")[:120])
+            result.notes.add("not run: " + skipped.get("message", "").removeprefix("Skipped: ")[:160])
             continue
         result.trials += 1
         if case.find("failure") is not None or case.find("error") is not None:
@@ -91,8 +100,12 @@ def table(results: dict[str, Tally], *, base: int, seconds: float) -> str:
     ]
     for row, r in results.items():
         failed = ", ".join(map(str, r.failed)) or "-"
-        lines.append(f"| {row} | {r.trials} | {r.passed} | {failed} | {'; '.join(sorted(r.notes)) or ''} |")
+        passed = "NOT RUN" if r.not_run else str(r.passed)
+        lines.append(f"| {row} | {r.trials} | {passed} | {failed} | {'; '.join(sorted(r.notes)) or ''} |")
     lines.append("")
+    not_run = [row for row, r in results.items() if r.not_run]
+    if not_run:
+        lines.append(f"**{len(not_run)} of {len(results)} rows NOT RUN** here: {', '.join(not_run)}.")
     lines.append(f"Base seed {base}; total runtime {seconds:.0f} s; rerun with `--seed {base}`.")
     return "\n".join(lines) + "\n"
 
