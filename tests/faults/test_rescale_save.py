@@ -40,7 +40,7 @@ from tests.faults.conftest import seeded
 from tests.faults.test_sigstop import worker_pids
 from tests.integration.launch import REPO, worker_env, write_spec
 from tests.integration.worker.test_resume import spec
-from tests.integration.worker.test_service_e2e import history
+from tests.integration.worker.traces import committed
 from worker.checkpoint.verify import load_manifest, verify_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
@@ -202,7 +202,7 @@ def check_the_directory(ck: Path) -> None:
 
 def check_every_sample_once(trace: Path) -> None:
     """Per epoch, each sample once across both groups (for each step, the newest group's work)."""
-    seen = history(trace)
+    seen = committed(trace)
     assert set(seen.values()) == {1}, [k for k, n in seen.items() if n > 1][:10]
     per_epoch = {e: {i for (ep, i) in seen if ep == e} for e in {ep for ep, _ in seen}}
     tail = MAX_STEPS * GLOBAL_BATCH - 2 * SAMPLES
