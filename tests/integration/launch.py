@@ -48,13 +48,20 @@ class Run:
 # Not inherited by the workers: the tests run what a user gets. torchrun's agent then shares its
 # store with the workers across restarts (the worker protects itself: worker/dist.py), and sets
 # OMP_NUM_THREADS=1 only when a node runs several processes (`python -m worker` and one-process
-# runs use torch's default thread count, as they do for users).
-NOT_INHERITED = ("ELASTRAIN_FAILPOINTS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS")
+# runs use torch's default thread count, as they do for users). No PYTHONPATH either: `service`
+# and `worker` are the installed distribution's (editable from `make venv`, a wheel in `make
+# test-installed`); the tests' own modules (a team's model factory) are found from the working
+# directory, REPO, where `python -m` looks first.
+NOT_INHERITED = (
+    "ELASTRAIN_FAILPOINTS",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "OMP_NUM_THREADS",
+    "PYTHONPATH",
+)
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
 

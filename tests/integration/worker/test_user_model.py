@@ -1,6 +1,7 @@
 """A team's own model, as it comes: a Hugging Face ``GPT2LMHeadModel`` built from a config (two
 layers, tied embeddings, dropout 0.1; no download), reached through the factory path a user's
-code takes (``tests.integration.worker.user_models`` on PYTHONPATH), under torchrun on CPU/gloo.
+code takes (``tests.integration.worker.user_models``, importable from the working directory the
+worker starts in, as a team's package would be), under torchrun on CPU/gloo.
 
 Its forward returns a ``CausalLMOutputWithCrossAttentions``; the worker picks ``logits`` from it.
 """
