@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,10 +54,12 @@ def svc(tmp_path: Path) -> Iterator[ServiceProcess]:
 CUT, REFUSED = -1, -2  # the kill cut a request in flight; a request found the service gone
 
 
-def post(svc: ServiceProcess, spec: dict[str, Any], key: str) -> tuple[int, str | None]:
+def post(
+    svc: ServiceProcess, spec: dict[str, Any], key: str, client: httpx.Client | None = None
+) -> tuple[int, str | None]:
     headers = {"Authorization": f"Bearer {svc.token}", "Idempotency-Key": key}
     try:
-        resp = httpx.post(f"{svc.url}/v1/jobs", json=spec, headers=headers, timeout=10)
+        resp = (client or httpx).post(f"{svc.url}/v1/jobs", json=spec, headers=headers, timeout=10)
     except httpx.ConnectError:
         return REFUSED, None
     except httpx.HTTPError:
@@ -64,12 +67,29 @@ def post(svc: ServiceProcess, spec: dict[str, Any], key: str) -> tuple[int, str 
     return resp.status_code, resp.json().get("id") if resp.status_code < 300 else None
 
 
-def post_until_refused(svc: ServiceProcess, spec: dict[str, Any], key: str) -> list[tuple[int, str | None]]:
-    """One client: submit again and again until the service is gone."""
+def post_until_refused(
+    svc: ServiceProcess, spec: dict[str, Any], key: str, answered: threading.Event
+) -> list[tuple[int, str | None]]:
+    """One client: submit again and again until the service is gone; ``answered`` is set at the
+    first answer. A new connection for each request (no keep-alive), so a request that finds the
+    service gone is refused, and only one sent before the kill can be cut."""
     answers: list[tuple[int, str | None]] = []
-    while not answers or answers[-1][0] not in (CUT, REFUSED):
-        answers.append(post(svc, spec, key))
+    with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        while not answers or answers[-1][0] not in (CUT, REFUSED):
+            answers.append(post(svc, spec, key, client))
+            answered.set()
     return answers
+
+
+def kill_while_submitting(svc: ServiceProcess, spec: dict[str, Any], key: str, delay: float) -> list[Any]:
+    """Eight clients submit under one key; ``delay`` seconds after the first answer, kill -9."""
+    answered = threading.Event()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(post_until_refused, svc, spec, key, answered) for _ in range(8)]
+        assert answered.wait(60), "no submission was answered"
+        time.sleep(delay)  # where in the stream of submissions the kill lands (seeded)
+        svc.kill9()
+        return [answer for f in futures for answer in f.result()]
 
 
 @seeded
@@ -77,11 +97,7 @@ def test_kill9_during_submit_with_idempotency_key(svc: ServiceProcess, seed: int
     rng = random.Random(seed)
     spec, key = SPEC | {"name": f"idem-{seed}"}, f"key-{seed}"
     delay = rng.uniform(0.0, 0.4)
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        futures = [pool.submit(post_until_refused, svc, spec, key) for _ in range(8)]
-        time.sleep(delay)  # where in the stream of submissions the kill lands (seeded)
-        svc.kill9()
-        before = [answer for f in futures for answer in f.result()]
+    before = kill_while_submitting(svc, spec, key, delay)
     svc.start()
     status, job_id = post(svc, spec, key)
     what = f"seed={seed} delay={delay:.2f}s answers={sorted(set(before), key=str)}"
@@ -98,9 +114,11 @@ def test_kill9_during_submit_with_idempotency_key(svc: ServiceProcess, seed: int
 
 
 def scale(svc: ServiceProcess, job_id: str, nodes: int) -> int:
+    headers = {"Authorization": f"Bearer {svc.token}"}
     try:
-        with svc.client() as client:
-            return client.post(f"/v1/jobs/{job_id}/scale", json={"nodes": nodes}).status_code
+        return httpx.post(
+            f"{svc.url}/v1/jobs/{job_id}/scale", json={"nodes": nodes}, headers=headers, timeout=30
+        ).status_code
     except httpx.HTTPError:
         return CUT
 

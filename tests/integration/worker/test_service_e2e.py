@@ -60,9 +60,13 @@ class Service:
     """The ``elastrain serve`` console script in a subprocess; restartable on the same data dir
     (``env`` may change between starts). Its logs: ``service-<n>.log``, one per start."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
-        self.data_dir, self.env = data_dir, env
-        self.port, self.token = free_port(), secrets.token_urlsafe(24)
+    def __init__(
+        self, data_dir: Path, env: dict[str, str], *, etcd: str = "", token: str | None = None
+    ) -> None:
+        """``etcd``: endpoints of an etcd of the test's (default: the service's embedded one);
+        ``token``: the API token, to share one between replicas (default: a new one)."""
+        self.data_dir, self.env, self.etcd = data_dir, env, etcd
+        self.port, self.token = free_port(), token or secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=10
@@ -76,6 +80,7 @@ class Service:
         self.starts += 1
         log = (self.data_dir / f"service-{self.starts}.log").open("w")
         cmd = [str(ELASTRAIN), "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)]
+        cmd += ["--etcd", self.etcd] if self.etcd else []
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         until(lambda: self._ready(), "the service to be ready", 120)
 
@@ -87,6 +92,10 @@ class Service:
     def job_dir(self, job_id: str) -> str:
         """The job's checkpoint directory (where the service keeps it: no request needed)."""
         return str(self.data_dir / "checkpoints" / job_id)
+
+    def launches(self, job_id: str) -> list[str]:
+        """The job's launches by this service: the node directories the real scheduler made."""
+        return sorted(p.name for p in (self.data_dir / "nodes" / job_id).glob("*") if p.is_dir())
 
     def node_logs(self, job_id: str) -> str:
         """Everything the job's nodes (torchrun agents and their workers) wrote to stderr."""
