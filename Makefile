@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint types unit integration bench faults deploy-sync clean
+.PHONY: venv run test test-installed lint types unit integration bench faults deploy-sync clean
 
 venv: $(STAMP)
 
@@ -34,7 +34,14 @@ integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
 test: lint types
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m scripts.test_installed
+
+# Part of the suite against the distribution users install: a wheel of this tree, installed (not
+# editable) into build/installed/venv, run from a copy of tests/ with no service/ or worker/
+# beside it and no PYTHONPATH (see scripts/test_installed.py).
+test-installed: $(STAMP)
+	$(PY) -m scripts.test_installed $(PYTEST_ARGS)
 
 # wrk (Debian package) is the low-CPU load generator of benchmarks/service_api.py; installed
 # with apt-get when missing and we are root, otherwise that benchmark says it ran without it.
@@ -55,4 +62,4 @@ deploy-sync: $(STAMP)
 	$(PY) -m scripts.deploy_tools sync
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build

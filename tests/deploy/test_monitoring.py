@@ -44,7 +44,9 @@ def test_service_monitors_select_services_and_ports(render: Renderer) -> None:
     monitors = find(objects, "ServiceMonitor")
     assert [m["metadata"]["name"] for m in monitors] == ["elastrain"]
     objects = render(api_versions=MONITORING_API)
+    checked = []
     for monitor in find(objects, "ServiceMonitor"):
+        checked.append(monitor["metadata"]["name"])
         selected = [
             s
             for s in find(objects, "Service")
@@ -56,7 +58,10 @@ def test_service_monitors_select_services_and_ports(render: Renderer) -> None:
         assert len(selected) == 1, monitor["metadata"]["name"]
         ports = {p["name"] for p in selected[0]["spec"]["ports"]}
         assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
-        assert all(e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
+        assert monitor["spec"]["endpoints"] and all(
+            e["path"] == "/metrics" for e in monitor["spec"]["endpoints"]
+        )
+    assert sorted(checked) == ["elastrain", "elastrain-etcd"], "the loop must see both ServiceMonitors"
 
 
 def test_pod_monitor_scrapes_workers_on_their_metrics_port(render: Renderer) -> None:
@@ -70,7 +75,10 @@ def test_pod_monitor_scrapes_workers_on_their_metrics_port(render: Renderer) -> 
 
 
 def test_labels_for_the_prometheus_selector(render: Renderer) -> None:
-    for monitor in find(render("everything"), "ServiceMonitor") + find(render("everything"), "PodMonitor"):
+    monitors = find(render("everything"), "ServiceMonitor") + find(render("everything"), "PodMonitor")
+    names = sorted(f"{m['kind']}/{m['metadata']['name']}" for m in monitors)
+    assert names == ["PodMonitor/elastrain-workers", "ServiceMonitor/elastrain"], names
+    for monitor in monitors:
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 

@@ -7,24 +7,47 @@ import pytest
 from tests.deploy.helpers import SCENARIOS, Obj, Renderer, find, one, pod_specs
 from tests.deploy.pss import restricted_violations
 
+# The workloads each scenario renders: the loops below must see every one (an empty render, or a
+# workload the chart stopped rendering, fails instead of passing over nothing).
+SERVICE = "Deployment/elastrain"
+ETCD = "StatefulSet/elastrain-etcd"
+WORKLOADS = {
+    "default": {SERVICE: ["service"], ETCD: ["etcd"]},
+    "external-etcd": {SERVICE: ["service"]},
+    "existing-claim": {SERVICE: ["service"], ETCD: ["etcd"]},
+    "ingress": {SERVICE: ["service"], ETCD: ["etcd"]},
+    "everything": {SERVICE: ["service"]},
+}
+
+
+def containers(spec: Obj) -> list[Obj]:
+    return list(spec["containers"]) + list(spec.get("initContainers", []))
+
+
+def test_the_scenarios_are_the_ones_checked() -> None:
+    assert sorted(WORKLOADS) == sorted(SCENARIOS)
+
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_every_pod_meets_the_restricted_profile(render: Renderer, scenario: str) -> None:
     pods = pod_specs(render(scenario))
-    assert pods
+    assert sorted(pods) == sorted(WORKLOADS[scenario])
     for name, spec in pods.items():
         assert restricted_violations(spec) == [], name
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_every_container_is_locked_down(render: Renderer, scenario: str) -> None:
-    for name, spec in pod_specs(render(scenario)).items():
+    pods = pod_specs(render(scenario))
+    seen = {name: [c["name"] for c in containers(spec)] for name, spec in pods.items()}
+    assert seen == WORKLOADS[scenario], "the loop below must see every workload and container"
+    for name, spec in pods.items():
         pod_sc = spec["securityContext"]
         assert pod_sc["runAsNonRoot"] is True, name
         assert pod_sc["runAsUser"] > 0 and pod_sc["runAsGroup"] > 0, name
         assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}, name
         volumes = {v["name"]: v for v in spec["volumes"]}
-        for c in spec["containers"] + spec.get("initContainers", []):
+        for c in containers(spec):
             sc = c["securityContext"]
             where = f"{name}/{c['name']}"
             assert sc["runAsNonRoot"] is True, where

@@ -1,10 +1,10 @@
 """The fault matrix's shared pieces: seeds from the environment, the seed printed on failure,
-the slow-row gate and the uninterrupted reference run every worker row compares against.
+and the uninterrupted reference run every worker row compares against.
 
 Seeds: ``ELASTRAIN_FAULT_SEEDS="3,17"`` (what ``python -m scripts.faults`` sets) or
 ``ELASTRAIN_FAULT_SEED=3``; default ``1``. Every row is parametrised by them (``[seed=N]``).
-Slow rows run only with ``ELASTRAIN_FAULTS_SLOW=1``; otherwise they skip with that reason
-(``pytest -rs`` and the runner's table show it).
+Every row runs in ``make test`` (one seed) and ``make faults``; a row that cannot run on a
+machine skips with the reason (``make test`` prints it, ``-rs``; the runner's table says NOT RUN).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ environment: no ``--standalone``, so torchrun's default *static* rendezvous, who
 agent hosts on 127.0.0.1:29500 and shares with the workers across restarts (torchrun's
 first-restart trap, pytorch#135712); no ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` (it does nothing
 for the static backend anyway), no ``OMP_NUM_THREADS`` (torchrun sets 1 itself for two
-processes). The only additions: ``ELASTRAIN_FAILPOINTS`` to inject the kill, and
-``PYTHONPATH`` naming the checkout under test (what an installed package provides).
+processes), no ``PYTHONPATH`` (``worker`` is the installed package's). The only addition:
+``ELASTRAIN_FAILPOINTS`` to inject the kill.
 
 One seeded rank is SIGKILLed at a seeded step after the first checkpoint, in the first attempt
 only. The run must finish (exit 0, every restart it needs within the three), resume from the
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.conftest import Reference, seeded
-from tests.integration.launch import REPO, Run, write_spec
+from tests.integration.launch import Run, write_spec
 from tests.integration.worker.test_resume import spec
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
@@ -39,15 +39,15 @@ STATIC_PORT = 29500  # torchrun's default --master-port: one such run at a time 
 RUN_TIMEOUT_S = 420  # far above a healthy run (~30 s): a hang fails the row within pytest's 600 s
 
 
+HARNESS_VARIABLES = (
+    "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH",
+)  # fmt: skip
+
+
 def user_env(extra: dict[str, str]) -> dict[str, str]:
     """The caller's environment without what test harnesses add for workers."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("ELASTRAIN_", "TORCH_", "TORCHELASTIC_", "PET_"))
-        and k not in ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-    }
-    env["PYTHONPATH"] = str(REPO)
+    prefixes = ("ELASTRAIN_", "TORCH_", "TORCHELASTIC_", "PET_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in HARNESS_VARIABLES}
     return env | extra
 
 
@@ -120,6 +120,6 @@ def test_bare_torchrun_survives_a_sigkill(tmp_path: Path, reference: Reference, 
     assert run.code == 0, f"{what}: exit {run.code}; stderr tail:\n{run.stderr[-4000:]}"
     assert "elastrain failpoint after_grad_sync: kill" in run.stderr, f"{what}: the kill never happened"
     resumed = run.last("resumed")
-    before = [e["step"] for e in run.all("checkpoint_published") if e["time"] < resumed["time"]]
+    before = [e["step"] for e in run.before_last("checkpoint_published", "resumed")]
     assert before and resumed["step"] == max(before), f"{what}: resumed {resumed}"
     assert run.last("finished")["params_digest"] == reference.digest, what

@@ -1,7 +1,10 @@
 """A real 3-member etcd cluster under the service (fake scheduler): lose one member and the
 service keeps serving (ready, a job submitted and launched); lose two and ``/readyz`` answers
 503 and nothing is launched; bring them back and it catches up (ready, the queued state intact,
-a new job launched)."""
+a new job launched).
+
+With the fake scheduler nothing runs on the nodes: the row checks the control plane alone (fast,
+many seeded trials). ``test_real_service.py::test_real_etcd_quorum`` runs it with a real job."""
 
 from __future__ import annotations
 

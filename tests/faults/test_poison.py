@@ -10,7 +10,7 @@ service (embedded etcd, local TorchX scheduler, real torchrun workers) runs a he
   checkpoint directory, and the service is killed (-9) and restarted;
 * a flooding worker (the live job's own token) sends checkpoint reports of 0.9 MB for distinct
   steps (rank 0 of 2: each opens a save) and heartbeats for made-up nodes: 429 and 422, etcd
-  grows by less than 8 MB;
+  grows far less than the 46 MB of the unbounded flood (under 16 MB, counting the history etcd keeps);
 * the live job is cancelled: it goes CANCELLED.
 
 The healthy job must finish SUCCEEDED with the digest of the same job run alone (bare torchrun).
@@ -146,7 +146,7 @@ class Row:
         grown = self.db_in_use() - before
         worker.close()
         assert reports.count(200) <= 4 and set(reports) <= {200, 429}, reports  # 4 saves open at most
-        assert beats == {422} and grown < 8e6, f"etcd grew {grown / 1e6:.1f} MB; heartbeats {beats}"
+        assert beats == {422} and grown < 16e6, f"etcd grew {grown / 1e6:.1f} MB; heartbeats {beats}"
 
     def restart(self) -> None:
         self.svc.kill9()

@@ -29,7 +29,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,9 @@ from service.etcd.server import EtcdServer
 from tests.faults.conftest import seeded
 from tests.faults.test_sigstop import worker_pids
 from tests.integration.launch import REPO, worker_env, write_spec
+from tests.integration.rendezvous.conftest import declared_handler
 from tests.integration.worker.test_resume import spec
-from tests.integration.worker.test_service_e2e import history
+from tests.integration.worker.traces import committed
 from worker.checkpoint.verify import load_manifest, verify_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
@@ -63,18 +63,11 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
         yield server
 
 
-def agent_env(tmp: Path, extra: dict[str, str]) -> dict[str, str]:
-    """The worker environment plus the etcd-v3 entry point when the project is not installed."""
-    env = worker_env(extra)
-    if not any(ep.name == "etcd-v3" for ep in entry_points(group="torchrun.handlers")):
-        info = tmp / "entry-point" / "elastrain_rdzv_fault-0.0.dist-info"
-        info.mkdir(parents=True, exist_ok=True)
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: elastrain-rdzv-fault\nVersion: 0.0\n")
-        (info / "entry_points.txt").write_text(
-            "[torchrun.handlers]\netcd-v3 = service.rendezvous:create_handler\n"
-        )
-        env["PYTHONPATH"] = f"{info.parent}{os.pathsep}{env['PYTHONPATH']}"
-    return env
+def agent_env(extra: dict[str, str]) -> dict[str, str]:
+    """The worker environment; torchrun finds the etcd-v3 backend through the entry point the
+    installed distribution declares (checked first, so a missing one fails here, clearly)."""
+    declared_handler()
+    return worker_env(extra)
 
 
 @dataclass
@@ -143,7 +136,7 @@ def rescale_while_saving(tmp: Path, etcd: EtcdServer, *, arm: str, sleeping: str
     over = {"max_steps": MAX_STEPS, "grad_accum_steps": None, "global_batch_size": GLOBAL_BATCH}
     model = {"name": "mlp", "kwargs": {"hidden": 32, "norm": "layer"}}
     spec_path = write_spec(tmp, spec(tmp / "ck", model=model, **over))
-    env = agent_env(tmp, {"ELASTRAIN_FAILPOINTS": arm, "ELASTRAIN_TRACE_SAMPLES": str(trace)})
+    env = agent_env({"ELASTRAIN_FAILPOINTS": arm, "ELASTRAIN_TRACE_SAMPLES": str(trace)})
     agents = Agents(tmp, etcd.endpoint, spec_path, env)
     try:
         agents.start()
@@ -202,7 +195,7 @@ def check_the_directory(ck: Path) -> None:
 
 def check_every_sample_once(trace: Path) -> None:
     """Per epoch, each sample once across both groups (for each step, the newest group's work)."""
-    seen = history(trace)
+    seen = committed(trace)
     assert set(seen.values()) == {1}, [k for k, n in seen.items() if n > 1][:10]
     per_epoch = {e: {i for (ep, i) in seen if ep == e} for e in {ep for ep, _ in seen}}
     tail = MAX_STEPS * GLOBAL_BATCH - 2 * SAMPLES

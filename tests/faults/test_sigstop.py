@@ -1,17 +1,22 @@
 """SIGSTOP a worker, then SIGCONT: the job finishes with the uninterrupted run's digest.
 
-What torch 2.13 + gloo does (worker/dist.py init_group uses a 300 s collective timeout, and
-torchrun's local agent watches only exit codes, not liveness): a stop shorter than the timeout
-stalls the peers inside the all-reduce and the group simply carries on after SIGCONT -- nothing
-re-forms. A stop longer than the timeout is the slow row (over 5 minutes): the peer's collective
-times out, it exits non-zero, torchrun tears down the group (including the stopped process) and
-restarts it from the newest checkpoint.
+What torch 2.13 + gloo does (worker/dist.py init_group takes the collective timeout,
+``ELASTRAIN_COLLECTIVE_TIMEOUT_S``, 20 s in these rows; torchrun's local agent watches only exit
+codes, not liveness): a stop shorter than the timeout stalls the peers inside the all-reduce and
+the group simply carries on after SIGCONT -- nothing re-forms (one group, no resume). A stop
+longer than the timeout: the peer's collective times out, it exits non-zero, torchrun tears down
+the group (including the stopped process) and restarts it from the newest checkpoint.
+
+Where the stop lands: the victim rank holds for a few seconds at a seeded training window (a
+``sleep`` failpoint, first attempt only), and the test stops the very process whose failpoint
+marker says it is holding there. Every other step runs at the real rate.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -42,54 +47,61 @@ def worker_pids(spec_path: Path) -> list[int]:
     return sorted(found)
 
 
-def rank_of(pid: int) -> int:
-    env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-    return next(int(e[5:]) for e in env if e.startswith(b"RANK="))
+HOLD_S = 5.0  # the victim holds this long at its window: the test's time to stop it there
+HOLDING = re.compile(r"elastrain failpoint after_grad_sync: sleep:\S+ \(pid (\d+)\)")
 
 
-def stop_and_continue(tmp: Path, seed: int, pause: float) -> tuple[Run, int]:
+def stop_and_continue(tmp: Path, seed: int, pause: float) -> tuple[Run, str]:
+    """Run the W=2 job; stop the victim where it holds, for ``pause`` seconds. Returns the run
+    and a description of where the stop landed (for messages)."""
     rng = random.Random(seed)
-    victim_rank = rng.randrange(2)
+    victim_rank, window = rng.randrange(2), rng.randrange(12, 27)  # after the step-10 save
+    arm = f"after_grad_sync=sleep:{HOLD_S:g}@{victim_rank}#{window}^0"
     spec_path = write_spec(tmp, spec(tmp / "ck"))
     out, err = (tmp / "stdout").open("w+"), (tmp / "stderr").open("w+")
     env = worker_env(
-        {
-            "ELASTRAIN_FAILPOINTS": "after_grad_sync=sleep:0.05",
-            "ELASTRAIN_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S),
-        }
+        {"ELASTRAIN_FAILPOINTS": arm, "ELASTRAIN_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
     )
     cmd = torchrun_cmd(2, spec_path, max_restarts=2)
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while '"checkpoint_published"' not in (tmp / "stdout").read_text():
+        deadline = time.monotonic() + 180
+        while not (holding := HOLDING.search((tmp / "stderr").read_text())):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp / "stderr").read_text()[-3000:]
-            time.sleep(0.1)
-        time.sleep(rng.uniform(0, 0.5))
-        victim = next(p for p in worker_pids(spec_path) if rank_of(p) == victim_rank)
+            time.sleep(0.05)
+        victim = int(holding.group(1))
         os.kill(victim, signal.SIGSTOP)
-        time.sleep(pause)
+        # Stopped in the middle of training: the run has not finished, the victim is its rank.
+        assert '"event": "finished"' not in (tmp / "stdout").read_text(), "the stop came after the end"
+        assert f"RANK={victim_rank}".encode() in (Path("/proc") / str(victim) / "environ").read_bytes().split(
+            b"\0"
+        )
+        time.sleep(pause)  # the fault itself: how long the process stays stopped
         os.kill(victim, signal.SIGCONT)
         code = proc.wait(timeout=COLLECTIVE_TIMEOUT_S + 240)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return Run(code, (tmp / "stdout").read_text(), (tmp / "stderr").read_text()), victim_rank
+    run = Run(code, (tmp / "stdout").read_text(), (tmp / "stderr").read_text())
+    return run, f"seed={seed} rank={victim_rank} window={window} pause={pause:.1f}s"
 
 
 @seeded
 def test_sigstop_a_worker_then_sigcont(tmp_path: Path, reference: Reference, seed: int) -> None:
     pause = random.Random(seed + 1).uniform(3.0, 8.0)
-    run, rank = stop_and_continue(tmp_path, seed, pause)
-    what = f"seed={seed} rank={rank} pause={pause:.1f}s"
+    run, what = stop_and_continue(tmp_path, seed, pause)
     assert run.code == 0, f"{what}: {run.stderr[-3000:]}"
+    # Nothing re-forms: one group from start to end, which never resumed from a checkpoint.
+    assert len(run.all("run_record")) == 1 and not run.all("resumed"), f"{what}: the group re-formed"
     assert run.last("finished")["params_digest"] == reference.digest, what
 
 
 @seeded
 def test_sigstop_past_the_collective_timeout(tmp_path: Path, reference: Reference, seed: int) -> None:
-    run, rank = stop_and_continue(tmp_path, seed, COLLECTIVE_TIMEOUT_S + 20)
-    what = f"seed={seed} rank={rank}"
+    run, what = stop_and_continue(tmp_path, seed, COLLECTIVE_TIMEOUT_S + 20)
     assert run.code == 0, f"{what}: {run.stderr[-3000:]}"
-    assert run.all("resumed"), f"{what}: the group did not re-form from a checkpoint"
+    groups = run.all("run_record")
+    assert len(groups) == 2, f"{what}: {len(groups)} groups, expected one re-formed group"
+    published = [e["step"] for e in run.before_last("checkpoint_published", "resumed")]
+    assert run.last("resumed")["step"] == max(published), f"{what}: not the newest published step"
     assert run.last("finished")["params_digest"] == reference.digest, what

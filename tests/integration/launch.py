@@ -35,17 +35,33 @@ class Run:
     def all(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == name]
 
+    def before_last(self, name: str, anchor: str) -> list[dict[str, Any]]:
+        """The ``name`` events written before the last ``anchor`` event, in stdout order: rank 0
+        writes every event, one line at a time, and a re-formed group's rank 0 starts after the
+        old group stopped, so the order of the lines is the order things happened (no clock)."""
+        events = self.events
+        cut = max((i for i, e in enumerate(events) if e["event"] == anchor), default=None)
+        assert cut is not None, f"no {anchor!r} event; stderr tail:\n{self.stderr[-3000:]}"
+        return [e for e in events[:cut] if e["event"] == name]
+
 
 # Not inherited by the workers: the tests run what a user gets. torchrun's agent then shares its
 # store with the workers across restarts (the worker protects itself: worker/dist.py), and sets
 # OMP_NUM_THREADS=1 only when a node runs several processes (`python -m worker` and one-process
-# runs use torch's default thread count, as they do for users).
-NOT_INHERITED = ("ELASTRAIN_FAILPOINTS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS")
+# runs use torch's default thread count, as they do for users). No PYTHONPATH either: `service`
+# and `worker` are the installed distribution's (editable from `make venv`, a wheel in `make
+# test-installed`); the tests' own modules (a team's model factory) are found from the working
+# directory, REPO, where `python -m` looks first.
+NOT_INHERITED = (
+    "ELASTRAIN_FAILPOINTS",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "OMP_NUM_THREADS",
+    "PYTHONPATH",
+)
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
 

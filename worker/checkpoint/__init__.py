@@ -21,7 +21,6 @@ if TYPE_CHECKING:
         InJobCoordinator,
         MemoryStore,
         Outcome,
-        generation_from_env,
     )
     from worker.checkpoint.restore import Restored
     from worker.checkpoint.verify import logical_digest, verify_checkpoint
@@ -34,7 +33,6 @@ __all__ = [
     "MemoryStore",
     "Outcome",
     "Restored",
-    "generation_from_env",
     "logical_digest",
     "verify_checkpoint",
 ]
@@ -47,7 +45,6 @@ _LAZY = {
     "InJobCoordinator": "worker.checkpoint.coordinator",
     "MemoryStore": "worker.checkpoint.coordinator",
     "Outcome": "worker.checkpoint.coordinator",
-    "generation_from_env": "worker.checkpoint.coordinator",
     "logical_digest": "worker.checkpoint.verify",
     "verify_checkpoint": "worker.checkpoint.verify",
 }

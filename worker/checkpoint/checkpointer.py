@@ -9,6 +9,7 @@ checkpoint directory is ``cfg.dir`` (``<dir>/step-<8 digits>/``, ``<dir>/latest`
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -45,6 +46,11 @@ from worker.spec import CheckpointSpec
 
 log = logging.getLogger("elastrain.checkpoint")
 EventHook = Callable[[str, dict[str, Any]], None]
+COPY_ON_RESUME_ENV = "ELASTRAIN_CHECKPOINT_COPY_ON_RESUME"
+"""A directory: right after a resume, the state just loaded is saved there as a checkpoint of
+its own (before anything trains), so that its logical digest can be compared with the source's
+(``elastrain checkpoint digest``): equal when every tensor landed where it belongs, at any world
+size. Off when unset."""
 
 
 @dataclass(slots=True)
@@ -331,7 +337,28 @@ class Checkpointer:
             self._parent_step = result.step
             if self.job_dir is not None and result.path.parent.resolve() == self.job_dir.resolve():
                 self._last_step = result.step  # already in this job's directory: saving it again is a no-op
+            copy_to = os.environ.get(COPY_ON_RESUME_ENV)
+            if copy_to:
+                self._copy_loaded(Path(copy_to), result, model=model, optimizer=optimizer)
         return result
+
+    def _copy_loaded(
+        self, directory: Path, result: Restored, *, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Save what was just loaded into ``directory`` (collective, synchronous; see
+        :data:`COPY_ON_RESUME_ENV`), coordinated in the job through the store. Draws from no
+        generator: the RNG restored for the first step is left as it is."""
+        cfg = self.cfg.model_copy(update={"dir": str(directory), "async_save": False, "resume": "never"})
+        copy = Checkpointer(
+            cfg, job=self.job, spec_hash=self.spec_hash, data_version=self.data_version, rank=self.rank,
+            world_size=self.world_size, generation=self.generation, parallelism=self.parallelism,
+            seed=self.seed, run_record=self.run_record, store=self._store, block_size=self.block_size,
+            timeout_s=self.timeout_s,
+        )  # fmt: skip
+        copy.save(step=result.step, model=model, optimizer=optimizer, progress=result.progress, metrics={})
+        copy.close()
+        published = copy.stats.last_published_step == result.step
+        self.event("checkpoint_copied", step=result.step, path=str(directory), published=published)
 
     def _count_refused(self) -> None:
         self.stats.verification_failures_total += 1

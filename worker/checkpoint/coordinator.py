@@ -10,8 +10,10 @@ other ranks learn it; it then deletes the reports (they can be large). The store
 through ``set``, ``get``, ``check``, ``wait``, ``add`` and ``delete_key``, which work from a
 background thread (unlike collectives on the training process group).
 
-The generation is the rendezvous generation; under torchrun that is
-``TORCHELASTIC_RESTART_COUNT`` (every restart of the worker group forms a new rendezvous).
+The generation is the number the worker group agreed on when it formed
+(:func:`worker.dist.agree_generation`: rank 0's clock in milliseconds, broadcast), so every
+group of a job has its own and all its ranks share it. It is not ``TORCHELASTIC_RESTART_COUNT``:
+each torchrun agent counts its own restarts, and an agent that joined later counts differently.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -112,15 +114,6 @@ class MemoryStore:
             return self._data.pop(key, None) is not None
 
 
-def generation_from_env(env: Mapping[str, str]) -> int:
-    """The rendezvous generation of this worker group: ``TORCHELASTIC_RESTART_COUNT`` under
-    torchrun (each restart re-forms the group), 0 outside it."""
-    raw = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    if not raw.isdigit():
-        raise ElastrainError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a whole number")
-    return int(raw)
-
-
 def session_id(store: KeyValueStore, *, job: str, generation: int, world_size: int) -> str:
     """A name every rank computes alike for the n-th checkpointer created in this generation
     (all ranks create theirs in the same order): each rank adds 1 to one counter."""
@@ -159,9 +152,12 @@ class InJobCoordinator:
 
     def __init__(
         self, store: KeyValueStore, *, rank: int, world_size: int, job: str, job_dir: Path,
-        session: str = "s0", poll: float = 0.1,
+        session: str = "s0", poll: float = 0.1, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
+        """``clock``: what the reports' deadline is measured on (tests inject one, so that
+        whether the deadline has passed is decided by the test, not by how fast threads run)."""
         self.store = store
+        self.clock = clock
         self.session = session
         self.rank = rank
         self.world_size = world_size
@@ -192,7 +188,7 @@ class InJobCoordinator:
     def _coordinate(self, step: int, generation: int, prefix: str, timeout: float) -> Outcome:
         expected = Expected(step, generation, self.world_size)
         staging = self.job_dir / staging_dir_name(step, generation)
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         reports: dict[int, Report] = {}
         keys = [f"{prefix}/report/{r}" for r in range(self.world_size)]
         while True:
@@ -211,7 +207,7 @@ class InJobCoordinator:
             decision = decide(
                 expected,
                 list(reports.values()),
-                deadline_passed=time.monotonic() >= deadline,
+                deadline_passed=self.clock() >= deadline,
                 observed_sizes=file_sizes(staging) if len(reports) == self.world_size else None,
             )
             if decision.action == "abort":

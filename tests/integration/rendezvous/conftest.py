@@ -1,8 +1,9 @@
 """Fixtures for the etcd-v3 rendezvous tests: a real etcd, real torchrun agents on CPU/gloo.
 
-Agents are started as ``python -m torch.distributed.run --rdzv-backend etcd-v3``: the backend
-is found through the ``torchrun.handlers`` entry point. When the project is not pip-installed,
-a throw-away ``*.dist-info`` that declares the same entry point is put on ``PYTHONPATH``.
+Agents are started as ``python -m torch.distributed.run --rdzv-backend etcd-v3``: torchrun finds
+the backend through the ``torchrun.handlers`` entry point that the installed distribution
+declares (``pyproject.toml``; ``make venv`` installs it editable, ``make test-installed`` from a
+wheel), nothing the tests add.
 """
 
 from __future__ import annotations
@@ -26,7 +27,17 @@ from service.etcd.server import EtcdServer
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("rdzv_worker.py")
-ENTRY_POINT = "etcd-v3 = service.rendezvous:create_handler"
+ENTRY_POINT = "service.rendezvous:create_handler"  # torchrun.handlers etcd-v3, as pyproject.toml says
+
+
+def declared_handler() -> str:
+    """The ``etcd-v3`` torchrun handler the installed distribution declares (fails if none)."""
+    found = [ep.value for ep in entry_points(group="torchrun.handlers") if ep.name == "etcd-v3"]
+    assert found == [ENTRY_POINT], (
+        f"the installed elastrain declares torchrun.handlers etcd-v3 = {found}, not {ENTRY_POINT!r} "
+        "(is the project installed? `make venv`)"
+    )
+    return found[0]
 
 
 @pytest.fixture(scope="session")
@@ -36,19 +47,13 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
 
 
 @pytest.fixture(scope="session")
-def agent_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Environment for torchrun agents: the repo importable, the entry point visible."""
-    paths = [str(REPO)]
-    if not any(ep.name == "etcd-v3" for ep in entry_points(group="torchrun.handlers")):
-        site = tmp_path_factory.mktemp("entry-point")
-        info = site / "elastrain_rdzv_test-0.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: elastrain-rdzv-test\nVersion: 0.0\n")
-        (info / "entry_points.txt").write_text(f"[torchrun.handlers]\n{ENTRY_POINT}\n")
-        paths.insert(0, str(site))
+def agent_env() -> dict[str, str]:
+    """Environment for torchrun agents: the caller's, without torchrun's own variables. The
+    package and its entry point come from the installed distribution (no PYTHONPATH)."""
+    declared_handler()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "PET_"))}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # the handler must set it itself
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("PYTHONPATH", None)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     return env

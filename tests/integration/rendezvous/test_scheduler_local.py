@@ -25,6 +25,7 @@ from worker.spec import JobSpec, parse_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 WORKER_MODULE = "tests.integration.rendezvous.rdzv_worker"
+TESTS_ROOT = Path(__file__).resolve().parents[3]  # the directory holding tests/
 
 
 def tiny_spec(nodes: str) -> JobSpec:
@@ -49,7 +50,9 @@ class Job:
         self.events_path = workdir / "events.jsonl"
         self.stop_path = workdir / "STOP"
         self.env = {
-            "PYTHONPATH": agent_env["PYTHONPATH"],
+            # the nodes' worker module is the tests' own code (as a team's would be): its root on
+            # the path; the package itself is the installed one
+            "PYTHONPATH": str(TESTS_ROOT),
             "OMP_NUM_THREADS": "1",
             "RDZV_TEST_OUT": str(self.events_path),
             "RDZV_TEST_STOP": str(self.stop_path),

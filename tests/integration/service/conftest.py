@@ -1,5 +1,11 @@
 """Fixtures for the control plane's integration tests: real etcd, the real service in a
-subprocess (uvicorn on a free port) with a file-backed fake scheduler, an httpx client."""
+subprocess (uvicorn on a free port) with a file-backed fake scheduler, an httpx client.
+
+Why the fake scheduler here: these tests are about the API (status codes, errors, tokens,
+forwarding), the job records and leadership; a real node (torchrun and its workers) costs seconds
+and nothing these tests check depends on it, while the fake lets a test set a node's status and
+count launches exactly. Launching and recovering for real is tested by test_service_e2e.py and
+tests/faults/test_real_service.py (the `elastrain` console script, local TorchX, torchrun)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ class ServiceProcess:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.extra_env}
+        # no PYTHONPATH: the launcher imports `service` from the installed distribution
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | self.extra_env
         env.pop("ELASTRAIN_API_TOKEN", None)
         if self.api_token is not None:
             env["ELASTRAIN_API_TOKEN"] = self.api_token

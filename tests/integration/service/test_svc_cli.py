@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from svc_process import ROOT, ServiceProcess, job_spec, wait_for
+from svc_process import ServiceProcess, job_spec, wait_for
 
 from service.cli import main
 from service.etcd.server import EtcdServer
@@ -66,7 +66,7 @@ def test_submit_status_scale_cancel_checkpoints(
 
 
 def test_errors_are_one_line_without_traceback(module_service: ServiceProcess, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ELASTRAIN_API_TOKEN": module_service.token}
+    env = {**os.environ, "ELASTRAIN_API_TOKEN": module_service.token}
     cli = [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())"]
     cases = [
         (["status", "no-such-job"], "404 not_found: no job 'no-such-job'"),

@@ -25,6 +25,7 @@ import pytest
 from service.cli import main as elastrain
 from tests.integration.launch import Run, run_worker, write_spec
 from tests.integration.worker.traces import assert_rng_continued
+from worker.checkpoint.verify import logical_digest
 
 pytestmark = pytest.mark.integration
 SEEDS = [int(s) for s in os.environ.get("ELASTRAIN_FAULT_SEEDS", "1").split(",")]
@@ -122,7 +123,7 @@ def test_sigkill_of_a_rank_resumes_bit_for_bit(
     ref = reference[variant]
     why = f"{variant} seed={seed} arm={arm}"
     resumed = run.last("resumed")
-    newest_published = max(e["step"] for e in run.all("checkpoint_published") if e["time"] < resumed["time"])
+    newest_published = max(e["step"] for e in run.before_last("checkpoint_published", "resumed"))
     assert resumed["step"] == newest_published and resumed["rng_restored"], why
     assert_rng_continued(run, trace_dir(run), trace_dir(ref), why)
     assert run.last("finished")["params_digest"] == ref.last("finished")["params_digest"], why
@@ -211,9 +212,18 @@ def test_resume_at_a_new_world_size_sees_every_sample_once(
     train(
         tmp_path, "ck", max_steps=10, env=env, parallelism=parallelism, model=model
     )  # 10 x 32 samples at W=2
-    run = train(tmp_path, "ck", nproc=world, max_steps=steps, env=env, parallelism=parallelism, model=model)
+    source = logical_digest(tmp_path / "ck" / "step-00000010")
+    # The state the new world size loaded, saved again right after the load (before any step):
+    # every tensor in its place gives the source's logical digest.
+    copy = {"ELASTRAIN_CHECKPOINT_COPY_ON_RESUME": str(tmp_path / "loaded")}
+    run = train(
+        tmp_path, "ck", nproc=world, max_steps=steps, env=env | copy, parallelism=parallelism, model=model
+    )
     resumed = run.last("resumed")
     assert resumed["step"] == 10 and resumed["batch_plan"]["world_size"] == world
+    assert run.last("checkpoint_copied")["published"], "the loaded state was not saved again"
+    loaded = json.loads((tmp_path / "loaded" / "step-00000010" / "manifest.json").read_text())
+    assert loaded["world_size"] == world and logical_digest(tmp_path / "loaded") == source
     assert consumed(trace) == Counter(range(512))
     assert run.last("finished")["samples_seen"] == 512
 
@@ -236,7 +246,7 @@ def test_async_checkpoints_resume_bit_for_bit(
     )  # fmt: skip
     ref = reference["fp32"]
     resumed = run.last("resumed")
-    published_before = [e["step"] for e in run.all("checkpoint_published") if e["time"] < resumed["time"]]
+    published_before = [e["step"] for e in run.before_last("checkpoint_published", "resumed")]
     # step 20's publish may have happened on the writer thread just before the kill, unlogged
     assert resumed["step"] in (10, 20) and resumed["step"] >= max(published_before), f"seed={seed} arm={arm}"
     assert all(e["background"] for e in run.all("checkpoint_published"))

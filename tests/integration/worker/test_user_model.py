@@ -1,6 +1,7 @@
 """A team's own model, as it comes: a Hugging Face ``GPT2LMHeadModel`` built from a config (two
 layers, tied embeddings, dropout 0.1; no download), reached through the factory path a user's
-code takes (``tests.integration.worker.user_models`` on PYTHONPATH), under torchrun on CPU/gloo.
+code takes (``tests.integration.worker.user_models``, importable from the working directory the
+worker starts in, as a team's package would be), under torchrun on CPU/gloo.
 
 Its forward returns a ``CausalLMOutputWithCrossAttentions``; the worker picks ``logits`` from it.
 """
@@ -88,7 +89,12 @@ def test_sigkill_resumes_bit_for_bit_with_a_per_sample_user_loss(
 def test_reshard_two_to_one_sees_every_sample_once_and_keeps_the_tie(tmp_path: Path) -> None:
     first = train(tmp_path, "ck", max_steps=12)
     assert first.last("checkpoint_published")["step"] == 12
-    run = train(tmp_path, "ck", nproc=1)
+    source = logical_digest(tmp_path / "ck" / "step-00000012")
+    run = train(
+        tmp_path, "ck", nproc=1, env={"ELASTRAIN_CHECKPOINT_COPY_ON_RESUME": str(tmp_path / "loaded")}
+    )
+    # what one rank loaded from two, saved again before any step: the same logical state
+    assert run.last("checkpoint_copied")["published"] and logical_digest(tmp_path / "loaded") == source
     resumed = run.last("resumed")
     assert resumed["step"] == 12 and resumed["batch_plan"]["world_size"] == 1
     assert resumed["batch_plan"]["accum_steps"] == 2  # the global batch of 16 is kept

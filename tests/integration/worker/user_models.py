@@ -1,4 +1,4 @@
-"""A team's own code, as the worker finds it through PYTHONPATH (``tests.integration.worker.user_models``).
+"""A team's own code, as the worker finds it on its path (``tests.integration.worker.user_models``).
 
 A Hugging Face ``GPT2LMHeadModel`` built from a config (no download): tied embeddings
 (``lm_head.weight`` is ``transformer.wte.weight``), dropout in training, and a forward that

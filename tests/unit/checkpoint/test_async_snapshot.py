@@ -29,6 +29,30 @@ def _no_failpoints(monkeypatch: pytest.MonkeyPatch) -> None:
     failpoints.reset_hits()
 
 
+class FenceClock:
+    """The writer's clock (``AsyncWriter.clock``), held by the test: it reads 0 until the fence
+    starts waiting (its first reading), then a second thread moves it on by ``WAIT_S`` and only
+    then lets the snapshot copy run. The copy therefore always finishes while the fence waits,
+    and the fence measures exactly ``WAIT_S``, however fast the threads run."""
+
+    WAIT_S = 7.0
+
+    def __init__(self, release: threading.Event) -> None:
+        self.now = 0.0
+        self.fence_started = threading.Event()
+        self.thread = threading.Thread(target=self._release, args=(release,), daemon=True)
+        self.thread.start()
+
+    def __call__(self) -> float:
+        self.fence_started.set()
+        return self.now
+
+    def _release(self, release: threading.Event) -> None:
+        if self.fence_started.wait(30):
+            self.now += self.WAIT_S
+            release.set()
+
+
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[str]]]:
     """Holds the writer thread's copy until the event is set; ``order`` records what happened."""
@@ -37,7 +61,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, lis
 
     def held(self: SnapshotBuffers, items: list) -> list:  # type: ignore[type-arg]
         if threading.current_thread().name == WRITER:
-            assert release.wait(30), "the test never released the snapshot copy"
+            assert release.wait(30), "the snapshot copy was never released (did the fence wait?)"
             out = original(self, items)
             order.append("copied")
             return out
@@ -92,7 +116,7 @@ def test_training_after_save_does_not_leak_into_the_checkpoint(
     assert ck._writer.snapshot_pending and order == []  # parameters not copied yet
     forward_backward(model)  # changes the norm's running statistics (copied in save) and grads
     blocked_in_save = ck.stats.last_blocking_seconds
-    threading.Timer(0.05, release.set).start()
+    ck._writer.clock = clock = FenceClock(release)  # releases the copy once the fence waits
     ck.wait_snapshot()  # the fence, called explicitly (the optimizer step's pre-hook calls it too)
     order.append("fenced")
     optim.step()
@@ -102,7 +126,9 @@ def test_training_after_save_does_not_leak_into_the_checkpoint(
     ck.close()
     assert order == ["copied", "fenced"]
     assert ck.stats.saves_total == 1 and read_latest(tmp_path) == "step-00000002"
-    assert ck.stats.last_blocking_seconds > blocked_in_save  # the fence's wait counts as blocking
+    assert clock.fence_started.is_set()
+    # the fence's wait (on the writer's clock) counts as blocking, added to the save's own
+    assert ck.stats.last_blocking_seconds == blocked_in_save + FenceClock.WAIT_S
 
     model2, optim2 = model_and_optim(seed=9)
     assert checkpointer(tmp_path).restore(model=model2, optimizer=optim2) is not None
@@ -118,11 +144,12 @@ def test_the_optimizer_step_fences_a_caller_that_forgot(
     at_save, optim_at_save = copy.deepcopy(model), copy.deepcopy(optim)
     ck = checkpointer(tmp_path, async_save=True)
     save(ck, model, optim, 1)
-    threading.Timer(0.05, release.set).start()
+    ck._writer.clock = clock = FenceClock(release)  # the copy runs only once a fence waits for it
     train(model, optim, 1)  # no wait_snapshot(): the step pre-hook waits for the copy
     order.append("stepped")
     ck.close()
-    assert order == ["copied", "stepped"]
+    assert clock.fence_started.is_set() and order == ["copied", "stepped"]
+    assert ck.stats.blocking_seconds_total >= FenceClock.WAIT_S  # the hook's wait counted too
     model2, optim2 = model_and_optim(seed=9)
     checkpointer(tmp_path).restore(model=model2, optimizer=optim2)
     assert state_equal(at_save, model2, optim_at_save, optim2)

@@ -1,10 +1,15 @@
-"""The in-job coordinator protocol with ranks as threads over an in-memory store."""
+"""The in-job coordinator protocol with ranks as threads over an in-memory store.
+
+No wall clock decides anything here: rank 0's report deadline runs on a clock the test holds
+(``InJobCoordinator(clock=...)``), so whether it has passed depends on what the ranks did, never
+on how fast the threads ran.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.unit.checkpoint.synth import TENSORS, reports_for
@@ -12,8 +17,37 @@ from worker.checkpoint.commit import Report
 from worker.checkpoint.coordinator import InJobCoordinator, MemoryStore, Outcome, store_allgather
 from worker.checkpoint.layout import list_published, read_latest, staging_dir_name
 
+STOPPED = 0.0  # a clock that never moves: the deadline never passes
+PASSED = 1e12  # past any deadline
 
-def _run(tmp_path: Path, reports: list[Report | None], *, timeout: float = 5.0) -> list[Outcome]:
+
+class DeadlineAfter:
+    """A clock for rank 0: the deadline passes only once ``ranks`` have all reported and rank 0
+    has looked at the clock once since (so it has read their reports in the pass before)."""
+
+    def __init__(self, ranks: set[int]) -> None:
+        self.waiting = set(ranks)
+        self.reported: set[int] = set()
+        self.lock = threading.Lock()
+        self.seen_all = False
+
+    def reported_by(self, rank: int) -> None:
+        with self.lock:
+            self.reported.add(rank)
+
+    def __call__(self) -> float:
+        with self.lock:
+            if not self.waiting <= self.reported:
+                return STOPPED
+            if not self.seen_all:
+                self.seen_all = True
+                return STOPPED
+            return PASSED
+
+
+def _run(
+    tmp_path: Path, reports: list[Report | None], *, clock: Callable[[], float] = lambda: STOPPED
+) -> list[Outcome]:
     store = MemoryStore()
     world = len(reports)
     staging = tmp_path / staging_dir_name(10, 0)
@@ -24,18 +58,20 @@ def _run(tmp_path: Path, reports: list[Report | None], *, timeout: float = 5.0) 
     outcomes: list[Outcome | None] = [None] * world
 
     def rank(r: int) -> None:
-        co = InJobCoordinator(store, rank=r, world_size=world, job="j", job_dir=tmp_path)
+        co = InJobCoordinator(store, rank=r, world_size=world, job="j", job_dir=tmp_path, clock=clock)
         report = reports[r]
         if report is not None:
             co.report(report, seq=1)
-        outcomes[r] = co.outcome(10, 0, seq=1, timeout=timeout)
+            if isinstance(clock, DeadlineAfter):
+                clock.reported_by(r)
+        outcomes[r] = co.outcome(10, 0, seq=1, timeout=5.0)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=30)
-    assert all(o is not None for o in outcomes)
+        t.join(timeout=60)
+    assert all(o is not None for o in outcomes), "a rank never learned the outcome"
     return outcomes  # type: ignore[return-value]
 
 
@@ -50,7 +86,7 @@ def test_all_report_then_everyone_learns_published(tmp_path: Path) -> None:
 def test_missing_rank_aborts_after_timeout_and_staging_is_removed(tmp_path: Path) -> None:
     reports: list[Report | None] = list(reports_for(TENSORS, 3, block_size=16)[0])
     reports[2] = None
-    outcomes = _run(tmp_path, reports, timeout=0.3)
+    outcomes = _run(tmp_path, reports, clock=DeadlineAfter({0, 1}))
     assert not any(o.published for o in outcomes[:2])
     assert "ranks [2]" in outcomes[0].reason and outcomes[1].reason == outcomes[0].reason
     assert list_published(tmp_path) == [] and not (tmp_path / staging_dir_name(10, 0)).exists()
@@ -59,10 +95,11 @@ def test_missing_rank_aborts_after_timeout_and_staging_is_removed(tmp_path: Path
 def test_failure_report_aborts_without_waiting(tmp_path: Path) -> None:
     reports: list[Report | None] = list(reports_for(TENSORS, 3, block_size=16)[0])
     reports[1] = Report(10, 0, 1, 3, ok=False, error="OSError: [Errno 28] No space left on device")
-    t0 = time.monotonic()
-    outcomes = _run(tmp_path, reports, timeout=60.0)
-    assert time.monotonic() - t0 < 10
+    # The clock never moves: only the failure report can end the wait (waiting for the
+    # deadline would leave every rank without an outcome, and _run fails saying so).
+    outcomes = _run(tmp_path, reports, clock=lambda: STOPPED)
     assert all(not o.published and "rank 1" in o.reason for o in outcomes)
+    assert "No space left" in outcomes[0].reason and not (tmp_path / staging_dir_name(10, 0)).exists()
 
 
 def test_file_on_disk_shorter_than_reported_aborts(tmp_path: Path) -> None:
@@ -99,15 +136,3 @@ def test_sessions_keep_successive_checkpointers_apart() -> None:
     assert store.delete_key("elastrain/ckpt/j/g0/sessions") and not store.check(
         ["elastrain/ckpt/j/g0/sessions"]
     )
-
-
-def test_generation_from_env() -> None:
-    import pytest
-
-    from worker.checkpoint.coordinator import generation_from_env
-    from worker.errors import ElastrainError
-
-    assert generation_from_env({}) == 0
-    assert generation_from_env({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
-    with pytest.raises(ElastrainError):
-        generation_from_env({"TORCHELASTIC_RESTART_COUNT": "x"})

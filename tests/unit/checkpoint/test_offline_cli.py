@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import service
+import worker
 from service.cli import main as cli_main
 from tests.unit.checkpoint.synth import TENSORS, logical_bytes, synth, write_published
 from worker.checkpoint.export import export_weights
@@ -144,7 +146,8 @@ def test_cli_reshard_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "cannot resume training" in capsys.readouterr().out
 
 
-REPO = Path(__file__).parents[3]
+# Where the packages are imported from: this checkout, or the installed wheel (make test-installed).
+ROOTS = {pkg.__name__: Path(pkg.__file__ or "").resolve().parents[1] for pkg in (service, worker)}
 TORCH_FREE = [
     "service.cli.checkpoint", "worker.checkpoint.coordinator", "worker.checkpoint.retention",
     "worker.checkpoint.interval", "worker.checkpoint.export", "worker.checkpoint.owner", "worker.jsonlimits",
@@ -152,7 +155,7 @@ TORCH_FREE = [
 
 
 def _module_file(name: str) -> Path | None:
-    base = REPO.joinpath(*name.split("."))
+    base = ROOTS[name.split(".")[0]].joinpath(*name.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path
