@@ -57,7 +57,13 @@ def authorize(
         return AuthDecision("api")
     owner = worker_token_job(secret, token)
     if owner is None:
-        return AuthDecision(None, 401, "unauthenticated", "the bearer token is not valid for this service")
+        return AuthDecision(
+            None,
+            401,
+            "unauthenticated",
+            "the bearer token is not valid for this service: use the service's API token "
+            "(ELASTRAIN_API_TOKEN, or the api-token file the service printed at start)",
+        )
     if not worker_route:
         return AuthDecision(
             None,

@@ -59,6 +59,9 @@ def spec_from_body(body: bytes) -> JobSpec:
         if broken is not None:
             message = f"the request body is not valid JSON ({broken['msg']}); send a JobSpec"
             raise ApiError(400, "malformed_json", message) from None
+        if any(e["type"] == "model_type" and not e["loc"] for e in exc.errors()):
+            message = "the request body must be one JSON object, a JobSpec, not a list or a value"
+            raise ApiError(422, "invalid_spec", message, field="body") from None
         raise SpecError(describe(exc)) from None
 
 

@@ -93,48 +93,63 @@ def test_worker_token_reaches_only_its_own_job(module_service: ServiceProcess) -
         assert client.get(f"/v1/jobs/{mine}").json()["step"] == 12
 
 
-BAD_INPUTS: list[tuple[str, str, Any, dict[str, str], int]] = [
-    ("POST", "/v1/jobs", b"{oops", {}, 400),
-    ("POST", "/v1/jobs", b"[]", {}, 422),
-    ("POST", "/v1/jobs", b'"a string"', {}, 422),
-    ("POST", "/v1/jobs", json.dumps(SPEC | {"max_steps": "10"}).encode(), {}, 422),
-    ("POST", "/v1/jobs", json.dumps(SPEC | {"max_steps": -1}).encode(), {}, 422),
-    ("POST", "/v1/jobs", json.dumps(SPEC | {"surprise": True}).encode(), {}, 422),
-    ("POST", "/v1/jobs", json.dumps(SPEC | {"checkpoint": {"dir": "../../../etc"}}).encode(), {}, 422),
-    ("POST", "/v1/jobs", json.dumps(SPEC | {"checkpoint": {"dir": "/"}}).encode(), {}, 422),
-    ("POST", "/v1/jobs", json.dumps(SPEC | {"checkpoint": {"resume": "../x"}}).encode(), {}, 422),
-    ("POST", "/v1/jobs", json.dumps(SPEC | {"name": "Bad Name"}).encode(), {}, 422),
-    ("POST", "/v1/jobs", b"{" + b" " * (2 << 20) + b"}", {}, 413),
-    ("POST", "/v1/jobs", json.dumps(SPEC).encode(), {"Authorization": ""}, 401),
-    ("POST", "/v1/jobs", json.dumps(SPEC).encode(), {"Authorization": "Bearer wrong"}, 401),
-    ("GET", "/v1/jobs", None, {"Authorization": "Basic abc"}, 401),
-    ("GET", "/v1/jobs?limit=0", None, {}, 422),
-    ("GET", "/v1/jobs?limit=abc", None, {}, 422),
-    ("GET", "/v1/jobs/does-not-exist", None, {}, 404),
-    ("GET", "/v1/jobs/%00", None, {}, 404),
-    ("DELETE", "/v1/jobs/does-not-exist", None, {}, 404),
-    ("POST", "/v1/jobs/does-not-exist/scale", b'{"nodes": 1}', {}, 404),
-    ("GET", "/v1/jobs/does-not-exist/checkpoints", None, {}, 404),
-    ("POST", "/v1/jobs/does-not-exist/workers/checkpoints", b"{}", {}, 404),
-    ("GET", "/v1/nothing-here", None, {}, 404),
-    ("PUT", "/v1/jobs", b"{}", {}, 405),
-]
+LIST_JOBS, BEARER = "list jobs with GET /v1/jobs", "send 'Authorization: Bearer <token>'"
+# (method, path, body, extra headers, status, the JSON "field", what the message tells to do)
+BAD_INPUTS: list[tuple[str, str, Any, dict[str, str], int, str | None, str]] = [
+    ("POST", "/v1/jobs", b"{oops", {}, 400, None, "send a JobSpec"),
+    ("POST", "/v1/jobs", b"[]", {}, 422, "body", "JSON object"),
+    ("POST", "/v1/jobs", b'"a string"', {}, 422, "body", "JSON object"),
+    ("POST", "/v1/jobs", json.dumps(SPEC | {"max_steps": "10"}).encode(), {}, 422, "max_steps",
+     "give a whole number without quotes"),
+    ("POST", "/v1/jobs", json.dumps(SPEC | {"max_steps": -1}).encode(), {}, 422, "max_steps",
+     "give a larger value"),
+    ("POST", "/v1/jobs", json.dumps(SPEC | {"surprise": True}).encode(), {}, 422, "surprise", "remove it"),
+    ("POST", "/v1/jobs", json.dumps(SPEC | {"checkpoint": {"dir": "../../../etc"}}).encode(), {}, 422,
+     "checkpoint.dir", "without '..'"),
+    ("POST", "/v1/jobs", json.dumps(SPEC | {"checkpoint": {"dir": "/"}}).encode(), {}, 422, "checkpoint.dir",
+     "give a relative directory name"),
+    ("POST", "/v1/jobs", json.dumps(SPEC | {"checkpoint": {"resume": "../x"}}).encode(), {}, 422,
+     "checkpoint.resume", "without '..'"),
+    ("POST", "/v1/jobs", json.dumps(SPEC | {"name": "Bad Name"}).encode(), {}, 422, "name",
+     "use lowercase letters"),
+    ("POST", "/v1/jobs", b"{" + b" " * (2 << 20) + b"}", {}, 413, None, "send a smaller body"),
+    ("POST", "/v1/jobs", json.dumps(SPEC).encode(), {"Authorization": ""}, 401, None,
+     BEARER),
+    ("POST", "/v1/jobs", json.dumps(SPEC).encode(), {"Authorization": "Bearer wrong"}, 401, None,
+     "API token"),
+    ("GET", "/v1/jobs", None, {"Authorization": "Basic abc"}, 401, None, BEARER),
+    ("GET", "/v1/jobs?limit=0", None, {}, 422, "limit", "give a larger value"),
+    ("GET", "/v1/jobs?limit=abc", None, {}, 422, "limit", "give decimal digits"),
+    ("GET", "/v1/jobs/does-not-exist", None, {}, 404, None, LIST_JOBS),
+    ("GET", "/v1/jobs/%00", None, {}, 404, None, LIST_JOBS),
+    ("DELETE", "/v1/jobs/does-not-exist", None, {}, 404, None, LIST_JOBS),
+    ("POST", "/v1/jobs/does-not-exist/scale", b'{"nodes": 1}', {}, 404, None, LIST_JOBS),
+    ("GET", "/v1/jobs/does-not-exist/checkpoints", None, {}, 404, None, LIST_JOBS),
+    ("POST", "/v1/jobs/does-not-exist/workers/checkpoints", b"{}", {}, 404, None, LIST_JOBS),
+    ("GET", "/v1/nothing-here", None, {}, 404, None, "see /openapi.json"),
+    ("PUT", "/v1/jobs", b"{}", {}, 405, None, "see /openapi.json"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("method", "path", "body", "headers", "status"), BAD_INPUTS)
-def test_bad_input_is_a_clear_4xx(
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status", "field", "fix"), BAD_INPUTS)
+def test_bad_input_is_a_clear_4xx_naming_the_field_and_the_fix(
     module_service: ServiceProcess,
     method: str,
     path: str,
     body: bytes | None,
     headers: dict[str, str],
     status: int,
+    field: str | None,
+    fix: str,
 ) -> None:
     auth = {"Authorization": f"Bearer {module_service.token}", "Content-Type": "application/json"}
     resp = httpx.request(method, module_service.url + path, content=body, headers=auth | headers, timeout=30)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
-    assert error["code"] and len(error["message"]) > 10
+    assert error["code"] and error["field"] == field, error
+    assert fix in error["message"], f"the message does not say what to do ({fix!r}): {error['message']}"
+    if field is not None:
+        assert f"field '{field}'" in error["message"] or field == "body", error["message"]
 
 
 def test_scale_and_report_errors_over_http(module_service: ServiceProcess) -> None:

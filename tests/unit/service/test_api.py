@@ -115,15 +115,17 @@ def test_list_is_paginated_and_filtered(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "field"),
+    ("body", "status", "field", "fix"),
     [
-        (b"{not json", 400, None),
-        (b"[1, 2]", 422, None),
-        (b'{"name": "x"}', 422, "model"),
-        (None, 422, "max_steps"),
+        (b"{not json", 400, None, "send a JobSpec"),
+        (b"[1, 2]", 422, "body", "one JSON object"),
+        (b'{"name": "x"}', 422, "model", "add it"),
+        (None, 422, "max_steps", "give a whole number without quotes"),
     ],
 )
-def test_bad_spec_bodies(client: TestClient, body: bytes | None, status: int, field: str | None) -> None:
+def test_bad_spec_bodies(
+    client: TestClient, body: bytes | None, status: int, field: str | None, fix: str
+) -> None:
     content = (
         body
         if body is not None
@@ -131,28 +133,28 @@ def test_bad_spec_bodies(client: TestClient, body: bytes | None, status: int, fi
         b'"micro_batch_size":1,"max_steps":"10"}'
     )
     err = error(client.post("/v1/jobs", content=content, headers=AUTH), status)
-    if field:
-        assert field in err["message"]
+    assert err["field"] == field and fix in err["message"], err
 
 
 @pytest.mark.parametrize(
-    ("change", "field"),
+    ("change", "field", "fix"),
     [
-        ({"unknown": 1}, "unknown"),
-        ({"micro_batch_size": "8"}, "micro_batch_size"),
-        ({"nodes": "3:1"}, "nodes"),
-        ({"checkpoint": {"dir": "../../etc"}}, "checkpoint.dir"),
-        ({"checkpoint": {"dir": "/etc/cron.d"}}, "checkpoint.dir"),
-        ({"checkpoint": {"dir": "a\u0000b"}}, "checkpoint.dir"),
-        ({"checkpoint": {"resume": "/etc/passwd"}}, "checkpoint.resume"),
-        ({"model": {"factory": "os:system; rm"}}, "model.factory"),
+        ({"unknown": 1}, "unknown", "remove it"),
+        ({"micro_batch_size": "8"}, "micro_batch_size", "give a whole number without quotes"),
+        ({"nodes": "3:1"}, "nodes", "must be N or MIN:MAX with 1 <= MIN <= MAX"),
+        ({"checkpoint": {"dir": "../../etc"}}, "checkpoint.dir", "without '..'"),
+        ({"checkpoint": {"dir": "/etc/cron.d"}}, "checkpoint.dir", "give a relative directory name"),
+        ({"checkpoint": {"dir": "a\u0000b"}}, "checkpoint.dir", "give a plain directory name"),
+        ({"checkpoint": {"resume": "/etc/passwd"}}, "checkpoint.resume", "give a relative directory name"),
+        ({"model": {"factory": "os:system; rm"}}, "model.factory", "of the form 'package.module:function'"),
     ],
 )
-def test_invalid_fields_are_422_naming_the_field(
-    client: TestClient, change: dict[str, Any], field: str
+def test_invalid_fields_are_422_naming_the_field_and_the_fix(
+    client: TestClient, change: dict[str, Any], field: str, fix: str
 ) -> None:
     err = error(client.post("/v1/jobs", json=SPEC | change, headers=AUTH), 422)
-    assert field in err["message"]
+    assert err["field"] == field and f"field '{field}'" in err["message"], err
+    assert fix in err["message"], err
 
 
 def test_oversize_body_is_413_before_parsing(client: TestClient) -> None:
