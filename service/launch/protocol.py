@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from service.jobs.model import NodeState, NodeStatus
+from service.jobs.model import NodeRole, NodeState, NodeStatus, RecoveryMode
 from worker.spec import JobSpec
 
 __all__ = ["UNKNOWN", "NodeLaunch", "NodeState", "NodeStatus", "Scheduler"]
@@ -29,6 +29,11 @@ class NodeLaunch:
     env: Mapping[str, str] = field(default_factory=dict)
     """What the service tells the node (its URL, the worker token, the checkpoint directory,
     the etcd endpoints); who the node is, the scheduler adds (``service.launch.apps.node_env``)."""
+    recovery: RecoveryMode = "restart"
+    """``peer``: a one-node torchrun whose workers form the job's group themselves (issue 14);
+    ``restart``: every node's torchrun in one rendezvous across nodes."""
+    role: NodeRole = "member"
+    """A member of the group, or a warm spare (peer mode)."""
 
 
 class Scheduler(Protocol):
