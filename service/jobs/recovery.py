@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from service.jobs.model import Recovery
+
 PHASES = ("detect", "reform", "restore", "first_step")
+"""The phases of a recovery; a peer recovery's third is ``transfer`` (state from a peer's memory)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +20,11 @@ class Phase:
     seconds: float
 
 
+def phase_names(kind: str = "restart") -> tuple[str, ...]:
+    """The four phase names of a recovery of ``kind`` (``peer`` | ``storage`` | ``restart``)."""
+    return ("detect", "reform", "transfer" if kind == "peer" else "restore", "first_step")
+
+
 def recovery_phases(
     *,
     failed_at: float,
@@ -24,23 +32,35 @@ def recovery_phases(
     group_formed_at: float | None = None,
     state_loaded_at: float | None = None,
     first_step_at: float | None = None,
-    from_detection: bool = False,
+    kind: str = "restart",
 ) -> list[Phase]:
-    """The phases of one recovery, in order, from the time stamps known. ``failed_at`` is the
-    failure (or the last sign of life before it); with ``from_detection`` it is the moment the
-    failure was noticed and there is no detect phase. A phase whose end is unknown merges into
-    the next one (``detect+reform``); phases after the last known stamp are left out."""
+    """The phases of one recovery, in order, from the time stamps known: ``detect`` (failure ->
+    noticed), ``reform`` (-> the new group formed), ``transfer`` for a peer recovery or
+    ``restore`` (-> the state in place), ``first_step``. ``failed_at`` is the failure (the last
+    sign of life of what was lost). A phase whose end is unknown merges into the next one
+    (``detect+reform``); phases after the last known stamp are left out."""
     ends = (detected_at, group_formed_at, state_loaded_at, first_step_at)
     out: list[Phase] = []
     start, merged = failed_at, []
-    skip = 1 if from_detection else 0
-    for name, end in zip(PHASES[skip:], ends[skip:], strict=True):
+    for name, end in zip(phase_names(kind), ends, strict=True):
         merged.append(name)
         if end is None:
             continue
         out.append(Phase("+".join(merged), start, max(0.0, end - start)))
         start, merged = max(start, end), []
     return out
+
+
+def phases_of(recovery: Recovery) -> list[Phase]:
+    """:func:`recovery_phases` of a job record's recovery."""
+    return recovery_phases(
+        failed_at=recovery.failed_at,
+        detected_at=recovery.detected_at,
+        group_formed_at=recovery.group_formed_at,
+        state_loaded_at=recovery.state_loaded_at,
+        first_step_at=recovery.first_step_at,
+        kind=recovery.kind,
+    )
 
 
 def goodput(*, wall_seconds: float, productive_seconds: float) -> float | None:
