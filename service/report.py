@@ -12,7 +12,12 @@ samples_per_second, world_size; and, from :meth:`worker.metrics.WorkerMetrics.pr
 ``step_seconds`` list, ``data_wait_seconds``, ``comm_exposed_seconds``, ``tokens``,
 ``peak_memory_bytes``), ``started``, ``group_formed``, ``checkpoint_restored``, ``resumed``,
 ``run_record``, ``first_step``, ``skipped_step``, ``checkpoint_published``,
-``checkpoint_aborted``, ``finished``. Everything here is pure except :func:`load_run`.
+``checkpoint_aborted``, ``finished``; in peer mode (issue 14) ``recovery_incident`` (one per
+incident, from the leader that repaired the group: ``incident``, ``kind``, ``lost_launch_ids``,
+``failed_at``, ``detected_at``, ``phases`` with the Unix times ``formed``, ``transferred``,
+``ready``, ``bytes_from_peers``, ``voided_windows``, ``world_before``, ``world_after``). A
+``group_formed`` with a ``generation`` is a peer generation formed by processes that kept
+running, not the start of an attempt. Everything here is pure except :func:`load_run`.
 """
 
 from __future__ import annotations
@@ -102,7 +107,8 @@ def split_attempts(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]
     names: set[str] = set()
     for event in events:
         name = event["event"]
-        if name in _START and (names & _TRAIN or name in names):
+        peer_generation = name == "group_formed" and "generation" in event
+        if name in _START and not peer_generation and (names & _TRAIN or name in names):
             attempts.append(current)
             current, names = [], set()
         current.append(event)
@@ -296,11 +302,52 @@ def build_report(run: Run, *, target_loss: float | None = None, others: Sequence
         "peak_memory_bytes": max((e.get("peak_memory_bytes") or 0 for e in progress), default=0) or None,
         "time_to_target": _time_to_target(progress, target_loss, t0),
         "restarts": [r for r in restarts if r["kind"] != "rerun"],
+        "incidents": incidents(run.events, t0),
         "checkpoints": _checkpoints(run, t0),
         "scaling": scaling(rows),
         **_environment(run.run_record or _last_record(run.events)),
         "timeline": _timeline(run.events, attempts, t0),
     }
+
+
+def incidents(events: Sequence[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
+    """Peer-mode incidents from the ``recovery_incident`` events: kind, what was lost, the phases
+    (the first step is the first step event after the group was ready again) and what moved."""
+    out = []
+    steps = [e for e in events if e["event"] in _STEP_DONE]
+    for e in (e for e in events if e["event"] == "recovery_incident"):
+        given = e.get("phases")
+        stamps: dict[str, Any] = given if isinstance(given, dict) else {}
+        failed = _time(e.get("failed_at")) or _time(stamps.get("detected")) or e["time"]
+        ready = _time(stamps.get("ready")) or e["time"]
+        first = next((s["time"] for s in steps if s["time"] >= ready), None)
+        phases = recovery_phases(
+            failed_at=failed,
+            detected_at=_time(e.get("detected_at")) or _time(stamps.get("detected")),
+            group_formed_at=_time(stamps.get("formed")),
+            state_loaded_at=_time(stamps.get("transferred")),
+            first_step_at=first,
+            kind=str(e.get("kind", "peer")),
+        )
+        out.append(
+            {
+                "incident": e.get("incident"),
+                "kind": e.get("kind"),
+                "at_seconds": round(failed - t0, 3),
+                "lost": e.get("lost_launch_ids") or [],
+                "recovery_seconds": None if first is None else round(first - failed, 3),
+                "phases": [{"name": p.name, "seconds": round(p.seconds, 3)} for p in phases],
+                "bytes_from_peers": e.get("bytes_from_peers") or 0,
+                "voided_windows": e.get("voided_windows") or 0,
+                "world_before": e.get("world_before"),
+                "world_after": e.get("world_after"),
+            }
+        )
+    return out
+
+
+def _time(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _latency(times: Sequence[float], source: str) -> dict[str, Any] | None:

@@ -189,6 +189,14 @@ def _restart_lines(r: dict[str, Any]) -> list[str]:
             f"({x['steps_lost']} steps lost), recovered in {_num(x['recovery_seconds'], ' s', 2)}"
         )
         lines.append("       " + ", ".join(f"{p['name']} {p['seconds']:.2f} s" for p in x["phases"]))
+    for i, x in enumerate(r.get("incidents") or [], 1):
+        phases = ", ".join(f"{p['name']} {p['seconds']:.3f} s" for p in x["phases"]) or "n/a"
+        lines.append(
+            f"    peer incident #{i} {x['incident']} at +{x['at_seconds']:.1f} s: {x['kind']}, "
+            f"{_num(x['recovery_seconds'], ' s', 3)}; lost {', '.join(x['lost']) or 'n/a'}; world "
+            f"{x['world_before']} -> {x['world_after']}; {phases}; from peers "
+            f"{_num(_mib(x['bytes_from_peers']), ' MiB', 2)}, voided windows {x['voided_windows']}"
+        )
     service = r.get("service") or {}
     if service.get("recoveries"):
         mode, used = service.get("recovery_mode"), service.get("restarts")
