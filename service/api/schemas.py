@@ -151,6 +151,7 @@ class CheckpointReportRequest(BaseModel):
 
 class NodePublic(BaseModel):
     index: int
+    launch_id: str = Field(description="This launch of the node app (ELASTRAIN_LAUNCH_ID).")
     role: Literal["member", "spare"] = Field(
         description="A member of the group (index = its slot) or a warm spare."
     )

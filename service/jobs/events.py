@@ -61,8 +61,8 @@ class WorkerEvent(BaseModel):
     phase: Literal["started", "done"] | None = None
     incident: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/-]+$")
     recovery_kind: RecoveryKind | None = None
-    lost: tuple[LaunchId, ...] = Field(default=(), max_length=64)
-    lost_ranks: tuple[Annotated[int, Field(ge=0, le=100_000)], ...] = Field(default=(), max_length=1024)
+    lost: list[LaunchId] = Field(default_factory=list, max_length=64)
+    lost_ranks: list[Annotated[int, Field(ge=0, le=100_000)]] = Field(default_factory=list, max_length=1024)
     failed_at: Time | None = None
     detected_at: Time | None = None
     formed_at: Time | None = None
@@ -182,8 +182,8 @@ def _recovery(job: JobRecord, event: WorkerEvent, now: float, *, window_s: float
             now, "worker", f"the group re-formed without the stopped {', '.join(event.lost)}"
         )
     report = incidents.Report(
-        phase=event.phase, incident=event.incident, kind=event.recovery_kind, lost=event.lost,
-        lost_ranks=event.lost_ranks, failed_at=event.failed_at, detected_at=event.detected_at,
+        phase=event.phase, incident=event.incident, kind=event.recovery_kind, lost=tuple(event.lost),
+        lost_ranks=tuple(event.lost_ranks), failed_at=event.failed_at, detected_at=event.detected_at,
         formed_at=event.formed_at, transferred_at=event.transferred_at, first_step_at=event.first_step_at,
         source_rank=event.source_rank, bytes_from_peers=event.bytes_from_peers,
         bytes_from_storage=event.bytes_from_storage, voided_windows=event.voided_windows,

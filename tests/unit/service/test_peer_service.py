@@ -196,3 +196,35 @@ def test_a_recovery_report_the_job_cannot_have_is_refused_naming_the_field(
     assert refused.value.field == field
     check_event(record, WorkerEvent(kind="log", node_index=2), now=1100.0)  # the spare's own index
     check_event(record, event(failed_at=1050.0, lost_ranks=(1,), world_after=2), now=1100.0)
+
+
+def test_the_api_takes_the_contracts_recovery_report_and_refuses_what_is_out_of_bounds() -> None:
+    from pydantic import ValidationError
+
+    from service.api.schemas import WorkerEventRequest
+
+    report = {
+        "kind": "recovery", "rank": 0, "phase": "done", "incident": "j/g5", "recovery_kind": "peer",
+        "lost": ["j-n1-a0"], "lost_ranks": [1], "failed_at": 1700000000, "detected_at": 1700000000.01,
+        "formed_at": 1700000000.04, "transferred_at": 1700000000.09, "first_step_at": 1700000000.15,
+        "source_rank": 0, "bytes_from_peers": 4800000, "bytes_from_storage": 0, "voided_windows": 1,
+        "world_before": 2, "world_after": 2, "step": 40,
+    }  # fmt: skip
+    parsed = WorkerEventRequest.model_validate_json(json.dumps(report))
+    assert parsed.lost == ["j-n1-a0"] and parsed.failed_at == 1700000000.0
+    promoted = {"kind": "spare_promoted", "rank": 1, "launch_id": "j-n2-a0", "node_index": 1}
+    assert WorkerEventRequest.model_validate_json(json.dumps(promoted)).launch_id == "j-n2-a0"
+    for bad in (
+        {"recovery_kind": "magic"},
+        {"phase": "halfway"},
+        {"failed_at": "1700000000"},
+        {"lost": ["j-n1-a0"] * 65},
+        {"lost_ranks": [-1]},
+        {"bytes_from_peers": -1},
+        {"incident": "a b"},
+        {"world_after": 0},
+    ):
+        with pytest.raises(ValidationError):
+            WorkerEventRequest.model_validate_json(json.dumps(report | bad))
+    with pytest.raises(ValidationError):
+        WorkerEventRequest.model_validate_json(json.dumps(report).replace("1700000000.15", "NaN"))
