@@ -56,6 +56,7 @@ SERVICE_SPEC = {
     "micro_batch_size": 8,
     "max_steps": 20,
     "nodes": "1",
+    "nproc_per_node": 2,  # the world size of 2 its fake workers report
 }
 
 
@@ -341,7 +342,9 @@ def test_report_for_a_service_job_adds_the_recoveries_the_service_measured(obser
     service = json.loads(out)["service"]
     assert service["restarts"] == 1 and service["state"] == "RUNNING"
     (recovery,) = service["recoveries"]
-    assert [p["name"] for p in recovery["phases"]] == ["reform", "restore", "first_step"]
+    # timed from the old group's last sign of life (its last progress): detect and reform merge
+    assert [p["name"] for p in recovery["phases"]] == ["detect+reform", "restore", "first_step"]
+    assert recovery["kind"] == "restart" and recovery["incident"] == "group:g1"
     assert recovery["phases"][1]["seconds"] >= 0.5  # the test waited 0.5 s before state_loaded
     text, _ = report(observed.service_job, *args)
-    assert "service #1: the worker group re-formed" in text
+    assert "incident #1 group:g1: restart" in text and "the worker group re-formed" in text
