@@ -24,7 +24,7 @@ from service.etcd.access import node_env as etcd_node_env
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
-from service.jobs.errors import InvalidRequestError, NotFoundError, NotLeaderError
+from service.jobs.errors import NotFoundError, NotLeaderError
 from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
     Cancel,
@@ -39,7 +39,7 @@ from service.jobs.machine import (
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, Progress
 from service.jobs.parts import JobParts
 from service.jobs.service import Stored
-from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
+from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
 from service.metrics import Metrics
 from worker.etcdclient import Credentials, EtcdRefusedError, EtcdUnavailableError
 
@@ -66,15 +66,6 @@ def service_env(
         "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
     }
     return env | (etcd_node_env(etcd) if etcd is not None else {})
-
-
-def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLaunch:
-    """The launch of ``node`` of ``job`` that the reconciler asks its scheduler for. Pure."""
-    if job.spec is None:  # only the FAILED stand-in of an unreadable record has none; it launches nothing
-        raise InvalidRequestError(f"job {job.id} has no readable spec; nothing of it can be launched")
-    return NodeLaunch(
-        job.id, job.spec, node.index, node.launch_id, env, recovery=job.recovery_mode, role=node.role
-    )
 
 
 ADOPT_EVERY_S = 10.0

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.jobs.recovery import goodput, recovery_phases
+from service.jobs.recovery import goodput, peer_incidents, recovery_phases
 from worker.errors import ElastrainError
 
 EVENTS_FILE = "events.jsonl"
@@ -302,52 +302,12 @@ def build_report(run: Run, *, target_loss: float | None = None, others: Sequence
         "peak_memory_bytes": max((e.get("peak_memory_bytes") or 0 for e in progress), default=0) or None,
         "time_to_target": _time_to_target(progress, target_loss, t0),
         "restarts": [r for r in restarts if r["kind"] != "rerun"],
-        "incidents": incidents(run.events, t0),
+        "incidents": peer_incidents(run.events, [e for e in run.events if e["event"] in _STEP_DONE], t0),
         "checkpoints": _checkpoints(run, t0),
         "scaling": scaling(rows),
         **_environment(run.run_record or _last_record(run.events)),
         "timeline": _timeline(run.events, attempts, t0),
     }
-
-
-def incidents(events: Sequence[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
-    """Peer-mode incidents from the ``recovery_incident`` events: kind, what was lost, the phases
-    (the first step is the first step event after the group was ready again) and what moved."""
-    out = []
-    steps = [e for e in events if e["event"] in _STEP_DONE]
-    for e in (e for e in events if e["event"] == "recovery_incident"):
-        given = e.get("phases")
-        stamps: dict[str, Any] = given if isinstance(given, dict) else {}
-        failed = _time(e.get("failed_at")) or _time(stamps.get("detected")) or e["time"]
-        ready = _time(stamps.get("ready")) or e["time"]
-        first = next((s["time"] for s in steps if s["time"] >= ready), None)
-        phases = recovery_phases(
-            failed_at=failed,
-            detected_at=_time(e.get("detected_at")) or _time(stamps.get("detected")),
-            group_formed_at=_time(stamps.get("formed")),
-            state_loaded_at=_time(stamps.get("transferred")),
-            first_step_at=first,
-            kind=str(e.get("kind", "peer")),
-        )
-        out.append(
-            {
-                "incident": e.get("incident"),
-                "kind": e.get("kind"),
-                "at_seconds": round(failed - t0, 3),
-                "lost": e.get("lost_launch_ids") or [],
-                "recovery_seconds": None if first is None else round(first - failed, 3),
-                "phases": [{"name": p.name, "seconds": round(p.seconds, 3)} for p in phases],
-                "bytes_from_peers": e.get("bytes_from_peers") or 0,
-                "voided_windows": e.get("voided_windows") or 0,
-                "world_before": e.get("world_before"),
-                "world_after": e.get("world_after"),
-            }
-        )
-    return out
-
-
-def _time(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _latency(times: Sequence[float], source: str) -> dict[str, Any] | None:
