@@ -9,7 +9,7 @@ stored record is decoded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -83,12 +83,13 @@ class NodeStatus:
     """What a scheduler says about one node app (the value the state machine reasons about and
     every scheduler returns). ``exit_code`` is known for ended local nodes (``128 + signal``
     when killed) and is ``0`` for any succeeded node; ``ended_at`` (Unix time) is when an ended
-    node's torchrun agent ended, where the scheduler recorded it (local nodes)."""
+    node's torchrun agent ended, where the scheduler recorded it (local nodes): it says when, not
+    what, and two statuses that differ only in it are equal."""
 
     state: NodeState
     exit_code: int | None = None
     message: str = ""
-    ended_at: float | None = None
+    ended_at: float | None = field(default=None, compare=False)
 
 
 class _Frozen(BaseModel):

@@ -95,3 +95,13 @@ def test_the_local_dry_run_shows_the_peer_command_and_environment(local: TorchXS
     assert torchrun[1:] == [*PEER_ARGS[:-1], str(plan.spec_path)]
     assert plan.env["ELASTRAIN_RECOVERY"] == "peer" and plan.env["ELASTRAIN_ROLE"] == "spare"
     assert plan.env["ELASTRAIN_LAUNCH_ID"] == "job-7-n3-a0"
+
+
+def test_an_ended_local_node_says_when_its_agent_ended() -> None:
+    """The lost node's last sign of life (issue 14 item 7): node_exec's exit record."""
+    from service.launch.torchx_scheduler import status_from_records
+
+    node = {"pid": 1, "pgid": 1, "child_pid": 2, "started_at": 10.0}
+    ended = status_from_records(node, {"exit_code": 137, "ended_at": 12.5}, alive=False, cancelled=False)
+    assert (ended.state, ended.exit_code, ended.ended_at) == ("failed", 137, 12.5)
+    assert status_from_records(node, {"exit_code": 1}, alive=False, cancelled=False).ended_at is None
