@@ -20,12 +20,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from service.etcd.kv import Entry, Fence, KVStore, Versioned, Write
 from service.jobs.model import JobRecord, JobState, Progress, Recovery
-from service.jobs.recovery import estimated_goodput, recovery_phases
+from service.jobs.recovery import estimated_goodput, phases_of
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-_RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
-_PHASE_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 JOB = ["job_id"]
 
 
@@ -121,22 +121,44 @@ class Metrics:
             "elastrain_job_samples_per_second", "Newest reported throughput", JOB, registry=r
         )
         self.world_size = Gauge("elastrain_job_world_size", "Worker group size", JOB, registry=r)
-        self.restarts = Gauge("elastrain_job_restarts", "Restarts so far (recoveries)", JOB, registry=r)
+        self.restarts = Gauge(
+            "elastrain_job_restarts",
+            "Recoveries that restarted the workers so far (they use max_restarts; peer ones do not)",
+            JOB,
+            registry=r,
+        )
         self.nodes = Gauge("elastrain_job_nodes", "Active nodes (torchrun agents) of a job", JOB, registry=r)
         self.goodput = Gauge(
             "elastrain_job_goodput_ratio", "Productive step time over wall time (estimate)", JOB, registry=r
         )
         self.recovery = Histogram(
             "elastrain_job_recovery_seconds",
-            "Failure to first step after resume",
+            "One incident: the last sign of life of what was lost to the first step of the repaired "
+            "group, by kind (peer: state from a peer's memory; storage: from the checkpoint in "
+            "process; restart: the workers restarted)",
+            ["kind"],
             buckets=_RECOVERY_BUCKETS,
             registry=r,
         )
         self.recovery_phase = Histogram(
             "elastrain_job_recovery_phase_seconds",
-            "One phase of a recovery: detect, reform, restore, first_step (merged when a stamp is missing)",
-            ["phase"],
+            "One phase of a recovery by kind: detect, reform, transfer (peer) or restore, first_step "
+            "(merged when a stamp is missing)",
+            ["phase", "kind"],
             buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.recovery_bytes = Counter(
+            "elastrain_job_recovery_bytes_total",
+            "Bytes of state a recovery moved, by source (peers: from a survivor's memory; storage: "
+            "read from the checkpoint)",
+            ["job_id", "source"],
+            registry=r,
+        )
+        self.voided_windows = Counter(
+            "elastrain_job_voided_windows_total",
+            "Training windows a recovery dropped (in flight when a rank was lost; never applied)",
+            JOB,
             registry=r,
         )
         self.rollback_steps = Counter(
@@ -186,24 +208,18 @@ class Metrics:
         if ratio is not None:
             self.goodput.labels(record.id).set(ratio)
 
-    def observe_recovery(self, job_id: str, recovery: Recovery, *, last_seen_at: float | None = None) -> None:
-        """Call once when a recovery completes (its first step done): its time, each phase and the
-        steps it redid. ``last_seen_at``: newest heartbeat/progress before the failure, if known
-        (the detect phase needs it; without it phases start at the service's ``failed_at``)."""
+    def observe_recovery(self, job_id: str, recovery: Recovery) -> None:
+        """Call once when a recovery completes (its first step done): its time and each phase by
+        kind, the bytes it moved, the windows it voided and the steps it redid."""
         if recovery.seconds is not None:
-            self.recovery.observe(recovery.seconds)
-        for phase in recovery_phases(
-            failed_at=recovery.failed_at if last_seen_at is None else last_seen_at,
-            detected_at=recovery.failed_at,
-            group_formed_at=recovery.group_formed_at,
-            state_loaded_at=recovery.state_loaded_at,
-            first_step_at=recovery.first_step_at,
-            from_detection=last_seen_at is None,
-        ):
-            self.recovery_phase.labels(phase.name).observe(phase.seconds)
-        rollback = self.rollback_steps.labels(job_id)  # the series exists from the first recovery on
-        if recovery.steps_lost:
-            rollback.inc(recovery.steps_lost)
+            self.recovery.labels(recovery.kind).observe(recovery.seconds)
+        for phase in phases_of(recovery):
+            self.recovery_phase.labels(phase.name, recovery.kind).observe(phase.seconds)
+        # the per-job series exist from the first recovery on (a dashboard shows 0, not nothing)
+        self.recovery_bytes.labels(job_id, "peers").inc(recovery.bytes_from_peers)
+        self.recovery_bytes.labels(job_id, "storage").inc(recovery.bytes_from_storage)
+        self.voided_windows.labels(job_id).inc(recovery.voided_windows)
+        self.rollback_steps.labels(job_id).inc(recovery.steps_lost or 0)
 
     # ------------------------------------------------------------------ etcd
 

@@ -24,7 +24,7 @@ from service.etcd.access import node_env as etcd_node_env
 from service.etcd.election import LeaderElection
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
-from service.jobs.errors import InvalidRequestError, NotFoundError, NotLeaderError
+from service.jobs.errors import NotFoundError, NotLeaderError
 from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
     Cancel,
@@ -36,10 +36,10 @@ from service.jobs.machine import (
     launch_failed,
     reconcile,
 )
-from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord
+from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, Progress
 from service.jobs.parts import JobParts
 from service.jobs.service import Stored
-from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus, Scheduler
+from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
 from service.metrics import Metrics
 from worker.etcdclient import Credentials, EtcdRefusedError, EtcdUnavailableError
 
@@ -66,13 +66,6 @@ def service_env(
         "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
     }
     return env | (etcd_node_env(etcd) if etcd is not None else {})
-
-
-def node_launch(job: JobRecord, node: NodeRecord, env: dict[str, str]) -> NodeLaunch:
-    """The launch of ``node`` of ``job`` that the reconciler asks its scheduler for. Pure."""
-    if job.spec is None:  # only the FAILED stand-in of an unreadable record has none; it launches nothing
-        raise InvalidRequestError(f"job {job.id} has no readable spec; nothing of it can be launched")
-    return NodeLaunch(job.id, job.spec, node.index, node.launch_id, env)
 
 
 ADOPT_EVERY_S = 10.0
@@ -321,7 +314,7 @@ class Reconciler:
         if progress is not None and progress.time > record.state_since:
             # a step after re-forming
             record = first_step_done(record, progress.step, progress.time, world_size=progress.world_size)
-        decision = reconcile(record, self._observe(record), self.policy)
+        decision = reconcile(record, self._observe(record, progress), self.policy)
         # The step alone is not worth an etcd write each pass (GET reads it from the progress
         # key); it is persisted with the next real change, and recoveries read it merged above.
         if decision.job.model_copy(update={"last_step": stored.last_step}) != stored:
@@ -329,6 +322,8 @@ class Reconciler:
             self.busy = True
             if not self.jobs.write_record(decision.job, revision, fence=fence, wake=False):
                 return stored  # lost a race with an API write: the next pass decides again
+        for recovery in decision.completed:  # written as taken: observed once, by one leader
+            self.metrics.observe_recovery(job_id, recovery)
         for action in decision.actions:
             if isinstance(action, Launch):
                 self._launch(decision.job, action.node, fence)
@@ -341,6 +336,7 @@ class Reconciler:
             self._drop_transient(job_id, fence)
             self._sweep_again[job_id] = self.clock() + SWEEP_AGAIN_S
             self.budget.forget(job_id)
+            self.heartbeats.forget(job_id)
         return decision.job
 
     def _drop_transient(self, job_id: str, fence: Fence) -> None:
@@ -359,7 +355,7 @@ class Reconciler:
             self._drop_transient(job_id, fence)
             del self._sweep_again[job_id]
 
-    def _observe(self, record: JobRecord) -> Observation:
+    def _observe(self, record: JobRecord, progress: Progress | None) -> Observation:
         statuses: dict[str, NodeStatus] = {}
         for node in record.nodes:
             if node.handle and node.phase in (NodePhase.RUNNING, NodePhase.STOPPING):
@@ -368,8 +364,14 @@ class Reconciler:
                 except Exception as exc:
                     log.warning("status of %s failed: %s", node.handle, exc)
                     statuses[node.launch_id] = UNKNOWN
-        last_seen = self.heartbeats.last_seen(record.id)
-        return Observation(now=self.clock(), statuses=statuses, last_seen=last_seen)
+        last_seen, last_heard = self.heartbeats.seen(record.id)
+        return Observation(
+            now=self.clock(),
+            statuses=statuses,
+            last_seen=last_seen,
+            last_heard=last_heard,
+            progress_at=progress.time if progress is not None else None,
+        )
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
         # An etcd error here stops the pass (the intent stays: the next pass launches), no node fails.

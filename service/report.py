@@ -12,7 +12,12 @@ samples_per_second, world_size; and, from :meth:`worker.metrics.WorkerMetrics.pr
 ``step_seconds`` list, ``data_wait_seconds``, ``comm_exposed_seconds``, ``tokens``,
 ``peak_memory_bytes``), ``started``, ``group_formed``, ``checkpoint_restored``, ``resumed``,
 ``run_record``, ``first_step``, ``skipped_step``, ``checkpoint_published``,
-``checkpoint_aborted``, ``finished``. Everything here is pure except :func:`load_run`.
+``checkpoint_aborted``, ``finished``; in peer mode (issue 14) ``recovery_incident`` (one per
+incident, from the leader that repaired the group: ``incident``, ``kind``, ``lost_launch_ids``,
+``failed_at``, ``detected_at``, ``phases`` with the Unix times ``formed``, ``transferred``,
+``ready``, ``bytes_from_peers``, ``voided_windows``, ``world_before``, ``world_after``). A
+``group_formed`` with a ``generation`` is a peer generation formed by processes that kept
+running, not the start of an attempt. Everything here is pure except :func:`load_run`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.jobs.recovery import goodput, recovery_phases
+from service.jobs.recovery import goodput, peer_incidents, recovery_phases
 from worker.errors import ElastrainError
 
 EVENTS_FILE = "events.jsonl"
@@ -102,7 +107,8 @@ def split_attempts(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]
     names: set[str] = set()
     for event in events:
         name = event["event"]
-        if name in _START and (names & _TRAIN or name in names):
+        peer_generation = name == "group_formed" and "generation" in event
+        if name in _START and not peer_generation and (names & _TRAIN or name in names):
             attempts.append(current)
             current, names = [], set()
         current.append(event)
@@ -296,6 +302,7 @@ def build_report(run: Run, *, target_loss: float | None = None, others: Sequence
         "peak_memory_bytes": max((e.get("peak_memory_bytes") or 0 for e in progress), default=0) or None,
         "time_to_target": _time_to_target(progress, target_loss, t0),
         "restarts": [r for r in restarts if r["kind"] != "rerun"],
+        "incidents": peer_incidents(run.events, [e for e in run.events if e["event"] in _STEP_DONE], t0),
         "checkpoints": _checkpoints(run, t0),
         "scaling": scaling(rows),
         **_environment(run.run_record or _last_record(run.events)),

@@ -197,6 +197,9 @@ def build_app(
     )
     wake = threading.Event()  # any write of a job wakes the reconciler at once
     secret = ensure_worker_secret(store)
+    policy = Policy(
+        heartbeat_timeout_s=settings.heartbeat_timeout_s, startup_timeout_s=settings.startup_timeout_s
+    )
     parts = JobParts.build(
         store,
         storage_root=settings.checkpoint_root,
@@ -205,6 +208,7 @@ def build_app(
         on_fence_refused=metrics.fenced_refusals.inc,
         on_job_write=lambda job_id: wake.set(),
         heartbeat_write_s=settings.heartbeat_timeout_s / 4,
+        merge_window_s=policy.merge_window_s,
     )
     checkpoints = Checkpoints.build(parts.records, metrics=metrics)
     reconciler = Reconciler(
@@ -214,9 +218,7 @@ def build_app(
         launch=LaunchContext(service_url=settings.service_url, etcd_endpoints=tuple(endpoints)),
         wake=wake,
         metrics=metrics,
-        policy=Policy(
-            heartbeat_timeout_s=settings.heartbeat_timeout_s, startup_timeout_s=settings.startup_timeout_s
-        ),
+        policy=policy,
         interval_s=settings.reconcile_interval_s,
         idle_interval_s=settings.reconcile_idle_interval_s,
         storage=checkpoints.storage,

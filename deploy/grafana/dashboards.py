@@ -43,7 +43,7 @@ def quantiles(metric: str, by: str = "", sel: str = "") -> list[dict[str, Any]]:
     """p50/p95/p99 of a histogram, per ``by`` label (over all series when empty)."""
     selector = f"{{{sel}}}" if sel else ""
     inner = f"sum by ({by + ', ' if by else ''}le) (rate({metric}_bucket{selector}[{RI}]))"
-    legend = "{{" + by.split(",")[0].strip() + "}} " if by else ""
+    legend = "".join("{{" + label.strip() + "}} " for label in by.split(",")) if by else ""
     return [q(f"histogram_quantile({p}, {inner})", f"{legend}p{round(p * 100)}") for p in (0.5, 0.95, 0.99)]
 
 
@@ -181,20 +181,46 @@ RECOVERY = (
         ),
         panel("Jobs by state", [q("sum by (state) (elastrain_jobs)", "{{state}}")]),
         panel(
-            "Recovery time (failure to first step)",
-            quantiles("elastrain_job_recovery_seconds"),
+            "Recovery time by kind (failure to first step)",
+            quantiles("elastrain_job_recovery_seconds", "kind"),
             unit="s",
+            description=(
+                "One incident, from the last sign of life of what was lost to the repaired group's first "
+                "step. peer: state from a survivor's memory; storage: from the checkpoint in process; "
+                "restart: the workers restarted."
+            ),
         ),
         panel(
-            "Recoveries in range",
-            [q("sum(increase(elastrain_job_recovery_seconds_count[$__range]))", "recoveries")],
+            "Recoveries in range by kind",
+            [q("sum by (kind) (increase(elastrain_job_recovery_seconds_count[$__range]))", "{{kind}}")],
             kind="stat",
         ),
         panel(
-            "Recovery phases",
-            quantiles("elastrain_job_recovery_phase_seconds", "phase"),
+            "Recovery phases by kind",
+            quantiles("elastrain_job_recovery_phase_seconds", "phase, kind"),
             unit="s",
-            description="detect, reform, restore, first_step.",
+            description="detect, reform, transfer (peer) or restore, first_step.",
+        ),
+        panel(
+            "State moved by recoveries, by source",
+            [
+                q(
+                    f"sum by (source) (increase(elastrain_job_recovery_bytes_total{{{J}}}[$__range]))",
+                    "{{source}}",
+                )
+            ],
+            unit="bytes",
+            description="peers: from a survivor's memory; storage: read from the checkpoint.",
+        ),
+        panel(
+            "Windows voided by recoveries",
+            [
+                q(
+                    f"sum by (job_id) (increase(elastrain_job_voided_windows_total{{{J}}}[$__range]))",
+                    "{{job_id}}",
+                )
+            ],
+            description="Training windows in flight when a rank was lost: dropped, never applied.",
         ),
         panel(
             "Steps lost to rollback",
@@ -209,7 +235,7 @@ RECOVERY = (
         panel(
             "Restarts per job (service view)",
             [q(f"max by (job_id) (elastrain_job_restarts{{{J}}})", "{{job_id}}")],
-            description="Recoveries the service counted (a node lost, or the group re-formed).",
+            description="Recoveries that restarted the workers (they use max_restarts; peer ones do not).",
         ),
         panel(
             "API requests by route and status",

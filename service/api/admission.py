@@ -4,6 +4,7 @@ function, :func:`admit`, that the submit route calls on the parsed spec (each re
 
 from __future__ import annotations
 
+from service.jobs import peer
 from service.launch.resources import parse_resources
 from service.settings import Settings
 from worker.errors import SpecError
@@ -13,8 +14,10 @@ from worker.spec import JobSpec
 def admit(spec: JobSpec, settings: Settings) -> None:
     """Raise :class:`SpecError` when ``spec`` cannot run under this service's ``settings``:
     ``resources`` no scheduler can use (the launch reads them with the same function); a
-    factory from a module the service does not allow (``ELASTRAIN_FACTORY_ALLOWLIST``)."""
+    factory from a module the service does not allow (``ELASTRAIN_FACTORY_ALLOWLIST``); spares
+    for a job that does not recover from its peers (:func:`service.jobs.peer.check`)."""
     parse_resources(spec.resources)
+    peer.check(spec)
     allowed = settings.factory_prefixes
     if allowed is None:
         return

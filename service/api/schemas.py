@@ -20,7 +20,8 @@ from pydantic import (
 from service.api.errors import ApiError
 from service.checkpoints.results import CheckpointEntry
 from service.jobs.events import WorkerEvent
-from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress
+from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress, Recovery
+from service.jobs.recovery import phases_of
 from worker.errors import SpecError
 from worker.spec import JobSpec, describe
 
@@ -153,6 +154,10 @@ class CheckpointReportRequest(BaseModel):
 
 class NodePublic(BaseModel):
     index: int
+    launch_id: str = Field(description="This launch of the node app (ELASTRAIN_LAUNCH_ID).")
+    role: Literal["member", "spare"] = Field(
+        description="A member of the group (index = its slot) or a warm spare."
+    )
     attempt: int
     phase: NodePhase
     handle: str | None
@@ -161,16 +166,43 @@ class NodePublic(BaseModel):
     ended_at: float | None
 
 
+class PhasePublic(BaseModel):
+    name: str = Field(
+        description="detect, reform, transfer (peer) or restore, first_step; '+' joins unmeasured ones."
+    )
+    seconds: float
+
+
 class RecoveryPublic(BaseModel):
+    """One incident: a failure and its recovery (issue 14: one incident is one recovery)."""
+
+    incident: str = Field(
+        description="The workers' incident id, or node:<launch id> / group:<id> (service-seen)."
+    )
+    kind: Literal["peer", "storage", "restart"] = Field(
+        description="State from a peer's memory, from the checkpoint in process, or a restart of the workers."
+    )
+    reported: bool = Field(description="A worker's recovery report measured it.")
     reason: str
-    failed_at: float
+    lost: list[str] = Field(description="Launch ids of the node apps lost in it.")
+    lost_ranks: list[int]
+    failed_at: float = Field(description="The last sign of life of what was lost (Unix seconds).")
+    detected_at: float | None
     step_before: int | None
     resumed_step: int | None
     group_formed_at: float | None
-    state_loaded_at: float | None
+    state_loaded_at: float | None = Field(description="State in place: transferred from a peer, or restored.")
     first_step_at: float | None
+    source_rank: int | None
+    bytes_from_peers: int
+    bytes_from_storage: int
+    voided_windows: int
+    world_before: int | None
+    world_after: int | None
+    charged: bool = Field(description="It used one of max_restarts (peer recoveries do not).")
     seconds: float | None = Field(description="Failure to the first finished step after resume.")
-    steps_lost: int | None
+    steps_lost: int | None = Field(description="Steps trained again (rolled back).")
+    phases: list[PhasePublic]
 
 
 class JobSummary(BaseModel):
@@ -188,6 +220,11 @@ class JobPublic(JobSummary):
     reason: str | None
     nodes_range: str
     nproc_per_node: int
+    recovery_mode: Literal["peer", "restart"] = Field(
+        description="peer: survivors keep their processes and hand the state on; restart: torchrun restarts."
+    )
+    spares: int = Field(description="Warm spare node apps the job keeps (peer mode).")
+    peer_incidents: int
     cancel_requested: bool
     nodes: list[NodePublic]
     step: int | None
@@ -252,6 +289,9 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
         reason=record.reason,
         nodes_range=f"{record.min_nodes}:{record.max_nodes}",
         nproc_per_node=record.nproc_per_node,
+        recovery_mode=record.recovery_mode,
+        spares=record.spares,
+        peer_incidents=record.peer_incidents,
         cancel_requested=record.cancel_requested,
         nodes=[NodePublic.model_validate(n.model_dump()) for n in record.nodes],
         step=progress.step if progress else record.last_step,
@@ -260,12 +300,16 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
         loss=progress.loss if progress else None,
         progress_at=progress.time if progress else None,
         checkpoint_dir=record.checkpoint_dir,
-        recoveries=[
-            RecoveryPublic(**r.model_dump(), seconds=r.seconds, steps_lost=r.steps_lost)
-            for r in record.recoveries
-        ],
+        recoveries=[recovery_public(r) for r in record.recoveries],
         events=list(record.events[-20:]),
         updated_at=record.updated_at,
         finished_at=record.finished_at,
         spec={} if record.spec is None else record.spec.model_dump(mode="json", by_alias=True),
+    )
+
+
+def recovery_public(r: Recovery) -> RecoveryPublic:
+    phases = [PhasePublic(name=p.name, seconds=round(p.seconds, 6)) for p in phases_of(r)]
+    return RecoveryPublic(
+        **r.model_dump(exclude={"observed"}), seconds=r.seconds, steps_lost=r.steps_lost, phases=phases
     )

@@ -157,14 +157,15 @@ def _print_status(job: dict[str, Any]) -> None:
         print(f"  reason: {job['reason']}")
     print(f"  checkpoints: {job['checkpoint_dir']}")
     for node in job.get("nodes", []):
-        print(f"  node {node['index']} attempt {node['attempt']}: {node['phase']}  {node['handle'] or ''}")
+        role = "spare" if node.get("role") == "spare" else "node"
+        print(f"  {role} {node['index']} attempt {node['attempt']}: {node['phase']}  {node['handle'] or ''}")
     for rec in job.get("recoveries", [])[-3:]:
         took = (
             "in progress"
             if rec["seconds"] is None
-            else f"{rec['seconds']:.1f}s, {rec['steps_lost']} steps lost"
+            else f"{rec['seconds']:.2f}s, {rec['steps_lost']} steps lost"
         )
-        print(f"  recovery: {took}: {rec['reason']}")
+        print(f"  recovery ({rec.get('kind', 'restart')}): {took}: {rec['reason']}")
     for event in job.get("events", [])[-5:]:
         stamp = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         print(f"  {stamp} {event['kind']}: {event['message']}")

@@ -73,22 +73,49 @@ def _fetch_job(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _service_view(record: dict[str, Any]) -> dict[str, Any]:
-    """The job's recoveries as the service measured them."""
+    """The job's incidents as the service recorded them (one incident, one recovery): kind, what
+    was lost, each phase, the bytes moved from peers and from storage, the windows voided and the
+    steps trained again."""
     recoveries = []
     for r in record.get("recoveries") or []:
-        phases = recovery_phases(
-            failed_at=r["failed_at"],
-            from_detection=True,
-            group_formed_at=r.get("group_formed_at"),
-            state_loaded_at=r.get("state_loaded_at"),
-            first_step_at=r.get("first_step_at"),
-        )
-        lost = None
-        if r.get("step_before") is not None and r.get("resumed_step") is not None:
+        phases = r.get("phases")
+        if phases is None:  # a service from before issue 14
+            phases = [
+                {"name": p.name, "seconds": p.seconds}
+                for p in recovery_phases(
+                    failed_at=r["failed_at"],
+                    detected_at=r.get("detected_at"),
+                    group_formed_at=r.get("group_formed_at"),
+                    state_loaded_at=r.get("state_loaded_at"),
+                    first_step_at=r.get("first_step_at"),
+                )
+            ]
+        lost = r.get("steps_lost")
+        if lost is None and r.get("step_before") is not None and r.get("resumed_step") is not None:
             lost = max(0, r["step_before"] - r["resumed_step"])
-        named = [{"name": p.name, "seconds": round(p.seconds, 3)} for p in phases]
-        recoveries.append({"reason": r.get("reason"), "steps_lost": lost, "phases": named})
-    return {"state": record.get("state"), "restarts": record.get("restarts"), "recoveries": recoveries}
+        recoveries.append(
+            {
+                "incident": r.get("incident", ""),
+                "kind": r.get("kind", "restart"),
+                "reason": r.get("reason"),
+                "lost": r.get("lost", []),
+                "lost_ranks": r.get("lost_ranks", []),
+                "recovery_seconds": r.get("seconds"),
+                "phases": [{"name": p["name"], "seconds": round(p["seconds"], 3)} for p in phases],
+                "bytes_from_peers": r.get("bytes_from_peers", 0),
+                "bytes_from_storage": r.get("bytes_from_storage", 0),
+                "voided_windows": r.get("voided_windows", 0),
+                "steps_lost": lost,
+                "world_before": r.get("world_before"),
+                "world_after": r.get("world_after"),
+            }
+        )
+    return {
+        "state": record.get("state"),
+        "recovery_mode": record.get("recovery_mode", "restart"),
+        "restarts": record.get("restarts"),
+        "recoveries": recoveries,
+    }
 
 
 # ---------------------------------------------------------------------------- text
@@ -162,10 +189,38 @@ def _restart_lines(r: dict[str, Any]) -> list[str]:
             f"({x['steps_lost']} steps lost), recovered in {_num(x['recovery_seconds'], ' s', 2)}"
         )
         lines.append("       " + ", ".join(f"{p['name']} {p['seconds']:.2f} s" for p in x["phases"]))
-    for i, x in enumerate((r.get("service") or {}).get("recoveries", []), 1):
-        phases = ", ".join(f"{p['name']} {p['seconds']:.2f} s" for p in x["phases"])
-        lines.append(f"    service #{i}: {x['reason']}; {phases}; steps lost {x['steps_lost']}")
+    for i, x in enumerate(r.get("incidents") or [], 1):
+        phases = ", ".join(f"{p['name']} {p['seconds']:.3f} s" for p in x["phases"]) or "n/a"
+        lines.append(
+            f"    peer incident #{i} {x['incident']} at +{x['at_seconds']:.1f} s: {x['kind']}, "
+            f"{_num(x['recovery_seconds'], ' s', 3)}; lost {', '.join(x['lost']) or 'n/a'}; world "
+            f"{x['world_before']} -> {x['world_after']}; {phases}; from peers "
+            f"{_num(_mib(x['bytes_from_peers']), ' MiB', 2)}, voided windows {x['voided_windows']}"
+        )
+    service = r.get("service") or {}
+    if service.get("recoveries"):
+        mode, used = service.get("recovery_mode"), service.get("restarts")
+        count = len(service["recoveries"])
+        lines.append(f"  incidents      {count} (service view, {mode} mode, {used} restarts used)")
+    for i, x in enumerate(service.get("recoveries", []), 1):
+        lines += _incident_lines(i, x)
     return lines
+
+
+def _incident_lines(i: int, x: dict[str, Any]) -> list[str]:
+    """One incident: kind, what was lost, its phases, what moved from where, what was lost."""
+    ranks = ", ".join(map(str, x["lost_ranks"])) or "n/a"
+    world = f"world {x['world_before'] or '?'} -> {x['world_after'] or '?'}"
+    phases = ", ".join(f"{p['name']} {p['seconds']:.3f} s" for p in x["phases"]) or "n/a"
+    return [
+        f"    incident #{i} {x['incident'] or '?'}: {x['kind']}, {_num(x['recovery_seconds'], ' s', 3)}; "
+        f"lost {', '.join(x['lost']) or 'no node'} (ranks {ranks}); {world}",
+        f"       phases {phases}",
+        f"       from peers {_num(_mib(x['bytes_from_peers']), ' MiB', 2)}, from storage "
+        f"{_num(_mib(x['bytes_from_storage']), ' MiB', 2)}; voided windows {x['voided_windows']}, "
+        f"rolled-back steps {'n/a' if x['steps_lost'] is None else x['steps_lost']}",
+        f"       {x['reason']}",
+    ]
 
 
 def _precision_lines(r: dict[str, Any]) -> list[str]:

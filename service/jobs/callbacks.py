@@ -5,7 +5,8 @@ the record says the job is: the job has not ended (:func:`check_open`); a heartb
 the job's nodes and a local rank that node has (:func:`check_node`); a world size is one the
 job can have (a whole number of nodes within its ``nodes`` range, times ``nproc_per_node``:
 :func:`check_world_size`); a checkpoint's step lies within ``max_steps`` and at most
-``STEP_WINDOW`` steps ahead of the newest progress the service has (:func:`check_step`). Each
+``STEP_WINDOW`` steps ahead of the newest progress the service has (:func:`check_step`); an
+event's ranks, node index and times are ones the job can have (:func:`check_event`). Each
 refusal names the field (:class:`InvalidRequestError`, 422) or says the job ended
 (:class:`JobEndedError`, 409).
 """
@@ -13,8 +14,11 @@ refusal names the field (:class:`InvalidRequestError`, 422) or says the job ende
 from __future__ import annotations
 
 from service.jobs.errors import InvalidRequestError, JobEndedError
+from service.jobs.events import WorkerEvent
 from service.jobs.model import JobRecord
 
+CLOCK_SKEW_S = 300.0
+"""How far a worker's clock may run ahead of the service's (its reported times are checked)."""
 STEP_WINDOW = 100_000
 """How far ahead of the newest reported progress a checkpoint's step may be (progress reaches
 the service every few seconds; a save is reported as it happens)."""
@@ -84,3 +88,30 @@ def check_step(record: JobRecord, step: int, *, newest: int | None, field: str =
             f"{STEP_WINDOW} steps ahead of its newest progress ({newest})",
             field=field,
         )
+
+
+def check_event(record: JobRecord, event: WorkerEvent, *, now: float) -> None:
+    """A worker event's world sizes, ranks and node index are ones this job can have; its times
+    lie between the job's creation and now (give or take ``CLOCK_SKEW_S``)."""
+    check_world_size(record, event.world_size)
+    for name in ("world_before", "world_after"):
+        check_world_size(record, getattr(event, name), field=name)
+    check_rank(record, event.rank)
+    check_rank(record, event.source_rank, field="source_rank")
+    for rank in event.lost_ranks:
+        check_rank(record, rank, field="lost_ranks")
+    slots = record.max_nodes if event.kind == "spare_promoted" else record.max_nodes + record.spares
+    if event.node_index is not None and event.node_index >= slots:
+        raise InvalidRequestError(
+            f"node index {event.node_index} is not below {slots} (the job's largest node count"
+            f"{'' if event.kind == 'spare_promoted' else ' and its spares'})",
+            field="node_index",
+        )
+    for name in ("failed_at", "detected_at", "formed_at", "transferred_at", "first_step_at"):
+        at = getattr(event, name)
+        if at is not None and not record.created_at - CLOCK_SKEW_S <= at <= now + CLOCK_SKEW_S:
+            raise InvalidRequestError(
+                f"{name} {at} is not a time of this job (created at {record.created_at:.3f}, now "
+                f"{now:.3f}); send Unix seconds from the worker's clock",
+                field=name,
+            )

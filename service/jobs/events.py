@@ -1,9 +1,12 @@
 """What worker reports do to a job record, pure.
 
 Workers tell the service what only they can see: the group re-formed (after torchrun restarted
-it), the state was loaded, the first step after resume finished. These close the loop of a
-recovery (RECOVERING -> RUNNING) or a rescale (RESCALING -> RUNNING), and a re-formation the
-service did not cause (a worker process died and torchrun restarted the group) opens one.
+it), the state was loaded, the first step after resume finished; in peer mode (issue 14) that a
+recovery started and ended (``recovery``, with its measured phases) and that a spare took a lost
+member's slot (``spare_promoted``). These close the loop of a recovery (RECOVERING -> RUNNING) or
+a rescale (RESCALING -> RUNNING), and a re-formation the service did not cause (a worker process
+died and torchrun restarted the group) opens one. Which incident a report belongs to is
+:mod:`service.jobs.incidents`'s rule.
 
 A rank that stops says why (``failed``: one line, the step, its attempt). The same line at the
 same step from the next attempt is an error that restarting will not fix (a model that does not
@@ -15,20 +18,35 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.jobs.machine import fail, move
-from service.jobs.model import MAX_RECOVERIES, JobRecord, JobState, Progress, Recovery
+from service.jobs import incidents, slots
+from service.jobs.machine import Policy, fail, move
+from service.jobs.model import JobRecord, JobState, Progress, RecoveryKind
 
 S = JobState
-WorkerEventKind = Literal["group_formed", "state_loaded", "first_step", "failed", "finished", "log"]
+WorkerEventKind = Literal[
+    "group_formed", "state_loaded", "first_step", "failed", "finished", "log", "recovery", "spare_promoted"
+]
+WINDOW_S = Policy().merge_window_s
+MAX_TIME = 1e11
+"""The largest time stamp a worker may send (Unix seconds; the year 5138)."""
+LaunchId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[a-z0-9-]+$")]
+Time = Annotated[float, Field(gt=0, lt=MAX_TIME, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0, le=1 << 62)]
 
 
 class WorkerEvent(BaseModel):
     """A worker's report. ``group_formed`` is sent once per formation by global rank 0 with a
-    ``group_id`` unique to that formation (repeats with the same id are ignored)."""
+    ``group_id`` unique to that formation (repeats with the same id are ignored).
+
+    ``recovery`` (peer mode, the new generation's rank 0): ``phase`` ``started`` right after the
+    repaired group formed, ``done`` after its first committed step; ``incident`` names it,
+    ``recovery_kind`` says which recovery it was, ``lost`` / ``lost_ranks`` what was lost, the
+    ``*_at`` fields when each phase ended (Unix seconds), ``step`` the committed step the group
+    resumes from. ``spare_promoted``: the spare ``launch_id`` now fills slot ``node_index``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,14 +58,40 @@ class WorkerEvent(BaseModel):
     restart_count: int | None = Field(default=None, ge=0, le=1 << 31)
     step: int | None = Field(default=None, ge=0, le=1 << 62)
     message: str = Field(default="", max_length=2000)
+    phase: Literal["started", "done"] | None = None
+    incident: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/-]+$")
+    recovery_kind: RecoveryKind | None = None
+    lost: list[LaunchId] = Field(default_factory=list, max_length=64)
+    lost_ranks: list[Annotated[int, Field(ge=0, le=100_000)]] = Field(default_factory=list, max_length=1024)
+    failed_at: Time | None = None
+    detected_at: Time | None = None
+    formed_at: Time | None = None
+    transferred_at: Time | None = None
+    first_step_at: Time | None = None
+    source_rank: int | None = Field(default=None, ge=0, le=100_000)
+    bytes_from_peers: Count | None = None
+    bytes_from_storage: Count | None = None
+    voided_windows: int | None = Field(default=None, ge=0, le=1 << 31)
+    world_before: int | None = Field(default=None, ge=1, le=100_000)
+    world_after: int | None = Field(default=None, ge=1, le=100_000)
+    launch_id: LaunchId | None = None
 
 
-def apply_worker_event(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
-    """Fold one worker event into the record. Events for a finished job change nothing."""
+def apply_worker_event(
+    job: JobRecord,
+    event: WorkerEvent,
+    now: float,
+    *,
+    progress_at: float | None = None,
+    window_s: float = WINDOW_S,
+) -> JobRecord:
+    """Fold one worker event into the record. Events for a finished job change nothing.
+    ``progress_at``: when the newest progress came (the old group's last sign of life);
+    ``window_s``: how long a completed incident still takes late reports of it."""
     if job.state.terminal:
         return job
     if event.kind == "group_formed":
-        return _group_formed(job, event, now)
+        return _group_formed(job, event, now, progress_at=progress_at)
     if event.kind == "state_loaded":
         job = _update_recovery(job, state_loaded_at=now, resumed_step=event.step)
         return job.with_event(now, "worker", f"state loaded at step {event.step}")
@@ -55,6 +99,10 @@ def apply_worker_event(job: JobRecord, event: WorkerEvent, now: float) -> JobRec
         return first_step_done(job, event.step, now, new_group=True)
     if event.kind == "failed":
         return _failed(job, event, now)
+    if event.kind == "recovery":
+        return _recovery(job, event, now, window_s=window_s)
+    if event.kind == "spare_promoted":
+        return _spare_promoted(job, event, now)
     who = f"rank {event.rank}" if event.rank is not None else "worker"
     return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
 
@@ -77,24 +125,31 @@ def first_step_done(
 
     ``new_group``: the workers' own ``first_step`` event, sent by a group that just formed.
     Otherwise (a progress report) a rescale is over only once the progress comes at the target
-    world size: until the new nodes join, the old group keeps training and reporting."""
+    world size: until the new nodes join, the old group keeps training and reporting; and a
+    recovery a worker reported is over only once the progress is past the step it resumed from
+    (its ``done`` report says when exactly)."""
     if job.state not in (S.RECOVERING, S.RESCALING):
         return job
     if job.state == S.RESCALING and not new_group and world_size != job.desired_nodes * job.nproc_per_node:
         return job
     recovery = job.current_recovery
     if job.state == S.RECOVERING and recovery is not None:
-        resumed = recovery.resumed_step
-        if resumed is None and step is not None:
-            resumed = max(0, step - 1)
-        job = _update_recovery(job, first_step_at=now, resumed_step=resumed)
+        if recovery.reported and not new_group and not _past(recovery.resumed_step, step):
+            return job
+        resumed = max(0, step - 1) if step is not None else None
+        job = incidents.close(job, len(job.recoveries) - 1, now, resumed_step=resumed)
     return move(job, S.RUNNING, now)
 
 
-def _group_formed(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
+def _past(resumed: int | None, step: int | None) -> bool:
+    return resumed is not None and step is not None and step > resumed
+
+
+def _group_formed(job: JobRecord, event: WorkerEvent, now: float, *, progress_at: float | None) -> JobRecord:
     if event.group_id is not None and event.group_id == job.last_group_id:
         return job
     reformed = job.groups_formed > 0
+    grew = bool(event.world_size and job.world_size and event.world_size > job.world_size)
     job = job.model_copy(
         update={
             "groups_formed": job.groups_formed + 1,
@@ -103,15 +158,64 @@ def _group_formed(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
         }
     )
     job = job.with_event(now, "worker", f"worker group formed with world size {event.world_size}")
+    if reformed and job.state == S.RUNNING and grew:  # a node joined (a replacement): not a failure
+        return move(job, S.RESCALING, now, reason=f"a node joined the group (world size {event.world_size})")
     if reformed and job.state == S.RUNNING:
         reason = "the worker group re-formed (a worker process died and torchrun restarted the group)"
-        recovery = Recovery(reason=reason, failed_at=now, step_before=job.last_step, group_formed_at=now)
-        recoveries = (*job.recoveries, recovery)[-MAX_RECOVERIES:]
-        job = job.model_copy(update={"restarts": job.restarts + 1, "recoveries": recoveries})
+        since = job.state_since if progress_at is None else max(progress_at, job.state_since)
+        job = incidents.open_for_reformation(
+            job, group_id=event.group_id, last_alive=since, now=now, reason=reason
+        )
         return move(job, S.RECOVERING, now, reason=reason)
     if job.state == S.RECOVERING:
         job = _update_recovery(job, group_formed_at=now)
     return job
+
+
+def _recovery(job: JobRecord, event: WorkerEvent, now: float, *, window_s: float) -> JobRecord:
+    """A worker's ``recovery`` report (see :mod:`service.jobs.incidents` for the merge rules). A
+    re-formation that only drops nodes the service stopped is the rescale, not an incident."""
+    if event.phase is None or event.incident is None or event.recovery_kind is None:
+        return job.with_event(now, "worker_recovery", "a recovery report without phase, incident or kind")
+    if incidents.planned(job, event.lost):
+        return job.with_event(
+            now, "worker", f"the group re-formed without the stopped {', '.join(event.lost)}"
+        )
+    report = incidents.Report(
+        phase=event.phase, incident=event.incident, kind=event.recovery_kind, lost=tuple(event.lost),
+        lost_ranks=tuple(event.lost_ranks), failed_at=event.failed_at, detected_at=event.detected_at,
+        formed_at=event.formed_at, transferred_at=event.transferred_at, first_step_at=event.first_step_at,
+        source_rank=event.source_rank, bytes_from_peers=event.bytes_from_peers,
+        bytes_from_storage=event.bytes_from_storage, voided_windows=event.voided_windows,
+        world_before=event.world_before, world_after=event.world_after, step=event.step,
+    )  # fmt: skip
+    before = job.peer_incidents
+    job, index = incidents.fold_report(job, report, now=now, window_s=window_s)
+    recovery = job.recoveries[index]
+    what = f"{recovery.kind} recovery {recovery.incident} {event.phase}"
+    job = job.with_event(now, "recovery", f"{what}: lost {', '.join(recovery.lost) or 'no node'}")
+    if (
+        job.peer_incidents > before
+        and job.max_incidents is not None
+        and job.peer_incidents > job.max_incidents
+    ):
+        reason = (
+            f"{job.peer_incidents} peer recoveries, more than recovery.max_incidents "
+            f"{job.max_incidents} allows (raise it, or find why ranks keep failing)"
+        )
+        return fail(job, now, reason=reason)
+    latest = index == len(job.recoveries) - 1
+    if latest and recovery.open and job.state in (S.RUNNING, S.RESCALING, S.LAUNCHING):
+        return move(job, S.RECOVERING, now, reason=recovery.reason)
+    if latest and not recovery.open and job.state == S.RECOVERING:
+        return move(job, S.RUNNING, now)
+    return job
+
+
+def _spare_promoted(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
+    if event.launch_id is None or event.node_index is None:
+        return job.with_event(now, "spare", "a spare_promoted report without launch_id or node_index")
+    return slots.promote(job, event.launch_id, event.node_index, now)
 
 
 def _update_recovery(job: JobRecord, **fields: object) -> JobRecord:

@@ -1,7 +1,9 @@
 """Ranks' heartbeats: each rank beats every few seconds; a beat reaches etcd when the stored one
 is older than ``write_every_s`` (the server sets a quarter of the reconciler's heartbeat timeout,
 so a live rank is never seen as silent, and each etcd write is a WAL fsync on the training
-machine). The reconciler reads, per launch, the oldest of its ranks' newest beats."""
+machine). The reconciler reads, per launch, the oldest of its ranks' newest beats (is the node
+silent?) and the newest beat of any rank (its last sign of life, which this instance holds
+for every beat it took, written or not: a lost node's recovery is timed from it)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,14 @@ class Heartbeats:
         self._write_every_s = write_every_s
         self._clock = clock
         self._written: dict[str, float] = {}
+        self._heard: dict[str, dict[str, float]] = {}
+        """Per job, per launch id: the newest beat this instance took."""
         self._pruned_at = -math.inf
 
     def beat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
         """A rank is alive: written to etcd when its stored beat is older than ``write_every_s``."""
         now = self._clock()
+        self._heard.setdefault(job_id, {})[launch_id] = now
         key = keys.heartbeat(job_id, launch_id, local_rank)
         if now - self._written.get(key, -math.inf) < self._write_every_s:
             return
@@ -39,13 +44,24 @@ class Heartbeats:
 
     def last_seen(self, job_id: str) -> dict[str, float]:
         """Per launch id, the oldest of its ranks' newest heartbeat times (as stored)."""
+        return self.seen(job_id)[0]
+
+    def seen(self, job_id: str) -> tuple[dict[str, float], dict[str, float]]:
+        """Per launch id: the oldest of its ranks' newest heartbeat times (as stored), and the
+        newest of any of its ranks (stored, or taken by this instance since)."""
         prefix = keys.heartbeats(job_id)
-        out: dict[str, float] = {}
+        oldest: dict[str, float] = {}
+        newest = dict(self._heard.get(job_id, {}))
         for entry in self._writes.store.list_prefix(prefix):
             launch_id = entry.key[len(prefix) :].split("/", 1)[0]
             try:
                 seen = float(json.loads(entry.value)["time"])
             except (ValueError, KeyError, TypeError):
                 continue
-            out[launch_id] = min(out.get(launch_id, seen), seen)
-        return out
+            oldest[launch_id] = min(oldest.get(launch_id, seen), seen)
+            newest[launch_id] = max(newest.get(launch_id, seen), seen)
+        return oldest, newest
+
+    def forget(self, job_id: str) -> None:
+        """The job ended: drop what this instance holds of its beats."""
+        self._heard.pop(job_id, None)

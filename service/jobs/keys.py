@@ -76,6 +76,13 @@ def checkpoint(job_id: str, step: int) -> str:
     return f"{checkpoints(job_id)}{step:012d}"
 
 
+def group_desired(job_id: str) -> str:
+    """What the service wants of a peer-mode job's group (issue 14): ``{"nodes", "spares",
+    "epoch"}``, read by its workers. Under the job's rendezvous prefix: within the job's etcd
+    role, and deleted with the rest of the rendezvous when the job ends."""
+    return f"{rendezvous_prefix(job_id)}group/desired"
+
+
 def job_prefixes(job_id: str) -> tuple[str, ...]:
     """Per-job prefixes (each ends in '/') of transient data, dropped when a job finishes: its
     heartbeats, checkpoint reports and outcomes, and its torchrun rendezvous."""

@@ -12,17 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from service.jobs.model import (
-    MAX_RECOVERIES,
-    JobRecord,
-    JobState,
-    NodePhase,
-    NodeRecord,
-    NodeStatus,
-    Recovery,
-    launch_id,
-)
+from service.jobs import incidents
+from service.jobs.incidents import Loss
+from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, NodeStatus, Recovery
+from service.jobs.slots import Action, Cancel, Launch, end, match_desired, prune, stop_all
 from worker.errors import ElastrainError
+
+__all__ = ["Action", "Cancel", "Launch"]
 
 S = JobState
 ALLOWED: Mapping[JobState, frozenset[JobState]] = {
@@ -35,7 +31,6 @@ ALLOWED: Mapping[JobState, frozenset[JobState]] = {
     S.FAILED: frozenset(),
     S.CANCELLED: frozenset(),
 }
-MAX_ENDED_NODES = 16
 
 
 class IllegalTransitionError(ElastrainError):
@@ -53,6 +48,11 @@ class Policy:
     startup_timeout_s: float = 300.0
     """Outside RUNNING (launching, re-forming) a node may stay silent this long."""
 
+    @property
+    def merge_window_s(self) -> float:
+        """How long after an incident's first step a late observation of it still joins it."""
+        return 2 * self.heartbeat_timeout_s
+
 
 @dataclass(frozen=True, slots=True)
 class Observation:
@@ -61,25 +61,18 @@ class Observation:
     """Scheduler status by launch id, for nodes that have a handle."""
     last_seen: Mapping[str, float] = field(default_factory=dict)
     """By launch id: the oldest of its ranks' newest heartbeat times."""
-
-
-@dataclass(frozen=True, slots=True)
-class Launch:
-    node: NodeRecord
-
-
-@dataclass(frozen=True, slots=True)
-class Cancel:
-    node: NodeRecord
-
-
-Action = Launch | Cancel
+    last_heard: Mapping[str, float] = field(default_factory=dict)
+    """By launch id: the newest heartbeat of any of its ranks (a node's last sign of life)."""
+    progress_at: float | None = None
+    """When the job's newest progress report came (the group's last sign of life)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     job: JobRecord
     actions: tuple[Action, ...] = ()
+    completed: tuple[Recovery, ...] = ()
+    """Recoveries that completed since the metrics last took them (observe them once written)."""
 
 
 def move(job: JobRecord, state: JobState, now: float, *, reason: str | None = None) -> JobRecord:
@@ -112,7 +105,8 @@ def request_scale(job: JobRecord, nodes: int, now: float) -> JobRecord:
         )
     if nodes == job.desired_nodes:
         return job
-    scaled = job.model_copy(update={"desired_nodes": nodes, "updated_at": now})
+    update = {"desired_nodes": nodes, "desired_epoch": job.desired_epoch + 1, "updated_at": now}
+    scaled = job.model_copy(update=update)
     return scaled.with_event(now, "scale", f"desired nodes {job.desired_nodes} -> {nodes}")
 
 
@@ -140,35 +134,39 @@ def confirm_launch(job: JobRecord, node_launch_id: str, handle: str, now: float)
 
 def reconcile(job: JobRecord, obs: Observation, policy: Policy = Policy()) -> Decision:
     """One step of the leader's loop for one job."""
-    job, failed, actions = _observe(job, obs, policy)
+    job, actions = _reconcile(job, obs, policy)
+    job, completed = incidents.completed(prune(job))
+    return Decision(job, tuple(actions), tuple(completed))
+
+
+def _reconcile(job: JobRecord, obs: Observation, policy: Policy) -> tuple[JobRecord, list[Action]]:
+    job, losses, actions = _observe(job, obs, policy)
     if job.state.terminal:
-        return Decision(_prune(job), tuple(actions))
+        return job, actions
     if job.cancel_requested:
-        job, stops = _stop_all(job, obs.now)
-        job = move(job, S.CANCELLED, obs.now, reason="cancelled on request")
-        return Decision(_prune(job), (*actions, *stops))
-    if any(n.phase == NodePhase.SUCCEEDED for n in job.nodes):
-        if not job.active_nodes:
+        job, stops = stop_all(job, obs.now)
+        return move(job, S.CANCELLED, obs.now, reason="cancelled on request"), [*actions, *stops]
+    if any(n.phase == NodePhase.SUCCEEDED and n.role == "member" for n in job.nodes):
+        job, stops = stop_all(job, obs.now, role="spare")  # the run is over: no spare is needed
+        if not job.members:
             job = move(job, S.SUCCEEDED, obs.now)
-        return Decision(_prune(job), tuple(actions))
-    if failed:
-        job, more = _on_failure(job, failed, obs.now)
+        return job, [*actions, *stops]
+    if losses:
+        job, more = _on_failure(job, losses, obs.now, window_s=policy.merge_window_s)
         actions.extend(more)
         if job.state.terminal:
-            return Decision(_prune(job), tuple(actions))
-    actions.extend(Launch(n) for n in job.nodes if n.phase == NodePhase.LAUNCHING and n not in failed)
+            return job, actions
+    lost = {loss.node.launch_id for loss in losses}
+    actions.extend(Launch(n) for n in job.nodes if n.phase == NodePhase.LAUNCHING and n.launch_id not in lost)
     before = job
-    job, changes = _match_desired(job, obs.now)
+    job, changes, members_changed = match_desired(job, obs.now)
     actions.extend(changes)
-    job = _advance(job, before, changed=bool(changes), now=obs.now)
-    return Decision(_prune(job), tuple(actions))
+    return _advance(job, before, changed=members_changed, now=obs.now), actions
 
 
-def _observe(
-    job: JobRecord, obs: Observation, policy: Policy
-) -> tuple[JobRecord, list[NodeRecord], list[Action]]:
-    """Fold scheduler statuses and heartbeats into the nodes; return newly failed nodes."""
-    nodes, failed, actions = list(job.nodes), [], list[Action]()
+def _observe(job: JobRecord, obs: Observation, policy: Policy) -> tuple[JobRecord, list[Loss], list[Action]]:
+    """Fold scheduler statuses and heartbeats into the nodes; return the newly lost ones."""
+    nodes, losses, actions = list(job.nodes), list[Loss](), list[Action]()
     for i, node in enumerate(nodes):
         status = obs.statuses.get(node.launch_id)
         state = status.state if status is not None else "unknown"
@@ -176,28 +174,35 @@ def _observe(
             if state == "running":
                 actions.append(Cancel(node))
             else:
-                nodes[i] = _end(node, NodePhase.STOPPED, obs.now)
+                nodes[i] = end(node, NodePhase.STOPPED, obs.now)
             continue
         if node.phase != NodePhase.RUNNING:
             continue
         if state == "succeeded":
-            nodes[i] = _end(node, NodePhase.SUCCEEDED, obs.now, exit_code=0)
+            nodes[i] = end(node, NodePhase.SUCCEEDED, obs.now, exit_code=0)
         elif state == "failed":
             code = status.exit_code if status is not None else None
-            nodes[i] = _end(node, NodePhase.FAILED, obs.now, exit_code=code)
-            failed.append(nodes[i])
+            nodes[i] = end(node, NodePhase.FAILED, obs.now, exit_code=code)
+            losses.append(Loss(nodes[i], last_sign_of_life(job, node, obs)))
         elif _silent(job, node, obs, policy, scheduler_says_running=state == "running"):
-            nodes[i] = _end(node, NodePhase.LOST, obs.now)
-            failed.append(nodes[i])
+            nodes[i] = end(node, NodePhase.LOST, obs.now)
+            losses.append(Loss(nodes[i], last_sign_of_life(job, node, obs)))
             actions.append(Cancel(node))
-    return job.model_copy(update={"nodes": tuple(nodes)}), failed, actions
+    return job.model_copy(update={"nodes": tuple(nodes)}), losses, actions
 
 
-def _end(node: NodeRecord, phase: NodePhase, now: float, *, exit_code: int | None = None) -> NodeRecord:
-    update: dict[str, object] = {"phase": phase, "ended_at": now}
-    if exit_code is not None:
-        update["exit_code"] = exit_code
-    return node.model_copy(update=update)
+def last_sign_of_life(job: JobRecord, node: NodeRecord, obs: Observation) -> float:
+    """When ``node`` was last known alive: the end of its agent where the scheduler recorded it;
+    else its newest heartbeat, or (restart mode, a member of a training group: every step needs
+    every rank) the group's newest progress, whichever is later; never after now."""
+    status = obs.statuses.get(node.launch_id)
+    if status is not None and status.ended_at is not None:
+        return min(status.ended_at, obs.now)
+    signs = [obs.last_heard.get(node.launch_id), obs.last_seen.get(node.launch_id), node.launched_at]
+    if job.recovery_mode == "restart" and node.role == "member" and job.state == S.RUNNING:
+        signs.append(obs.progress_at)
+    known = [t for t in signs if t is not None]
+    return min(max(known), obs.now) if known else obs.now
 
 
 def _silent(
@@ -214,87 +219,60 @@ def _silent(
     return obs.now - baseline > limit
 
 
+def _name(node: NodeRecord) -> str:
+    return f"{'spare' if node.role == 'spare' else 'node'} {node.index} ({node.launch_id})"
+
+
 def _describe_failure(node: NodeRecord) -> str:
+    what = _name(node)
     if node.phase == NodePhase.LOST:
-        return f"node {node.index} ({node.launch_id}) was lost: no heartbeat and no running app"
+        return f"{what} was lost: no heartbeat and no running app"
     if node.exit_code is None:
-        return f"node {node.index} ({node.launch_id}) failed"
-    return f"node {node.index} ({node.launch_id}) failed with exit code {node.exit_code}"
+        return f"{what} failed"
+    return f"{what} failed with exit code {node.exit_code}"
 
 
 def _on_failure(
-    job: JobRecord, failed: Sequence[NodeRecord], now: float, *, why: str | None = None
+    job: JobRecord, losses: Sequence[Loss], now: float, *, window_s: float, why: str | None = None
 ) -> tuple[JobRecord, list[Action]]:
-    reason = why or "; ".join(_describe_failure(n) for n in failed)
-    for node in failed:
-        job = job.with_event(now, "node_failed", why or _describe_failure(node))
-    if job.restarts >= job.max_restarts:
-        job, stops = _stop_all(job, now)
+    """Lost nodes join the incident they belong to or open one (:mod:`service.jobs.incidents`);
+    a lost spare that no incident lost is replaced. A restart-mode incident, and a replacement
+    that failed, use a restart: beyond ``max_restarts`` the job fails."""
+    for loss in losses:
+        job = job.with_event(now, "node_failed", why or _describe_failure(loss.node))
+    folded = incidents.fold_losses(job, losses, now=now, window_s=window_s)
+    job = folded.job
+    spares = [loss for loss in folded.fresh if loss.node.role == "spare"]
+    fresh = [loss for loss in folded.fresh if loss.node.role == "member"]
+    if spares:
+        job = job.model_copy(update={"spare_failures": job.spare_failures + len(spares)})
+    charge = folded.replacements + (1 if fresh and job.recovery_mode == "restart" else 0)
+    if not fresh and not charge:
+        return job, []
+    reason = why or "; ".join(_describe_failure(loss.node) for loss in fresh or losses)
+    if charge and job.restarts + charge > job.max_restarts:
+        job, stops = stop_all(job, now)
         why = f"{reason}; all {job.max_restarts} restarts are used (raise 'max_restarts' to allow more)"
         return move(job, S.FAILED, now, reason=why), stops
-    recovery = Recovery(reason=reason, failed_at=now, step_before=job.last_step)
-    recoveries = (*job.recoveries, recovery)[-MAX_RECOVERIES:]
-    job = job.model_copy(update={"restarts": job.restarts + 1, "recoveries": recoveries})
-    if job.state in (S.RUNNING, S.RESCALING, S.LAUNCHING):
-        job = move(job, S.RECOVERING, now, reason=reason)
+    job = job.model_copy(update={"restarts": job.restarts + charge})
+    if fresh:
+        charged = job.recovery_mode == "restart"
+        job = incidents.open_for_losses(job, fresh, now=now, reason=reason, charged=charged)
+        if job.state in (S.RUNNING, S.RESCALING, S.LAUNCHING):
+            job = move(job, S.RECOVERING, now, reason=reason)
     return job, []
-
-
-def _stop_all(job: JobRecord, now: float) -> tuple[JobRecord, list[Action]]:
-    nodes, actions = list(job.nodes), list[Action]()
-    for i, node in enumerate(nodes):
-        if node.phase == NodePhase.RUNNING:
-            nodes[i] = node.model_copy(update={"phase": NodePhase.STOPPING})
-            actions.append(Cancel(nodes[i]))
-        elif node.phase == NodePhase.LAUNCHING:
-            nodes[i] = _end(node, NodePhase.STOPPED, now)
-    return job.model_copy(update={"nodes": tuple(nodes)}), actions
-
-
-def _match_desired(job: JobRecord, now: float) -> tuple[JobRecord, list[Action]]:
-    """Launch into free slots or stop the highest slots until active nodes == desired."""
-    nodes, actions = list(job.nodes), list[Action]()
-    active = [n for n in nodes if n.phase.active]
-    busy = {n.index for n in nodes if n.phase.active or n.phase == NodePhase.STOPPING}
-    attempts = dict(job.next_attempt)  # never pruned, so a launch id is never reused
-    for _ in range(job.desired_nodes - len(active)):
-        index = next(i for i in range(len(busy) + 1) if i not in busy)
-        attempt = max(
-            attempts.get(index, 0), 1 + max((n.attempt for n in nodes if n.index == index), default=-1)
-        )
-        attempts[index] = attempt + 1
-        new = NodeRecord(index=index, attempt=attempt, launch_id=launch_id(job.id, index, attempt))
-        nodes.append(new)
-        busy.add(index)
-        actions.append(Launch(new))
-    surplus = max(0, len(active) - job.desired_nodes)
-    for node in sorted(active, key=lambda n: n.index, reverse=True)[:surplus]:
-        i = nodes.index(node)
-        if node.phase == NodePhase.RUNNING:
-            nodes[i] = node.model_copy(update={"phase": NodePhase.STOPPING})
-            actions.append(Cancel(nodes[i]))
-        else:
-            nodes[i] = _end(node, NodePhase.STOPPED, now)
-    return job.model_copy(update={"nodes": tuple(nodes), "next_attempt": attempts}), actions
 
 
 def _advance(job: JobRecord, before: JobRecord, *, changed: bool, now: float) -> JobRecord:
     if job.state == S.PENDING and job.nodes:
         return move(job, S.LAUNCHING, now)
-    all_up = bool(job.active_nodes) and all(n.phase == NodePhase.RUNNING for n in job.active_nodes)
-    if job.state == S.LAUNCHING and all_up and len(job.active_nodes) == job.desired_nodes:
+    members = job.members
+    all_up = bool(members) and all(n.phase == NodePhase.RUNNING for n in members)
+    if job.state == S.LAUNCHING and all_up and len(members) == job.desired_nodes:
         return move(job, S.RUNNING, now)
-    if job.state == S.RUNNING and changed and before.active_nodes:
+    if job.state == S.RUNNING and changed and before.members:
         return move(job, S.RESCALING, now, reason=f"to {job.desired_nodes} nodes")
     return job
-
-
-def _prune(job: JobRecord) -> JobRecord:
-    ended = [n for n in job.nodes if n.phase.ended]
-    if len(ended) <= MAX_ENDED_NODES:
-        return job
-    drop = {id(n) for n in ended[: len(ended) - MAX_ENDED_NODES]}
-    return job.model_copy(update={"nodes": tuple(n for n in job.nodes if id(n) not in drop)})
 
 
 def fail(job: JobRecord, now: float, *, reason: str) -> JobRecord:
@@ -303,19 +281,26 @@ def fail(job: JobRecord, now: float, *, reason: str) -> JobRecord:
     returned as is."""
     if job.state.terminal:
         return job
-    job, _ = _stop_all(job, now)
+    job, _ = stop_all(job, now)
     return move(job, S.FAILED, now, reason=reason)
 
 
-def launch_failed(job: JobRecord, node_launch_id: str, message: str, now: float) -> JobRecord:
+def launch_failed(
+    job: JobRecord,
+    node_launch_id: str,
+    message: str,
+    now: float,
+    *,
+    window_s: float = Policy().merge_window_s,
+) -> JobRecord:
     """The scheduler refused to launch a node: it counts as a failed node (restart or FAILED)."""
     nodes = list(job.nodes)
     for i, node in enumerate(nodes):
         if node.launch_id == node_launch_id and node.phase == NodePhase.LAUNCHING:
             if job.state.terminal:
                 return job
-            nodes[i] = _end(node, NodePhase.FAILED, now)
+            nodes[i] = end(node, NodePhase.FAILED, now)
             job = job.model_copy(update={"nodes": tuple(nodes)})
-            why = f"node {node.index} ({node.launch_id}) could not be launched: {message}"
-            return _on_failure(job, [nodes[i]], now, why=why)[0]
+            why = f"{_name(node)} could not be launched: {message}"
+            return _on_failure(job, [Loss(nodes[i], now)], now, window_s=window_s, why=why)[0]
     return job

@@ -9,7 +9,7 @@ stored record is decoded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -19,6 +19,16 @@ from worker.spec import JobSpec
 
 MAX_EVENTS = 50
 MAX_RECOVERIES = 20
+MAX_LOST_RANKS = 256
+"""Lost ranks kept per recovery (a worker may report up to 1024; the record stays small)."""
+
+RecoveryMode = Literal["peer", "restart"]
+"""How a job recovers (:mod:`service.jobs.peer`): from its peers' memory, or by torchrun's restart."""
+RecoveryKind = Literal["peer", "storage", "restart"]
+"""Which recovery happened: state from a peer's memory, from the checkpoint in process, or a
+restart of the workers (torchrun's, or the service's relaunch)."""
+NodeRole = Literal["member", "spare"]
+"""A node app of the job's group (one per slot), or a warm spare outside it (peer mode)."""
 
 
 class JobState(StrEnum):
@@ -72,11 +82,14 @@ NodeState = Literal["running", "succeeded", "failed", "unknown"]
 class NodeStatus:
     """What a scheduler says about one node app (the value the state machine reasons about and
     every scheduler returns). ``exit_code`` is known for ended local nodes (``128 + signal``
-    when killed) and is ``0`` for any succeeded node."""
+    when killed) and is ``0`` for any succeeded node; ``ended_at`` (Unix time) is when an ended
+    node's torchrun agent ended, where the scheduler recorded it (local nodes): it says when, not
+    what, and two statuses that differ only in it are equal."""
 
     state: NodeState
     exit_code: int | None = None
     message: str = ""
+    ended_at: float | None = field(default=None, compare=False)
 
 
 class _Frozen(BaseModel):
@@ -84,7 +97,11 @@ class _Frozen(BaseModel):
 
 
 class NodeRecord(_Frozen):
+    """One launch of one node app. A member's ``index`` is its slot (``0 .. max_nodes - 1``); a
+    spare's is ``max_nodes + k`` for the k-th spare place, until it is promoted into a slot."""
+
     index: int
+    role: NodeRole = "member"
     attempt: int = 0
     launch_id: str
     phase: NodePhase = NodePhase.LAUNCHING
@@ -101,23 +118,56 @@ class JobEvent(_Frozen):
 
 
 class Recovery(_Frozen):
-    """One unplanned re-formation of the worker group, measured from the service's view."""
+    """One incident: a failure and the recovery it caused, from the last sign of life of what was
+    lost to the first step of the repaired group (:mod:`service.jobs.incidents` folds the
+    service's own observations and the workers' reports into it).
+
+    ``failed_at``: the last sign of life of what was lost: a worker's measurement when a worker
+    reported the incident (``reported``), else the service's (a lost node's end time as its
+    scheduler recorded it, else its newest heartbeat or the group's newest progress).
+    ``detected_at``: when the failure was noticed (a survivor or the service).
+    ``state_loaded_at``: the state was in place (transferred from a peer, or restored)."""
 
     reason: str
     failed_at: float
+    incident: str = ""
+    """The workers' incident id, or ``node:<launch id>`` / ``group:<group id>`` while only the
+    service has seen it."""
+    kind: RecoveryKind = "restart"
+    reported: bool = False
+    """A worker's ``recovery`` report describes it: its times and kind are measured, not guessed."""
+    lost: tuple[str, ...] = ()
+    """Launch ids of the node apps lost in it."""
+    lost_ranks: tuple[int, ...] = ()
+    detected_at: float | None = None
     step_before: int | None = None
     group_formed_at: float | None = None
     state_loaded_at: float | None = None
     resumed_step: int | None = None
     first_step_at: float | None = None
+    source_rank: int | None = None
+    bytes_from_peers: int = 0
+    bytes_from_storage: int = 0
+    voided_windows: int = 0
+    world_before: int | None = None
+    world_after: int | None = None
+    charged: bool = False
+    """It used one of the job's ``max_restarts``."""
+    observed: bool = False
+    """Its numbers went into the metrics (once, when it completed)."""
 
     @property
     def seconds(self) -> float | None:
         """Failure -> first finished step after resume, or None while in progress."""
-        return None if self.first_step_at is None else self.first_step_at - self.failed_at
+        return None if self.first_step_at is None else max(0.0, self.first_step_at - self.failed_at)
+
+    @property
+    def open(self) -> bool:
+        return self.first_step_at is None
 
     @property
     def steps_lost(self) -> int | None:
+        """Steps trained again: the newest step before the failure less the one resumed from."""
         if self.step_before is None or self.resumed_step is None:
             return None
         return max(0, self.step_before - self.resumed_step)
@@ -138,11 +188,21 @@ class JobRecord(_Frozen):
     nproc_per_node: int
     max_restarts: int
     checkpoint_dir: str
+    recovery_mode: RecoveryMode = "restart"
+    spares: int = 0
+    """Warm spare node apps kept beside the members (peer mode)."""
+    max_incidents: int | None = None
+    """Peer incidents allowed before the job fails (None: no limit)."""
+    desired_epoch: int = 0
+    """Grows with every change of the desired size the workers are told (etcd ``desired``)."""
     worker_token_hash: str
     nodes: tuple[NodeRecord, ...] = ()
     next_attempt: dict[int, int] = Field(default_factory=dict)
     """Per node slot, the next launch attempt number (kept when old nodes are pruned)."""
     restarts: int = 0
+    """Recoveries that restarted the workers (they use ``max_restarts``); peer ones do not."""
+    peer_incidents: int = 0
+    spare_failures: int = 0
     cancel_requested: bool = False
     world_size: int | None = None
     last_step: int | None = None
@@ -175,9 +235,14 @@ class JobRecord(_Frozen):
         return tuple(n for n in self.nodes if n.phase.active)
 
     @property
+    def members(self) -> tuple[NodeRecord, ...]:
+        """Active member nodes (the group's slots; spares left out)."""
+        return tuple(n for n in self.nodes if n.phase.active and n.role == "member")
+
+    @property
     def current_recovery(self) -> Recovery | None:
         last = self.recoveries[-1] if self.recoveries else None
-        return last if last is not None and last.first_step_at is None else None
+        return last if last is not None and last.open else None
 
     def with_event(self, now: float, kind: str, message: str) -> JobRecord:
         events = (*self.events, JobEvent(time=now, kind=kind, message=message))[-MAX_EVENTS:]

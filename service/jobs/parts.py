@@ -12,6 +12,7 @@ from pathlib import Path
 from service.etcd.kv import Fence, KVStore
 from service.jobs.budget import WorkerBudget
 from service.jobs.cache import TTLCache
+from service.jobs.events import WINDOW_S
 from service.jobs.heartbeats import Heartbeats
 from service.jobs.progress import ProgressBuffer
 from service.jobs.service import JobService
@@ -45,11 +46,13 @@ class JobParts:
         on_job_write: Callable[[str], None] = lambda job_id: None,
         heartbeat_write_s: float = 15.0,
         progress_flush_s: float = 5.0,
+        merge_window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.time,
     ) -> JobParts:
         """``fence_source``: this instance's leader fence (None while it does not lead; leave it
         out for unfenced writes); ``on_job_write``: hears of every write of a job record (the
-        server wakes the reconciler)."""
+        server wakes the reconciler); ``merge_window_s``: how long a completed incident takes
+        late reports of it (two heartbeat timeouts)."""
         views = TTLCache[bytes](VIEW_CACHE_S)
         writes = LeaderWrites(store, fence_source=fence_source, on_refused=on_fence_refused)
         progress = ProgressBuffer(writes, flush_s=progress_flush_s, on_change=views.drop, clock=clock)
@@ -61,6 +64,7 @@ class JobParts:
             clock=clock,
             on_change=views.drop,
             on_job_write=on_job_write,
+            merge_window_s=merge_window_s,
         )
         heartbeats = Heartbeats(writes, write_every_s=heartbeat_write_s, clock=clock)
         return cls(

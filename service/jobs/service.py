@@ -15,16 +15,16 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from service.etcd.kv import Fence, KVStore, Write
-from service.jobs import keys
+from service.jobs import keys, peer
 from service.jobs.cache import TTLCache
 from service.jobs.claims import check_free, claim_write
 from service.jobs.errors import ConflictError, NotFoundError
-from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done, merge_progress
+from service.jobs.events import WINDOW_S, WorkerEvent, apply_worker_event, first_step_done, merge_progress
 from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.paths import checkpoint_dir, resume_source
@@ -79,6 +79,7 @@ class JobService:
         on_change: Callable[[str], None] = lambda job_id: None,
         on_job_write: Callable[[str], None] = lambda job_id: None,
         record_cache_s: float = 2.0,
+        merge_window_s: float = WINDOW_S,
     ) -> None:
         self.writes = writes
         self.storage_root = storage_root
@@ -88,6 +89,8 @@ class JobService:
         self.clock = clock
         self._on_change = on_change
         self._on_job_write = on_job_write
+        self.merge_window_s = merge_window_s
+        """How long a completed incident takes late reports of it (two heartbeat timeouts)."""
         self._recent = TTLCache[JobRecord](record_cache_s, clock=time.monotonic)
         """Records for :meth:`get_recent` (this instance's own writes drop them at once; only the
         leader writes, so one is stale only across a failover)."""
@@ -208,6 +211,7 @@ class JobService:
             ]
             if idempotency_key is not None:
                 writes.append(Write(keys.idempotency(idempotency_key), record.id.encode(), 0))
+            writes += desired_writes(record)
             if self.writes.commit(writes, fence=fence):
                 self._mark(directory, record.id)
                 self._on_change(record.id)
@@ -260,6 +264,10 @@ class JobService:
             nproc_per_node=spec.nproc_per_node,
             max_restarts=spec.max_restarts,
             checkpoint_dir=str(directory),
+            recovery_mode=peer.recovery_mode(spec),
+            spares=peer.spares(spec),
+            max_incidents=peer.max_incidents(spec),
+            desired_epoch=1,
             worker_token_hash=hash_token(derive_worker_token(self.secret, job_id)),
             created_at=now,
             updated_at=now,
@@ -267,12 +275,18 @@ class JobService:
         return record.with_event(now, "submitted", f"submitted with nodes {spec.nodes}")
 
     def update(
-        self, job_id: str, change: Callable[[JobRecord], JobRecord], *, fence: Fence | None = None
+        self,
+        job_id: str,
+        change: Callable[[JobRecord], JobRecord],
+        *,
+        fence: Fence | None = None,
+        also: Callable[[JobRecord], builtins.list[Write]] | None = None,
     ) -> JobRecord:
         """Apply ``change`` with compare-and-set, retrying lost races. A change that returns the
         record unchanged writes nothing. Raises NotFoundError, NotLeaderError, ConflictError.
         The fence is taken before the first read: the write lands only if the leadership under
-        which the record was read still holds."""
+        which the record was read still holds. ``also``: more writes of the changed record's,
+        in the same transaction."""
         fence = fence if fence is not None else self.writes.fence()
         for _ in range(50):
             record, revision, unreadable = self.read(job_id)
@@ -284,16 +298,24 @@ class JobService:
                     f"job {job_id}'s stored record cannot be read ({unreadable.problem}); the "
                     "reconciler fails the job and keeps the record as found"
                 )
-            if self.write_record(changed, revision, fence=fence):
+            if self.write_record(changed, revision, fence=fence, also=also(changed) if also else ()):
                 return changed
         raise ConflictError(f"job {job_id} changed too often to update; retry the request")
 
     def write_record(
-        self, record: JobRecord, revision: int, *, fence: Fence | None = None, wake: bool = True
+        self,
+        record: JobRecord,
+        revision: int,
+        *,
+        fence: Fence | None = None,
+        wake: bool = True,
+        also: Sequence[Write] = (),
     ) -> bool:
-        """Compare-and-set the job record (fenced); on success drop what this instance cached of
-        it and tell the listeners (``wake``: the reconciler too). False when the revision moved."""
-        if not self.writes.commit([Write(keys.job(record.id), record.to_json(), revision)], fence=fence):
+        """Compare-and-set the job record (fenced), with ``also`` in the same transaction; on
+        success drop what this instance cached of it and tell the listeners (``wake``: the
+        reconciler too). False when the revision moved."""
+        writes = [Write(keys.job(record.id), record.to_json(), revision), *also]
+        if not self.writes.commit(writes, fence=fence):
             return False
         self.forget(record.id)
         if wake:
@@ -301,11 +323,13 @@ class JobService:
         return True
 
     def scale(self, job_id: str, nodes: int) -> JobRecord:
+        """Set the desired node count; a peer-mode job's workers are told in the same write."""
+
         def change(record: JobRecord) -> JobRecord:
             failpoint("service_before_scale_write")  # between the read and the fenced write
             return request_scale(record, nodes, self.clock())
 
-        return self.update(job_id, change)
+        return self.update(job_id, change, also=desired_writes)
 
     def cancel(self, job_id: str) -> JobRecord:
         """Idempotent: cancelling a finished or cancelling job returns it unchanged."""
@@ -324,8 +348,19 @@ class JobService:
 
     def worker_event(self, job_id: str, event: WorkerEvent) -> JobRecord:
         progress = self.progress.newest(job_id)
+        progress_at = progress.time if progress is not None else None
 
         def change(record: JobRecord) -> JobRecord:
-            return apply_worker_event(merge_progress(record, progress), event, self.clock())
+            merged = merge_progress(record, progress)
+            return apply_worker_event(
+                merged, event, self.clock(), progress_at=progress_at, window_s=self.merge_window_s
+            )
 
         return self.update(job_id, change)
+
+
+def desired_writes(record: JobRecord) -> list[Write]:
+    """The write of what a peer-mode job's workers aim for (``keys.group_desired``): the
+    service is etcd's root, the key is under the job's rendezvous prefix. None in restart mode."""
+    value = peer.desired(record)
+    return [] if value is None else [Write(keys.group_desired(record.id), value, None)]

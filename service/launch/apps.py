@@ -1,17 +1,27 @@
-"""Nodes as TorchX apps: one torchrun agent per node of a job, all sharing one rendezvous id.
+"""Nodes as TorchX apps: one torchrun agent per node of a job.
 
 Pure (no I/O, no torch): :func:`node_app` turns one :class:`~service.launch.protocol.NodeLaunch`
-into a ``torchx.specs.AppDef`` whose single role runs::
+into a ``torchx.specs.AppDef`` whose single role runs, in restart mode (all agents of a job in
+one rendezvous; torchrun restarts the whole group on a failure)::
 
     python -m torch.distributed.run --nnodes MIN:MAX --nproc-per-node P
         --rdzv-backend etcd-v3 --rdzv-endpoint ETCD --rdzv-id JOB --max-restarts R
         --rdzv-conf <service.rendezvous.config defaults> --module worker --config SPEC
 
+and in peer mode (issue 14: each agent has a private one-node rendezvous, so torchrun's restart on
+a membership change can never stop the survivors; the workers form the job's group themselves)::
+
+    python -m torch.distributed.run --standalone --nnodes 1:1 --nproc-per-node P
+        --max-restarts R --monitor-interval 0.1 --module worker --config SPEC
+
 with the environment of :func:`node_env`, the one place that says what a node is told:
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's first-restart trap), ``ELASTRAIN_JOB_ID``,
-``ELASTRAIN_NODE_INDEX`` and ``ELASTRAIN_LAUNCH_ID``, over what the service adds (its URL, the
-worker token, the checkpoint directory). :func:`local_node_app` wraps the app for one machine.
-What a launch will submit, as a value, is :mod:`service.launch.dryrun`.
+``ELASTRAIN_NODE_INDEX`` and ``ELASTRAIN_LAUNCH_ID``, in peer mode ``ELASTRAIN_RECOVERY=peer`` and
+``ELASTRAIN_ROLE`` (``member`` or ``spare``), over what the service adds (its URL, the worker
+token, the checkpoint directory, the etcd endpoints and the job's etcd user). On Kubernetes a
+peer-mode pod also gets ``ELASTRAIN_NODE_ADDR``, its own IP (:mod:`service.launch.dryrun`); on
+one machine the worker finds its address itself. :func:`local_node_app` wraps the app for one
+machine. What a launch will submit, as a value, is :mod:`service.launch.dryrun`.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ ROLE_NAME = "node"
 SPEC_ENV = "ELASTRAIN_SPEC_JSON"
 K8S_SPEC_PATH = "/tmp/elastrain/spec.json"
 LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+RECOVERY_ENV, ROLE_ENV, NODE_ADDR_ENV = "ELASTRAIN_RECOVERY", "ELASTRAIN_ROLE", "ELASTRAIN_NODE_ADDR"
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"
 
 
@@ -107,8 +118,21 @@ def torchrun_args(
     spec_path: str,
     rdzv: RendezvousConfig,
     module: str = "worker",
+    peer: bool = False,
 ) -> list[str]:
-    """The arguments after ``python``: torchrun (as a module) running ``-m <module>``."""
+    """The arguments after ``python``: torchrun (as a module) running ``-m <module>``; with
+    ``peer``, a private one-node rendezvous (see the module docstring)."""
+    if peer:
+        return [
+            "-m", "torch.distributed.run",
+            "--standalone",
+            "--nnodes=1:1",
+            f"--nproc-per-node={spec.nproc_per_node}",
+            f"--max-restarts={spec.max_restarts}",
+            "--monitor-interval=0.1",
+            "--module", module,
+            "--config", spec_path,
+        ]  # fmt: skip
     lo, hi = parse_nodes(spec.nodes)
     return [
         "-m", "torch.distributed.run",
@@ -129,7 +153,9 @@ def node_env(node: NodeLaunch) -> dict[str, str]:
     """The environment of a node's torchrun agent (and so of its workers): the spec's ``env``
     (the team's, e.g. ``PYTHONPATH``), what the service says (``node.env``), then what no caller
     overrides: the rendezvous variable and who the node is. (The spec cannot name the service's
-    variables: :func:`worker.spec_limits.check_env_name`.)"""
+    variables: :func:`worker.spec_limits.check_env_name`.) In peer mode: the recovery and the
+    node's role."""
+    peer = {RECOVERY_ENV: "peer", ROLE_ENV: node.role} if node.recovery == "peer" else {}
     return {
         **node.spec.env,
         **dict(node.env),
@@ -137,6 +163,7 @@ def node_env(node: NodeLaunch) -> dict[str, str]:
         "ELASTRAIN_JOB_ID": node.job_id,
         "ELASTRAIN_NODE_INDEX": str(node.node_index),
         "ELASTRAIN_LAUNCH_ID": node.launch_id,
+        **peer,
     }
 
 
@@ -167,8 +194,9 @@ def node_app(
     config = rdzv or RendezvousConfig()
     path = spec_path or K8S_SPEC_PATH
     args = torchrun_args(
-        node.job_id, node.spec, rdzv_endpoint=rdzv_endpoint, spec_path=path, rdzv=config, module=module
-    )
+        node.job_id, node.spec, rdzv_endpoint=rdzv_endpoint, spec_path=path, rdzv=config, module=module,
+        peer=node.recovery == "peer",
+    )  # fmt: skip
     role_env = node_env(node)
     if spec_path is None:
         role_env[SPEC_ENV] = spec_json(node.spec)

@@ -22,7 +22,7 @@ from typing import Any
 from torchx import specs
 from torchx.specs import AppDryRunInfo
 
-from service.launch.apps import SchedulerSettings, k8s_name, node_app
+from service.launch.apps import NODE_ADDR_ENV, SchedulerSettings, k8s_name, node_app
 from service.launch.protocol import NodeLaunch
 
 KUBERNETES = "kubernetes"
@@ -95,7 +95,11 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
     )
     info = KubernetesScheduler("elastrain").submit_dryrun(app, kubernetes_cfg(settings))
     name = k8s_name(node.launch_id, limit=63)
-    info.request.resource = finish_volcano_job(info.request.resource, settings, name=name)
+    job = finish_volcano_job(info.request.resource, settings, name=name)
+    if node.recovery == "peer":
+        for task in job["spec"]["tasks"]:
+            give_pod_ip(task["template"])
+    info.request.resource = job
     info._scheduler = KUBERNETES  # what TorchX's Runner.schedule dispatches on
     return info
 
@@ -105,7 +109,8 @@ def kubernetes_dryrun(node: NodeLaunch, settings: SchedulerSettings) -> dict[str
     ``metadata.namespace`` is the target namespace, ``metadata.name`` the launch id,
     ``spec.queue`` the Volcano queue and ``spec.tasks[0].template`` the worker pod (image,
     command, env, service account, resources, the checkpoint claim mounted at
-    ``settings.checkpoint_mount``). Pure; see :func:`worker_pod`."""
+    ``settings.checkpoint_mount``; in peer mode ``ELASTRAIN_NODE_ADDR`` from the pod's IP).
+    Pure; see :func:`worker_pod`."""
     job: dict[str, Any] = kubernetes_request(node, settings).request.resource
     return job
 
@@ -160,6 +165,15 @@ def harden_pod(pod: dict[str, Any], *, metrics_port: int | None) -> None:
     if metrics_port is not None:
         annotations = pod.setdefault("metadata", {}).setdefault("annotations", {})
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port)})
+
+
+def give_pod_ip(pod: dict[str, Any]) -> None:
+    """Tell a peer-mode worker the address the other workers reach it at: ``ELASTRAIN_NODE_ADDR``
+    from the pod's own IP (the downward API; TorchX's env takes plain strings only). In place."""
+    for container in pod["spec"]["containers"]:
+        env = container.setdefault("env", [])
+        env[:] = [e for e in env if e.get("name") != NODE_ADDR_ENV]
+        env.append({"name": NODE_ADDR_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
 
 
 def kubernetes_cfg(settings: SchedulerSettings) -> dict[str, specs.CfgVal]:

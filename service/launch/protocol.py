@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from service.jobs.model import NodeState, NodeStatus
+from service.jobs.errors import InvalidRequestError
+from service.jobs.model import JobRecord, NodeRecord, NodeRole, NodeState, NodeStatus, RecoveryMode
 from worker.spec import JobSpec
 
-__all__ = ["UNKNOWN", "NodeLaunch", "NodeState", "NodeStatus", "Scheduler"]
+__all__ = ["UNKNOWN", "NodeLaunch", "NodeState", "NodeStatus", "Scheduler", "node_launch"]
 
 UNKNOWN = NodeStatus("unknown")
 
@@ -29,6 +30,21 @@ class NodeLaunch:
     env: Mapping[str, str] = field(default_factory=dict)
     """What the service tells the node (its URL, the worker token, the checkpoint directory,
     the etcd endpoints); who the node is, the scheduler adds (``service.launch.apps.node_env``)."""
+    recovery: RecoveryMode = "restart"
+    """``peer``: a one-node torchrun whose workers form the job's group themselves (issue 14);
+    ``restart``: every node's torchrun in one rendezvous across nodes."""
+    role: NodeRole = "member"
+    """A member of the group, or a warm spare (peer mode)."""
+
+
+def node_launch(job: JobRecord, node: NodeRecord, env: Mapping[str, str]) -> NodeLaunch:
+    """The launch of ``node`` of ``job`` that the reconciler asks its scheduler for: in the job's
+    recovery mode and with the node's role. Pure."""
+    if job.spec is None:  # only the FAILED stand-in of an unreadable record has none; it launches nothing
+        raise InvalidRequestError(f"job {job.id} has no readable spec; nothing of it can be launched")
+    return NodeLaunch(
+        job.id, job.spec, node.index, node.launch_id, env, recovery=job.recovery_mode, role=node.role
+    )
 
 
 class Scheduler(Protocol):

@@ -77,7 +77,9 @@ def status_from_records(
     note = "cancelled" if cancelled else ""
     if ended is not None:
         code = int(ended["exit_code"])
-        return NodeStatus("succeeded" if code == 0 else "failed", code, note)
+        at = ended.get("ended_at")
+        when = float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None
+        return NodeStatus("succeeded" if code == 0 else "failed", code, note, ended_at=when)
     if node is None:
         return NodeStatus("unknown", message="the node never started (no node.json)")
     if alive:

@@ -25,9 +25,9 @@ from service.api.schemas import (
 )
 from service.checkpoints.results import CheckpointOutcome, ResumeAnswer
 from service.checkpoints.service import Checkpoints
-from service.jobs.callbacks import check_node, check_open, check_rank, check_step, check_world_size
+from service.jobs.callbacks import check_event, check_node, check_open, check_step, check_world_size
 from service.jobs.errors import OverBudgetError
-from service.jobs.model import JobRecord, JobState, Progress
+from service.jobs.model import JobRecord, Progress
 from service.jobs.tokens import hash_token
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["workers"])
@@ -102,30 +102,18 @@ def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextD
     report = Progress(**body.model_dump(), time=ctx.jobs.clock())
     ctx.progress.report(record, report)
     ctx.metrics.observe_job(record, report, now=report.time)
-    _observe_recovery(ctx, record, ctx.jobs.progress_reported(record, report))  # may end a recovery
+    ctx.jobs.progress_reported(record, report)  # may end a recovery (the reconciler observes it)
     return _ack(record)
-
-
-def _observe_recovery(ctx: Context, before: JobRecord, after: JobRecord) -> None:
-    """A recovery that this write completed (its first step done) is observed once."""
-    ended = before.state == JobState.RECOVERING and after.state == JobState.RUNNING
-    if ended and after.recoveries and after.recoveries[-1].seconds is not None:
-        ctx.metrics.observe_recovery(before.id, after.recoveries[-1])
 
 
 @router.post("/workers/events", response_model=Ack, responses=_WRITE)
 def event(job_id: str, body: WorkerEventRequest, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
-    """group_formed (rank 0, once per formation), state_loaded, first_step, failed, finished, log."""
+    """group_formed (rank 0, once per formation), state_loaded, first_step, failed, finished, log;
+    in peer mode recovery (started, done) and spare_promoted."""
     before = _job(ctx, job_id, auth, request)
-    check_world_size(before, body.world_size)
-    check_rank(before, body.rank)
-    if body.node_index is not None and body.node_index >= before.max_nodes:
-        raise ApiError(422, "invalid_request", f"node index {body.node_index} is not below the job's "
-                       f"largest node count {before.max_nodes}", field="node_index")  # fmt: skip
+    check_event(before, body, now=ctx.jobs.clock())
     _write(ctx, auth, before, _size(request))
-    after = ctx.jobs.worker_event(job_id, body)
-    _observe_recovery(ctx, before, after)
-    return _ack(after)
+    return _ack(ctx.jobs.worker_event(job_id, body))
 
 
 @router.post(

@@ -321,4 +321,5 @@ def test_report_for_a_service_job_adds_the_recoveries_the_service_measured(obser
     assert names == list(PHASES[-len(names) :]) and names[-1] == "first_step", recovery["phases"]
     assert all(p["seconds"] >= 0 for p in recovery["phases"]), recovery["phases"]
     text, _ = report(observed.job, *args)
-    assert "service #1: the worker group re-formed" in text
+    assert recovery["kind"] == "restart", recovery
+    assert "incident #1" in text and ": restart" in text and "the worker group re-formed" in text

@@ -1,14 +1,22 @@
 """Run ``elastrain serve`` with a file-backed fake scheduler (a separate process, so tests can
 ``kill -9`` it). The scheduler keeps everything in ``--nodes-dir``: ``<launch id>.json`` per
 launch (with the environment a node would get), one line per launch in ``launches.log``, and
-the status a test sets in ``<launch id>.status`` (running until then)."""
+the status a test sets in ``<launch id>.status`` (running until then; with the time its agent
+ended, as ``node_exec`` records it). ``ELASTRAIN_TEST_SPEC_SHIM=1`` gives the JobSpec the fields of
+issue 14 before the worker half that adds them is merged (``spec_shim.py``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+if os.environ.get("ELASTRAIN_TEST_SPEC_SHIM") == "1":  # before the service is imported
+    from spec_shim import install
+
+    install()
 
 from service.launch.apps import node_env
 from service.launch.protocol import NodeLaunch, NodeStatus
@@ -41,7 +49,7 @@ class FileScheduler:
             raw = json.loads((self.dir / f"{launch_id}.status").read_text())
         except (OSError, ValueError):
             return NodeStatus("running")
-        return NodeStatus(raw["state"], raw.get("exit_code"))
+        return NodeStatus(raw["state"], raw.get("exit_code"), ended_at=raw.get("ended_at"))
 
     def cancel(self, handle: str) -> None:
         launch_id = handle.removeprefix("file://")

@@ -100,14 +100,17 @@ class ServiceProcess:
         """The sum of ``name``'s samples whose labels include ``labels``, from a scrape of
         /metrics as Prometheus would take it; fails when the service exports no such metric."""
         page = httpx.get(f"{self.url}/metrics", timeout=5).text
-        families = [f for f in text_string_to_metric_families(page) if name in (f.name, f.name + "_total")]
+        suffixes = ("", "_total", "_count", "_sum", "_bucket")
+        families = [f for f in text_string_to_metric_families(page) if name in {f.name + x for x in suffixes}]
         assert families, f"{name} is not exported"
         samples = [s for f in families for s in f.samples if s.name == name]
         return sum(s.value for s in samples if labels.items() <= s.labels.items())
 
-    def set_status(self, launch_id: str, state: str, exit_code: int | None = None) -> None:
+    def set_status(
+        self, launch_id: str, state: str, exit_code: int | None = None, *, ended_at: float | None = None
+    ) -> None:
         (self.nodes_dir / f"{launch_id}.status").write_text(
-            json.dumps({"state": state, "exit_code": exit_code})
+            json.dumps({"state": state, "exit_code": exit_code, "ended_at": ended_at})
         )
 
 

@@ -250,3 +250,66 @@ def test_parse_events_keeps_only_event_objects() -> None:
     assert parse_events(['{"event": "x", "time": 1}', '{"time": 1}', "[1]", '{"event": "y"}']) == [
         {"event": "x", "time": 1}
     ]
+
+
+def peer_run() -> list[dict[str, Any]]:
+    """Issue 14: rank 1 is lost after step 12; the survivors and a spare re-form (generation 2,
+    the same processes), the state moves from a peer, and training goes on from step 12."""
+    events = [ev("run_record", 0.0, world_size=2, restart_count=0)]
+    events += [progress(1.0 + 0.1 * s, s) for s in range(1, 13)]
+    lost_at = T0 + 2.25
+    events += [
+        ev("recovery_detected", 2.27, failed_at=lost_at, generation=1),
+        ev("group_formed", 2.30, generation=2, rank=0, world_size=2),
+        ev("state_transferred", 2.34, generation=2, source_rank=0, bytes=4_800_000),
+        ev(
+            "recovery_incident", 2.36, incident="g1", kind="peer", lost_launch_ids=["demo-n1-a0"],
+            failed_at=lost_at, detected_at=T0 + 2.27, bytes_from_peers=4_800_000, voided_windows=1,
+            world_before=2, world_after=2,
+            phases={"detected": T0 + 2.27, "formed": T0 + 2.30, "transferred": T0 + 2.34, "ready": T0 + 2.36},
+        ),
+    ]  # fmt: skip
+    events += [progress(2.40 + 0.1 * (s - 13), s) for s in range(13, 21)]
+    return [*events, ev("finished", 3.5, step=20)]
+
+
+def test_a_peer_recovery_is_an_incident_not_a_restart() -> None:
+    report = build_report(Run("r", peer_run()))
+    assert report["restarts"] == []  # the processes kept running: one attempt
+    (incident,) = report["incidents"]
+    assert (incident["kind"], incident["lost"], incident["bytes_from_peers"]) == (
+        "peer",
+        ["demo-n1-a0"],
+        4_800_000,
+    )
+    assert [p["name"] for p in incident["phases"]] == ["detect", "reform", "transfer", "first_step"]
+    assert incident["recovery_seconds"] == pytest.approx(2.40 - 2.25)
+    text = render_text(report)
+    assert "peer incident #1 g1" in text and "from peers 4.58 MiB" in text
+
+
+def test_the_service_view_shows_each_incident() -> None:
+    from service.cli.report import _service_view
+
+    record = {
+        "state": "RUNNING",
+        "recovery_mode": "peer",
+        "restarts": 0,
+        "recoveries": [
+            {
+                "incident": "j/g5", "kind": "peer", "reason": "peer recovery of j-n1-a0", "lost": ["j-n1-a0"],
+                "lost_ranks": [1], "failed_at": 100.0, "detected_at": 100.02, "group_formed_at": 100.05,
+                "state_loaded_at": 100.09, "first_step_at": 100.15, "seconds": 0.15, "steps_lost": 0,
+                "bytes_from_peers": 4_800_000, "bytes_from_storage": 0, "voided_windows": 1,
+                "world_before": 2, "world_after": 2,
+                "phases": [{"name": "detect", "seconds": 0.02}, {"name": "reform", "seconds": 0.03},
+                           {"name": "transfer", "seconds": 0.04}, {"name": "first_step", "seconds": 0.06}],
+            }
+        ],
+    }  # fmt: skip
+    view = _service_view(record)
+    report = build_report(Run("r", killed_run())) | {"service": view}
+    text = render_text(report)
+    assert "incident #1 j/g5: peer, 0.150 s; lost j-n1-a0 (ranks 1); world 2 -> 2" in text
+    assert "phases detect 0.020 s, reform 0.030 s, transfer 0.040 s, first_step 0.060 s" in text
+    assert "from peers 4.58 MiB, from storage 0.00 MiB; voided windows 1, rolled-back steps 0" in text

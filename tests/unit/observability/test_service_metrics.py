@@ -47,10 +47,10 @@ def test_phases_merge_over_missing_stamps_and_stop_at_the_last_known() -> None:
     assert [(p.name, p.seconds) for p in merged] == [("detect+reform+restore", 6), ("first_step", 1)]
     running = recovery_phases(failed_at=0, detected_at=2)
     assert [p.name for p in running] == ["detect"]
-    noticed = recovery_phases(
-        failed_at=5, detected_at=99, state_loaded_at=6, first_step_at=7, from_detection=True
+    peer = recovery_phases(
+        failed_at=0, detected_at=0.01, group_formed_at=0.04, state_loaded_at=0.1, kind="peer"
     )
-    assert [(p.name, p.seconds) for p in noticed] == [("reform+restore", 1), ("first_step", 1)]
+    assert [p.name for p in peer] == ["detect", "reform", "transfer"]  # a peer's state is transferred
 
 
 def test_goodput_is_a_ratio_in_0_1() -> None:
@@ -82,29 +82,52 @@ def record(**over: object) -> JobRecord:
     return JobRecord.model_validate(base | over)
 
 
-def test_a_completed_recovery_observes_each_phase_and_the_lost_steps() -> None:
+def test_a_completed_recovery_observes_each_phase_by_kind_and_what_it_moved_and_lost() -> None:
     metrics = Metrics()
     registry = metrics.registry
-    recovery = Recovery(
+    restart = Recovery(
         reason="r",
-        failed_at=10.0,
+        failed_at=7.0,
+        detected_at=10.0,
         step_before=30,
         group_formed_at=10.0,
         state_loaded_at=14.0,
         resumed_step=20,
         first_step_at=15.5,
+        bytes_from_storage=4096,
     )
-    metrics.observe_recovery("job-1", recovery, last_seen_at=7.0)
+    metrics.observe_recovery("job-1", restart)
     name = "elastrain_job_recovery_phase_seconds_sum"
-    assert sample(registry, name, phase="detect") == 3.0
-    assert sample(registry, name, phase="reform") == 0.0
-    assert sample(registry, name, phase="restore") == 4.0
-    assert sample(registry, name, phase="first_step") == 1.5
+    assert sample(registry, name, phase="detect", kind="restart") == 3.0
+    assert sample(registry, name, phase="reform", kind="restart") == 0.0
+    assert sample(registry, name, phase="restore", kind="restart") == 4.0
+    assert sample(registry, name, phase="first_step", kind="restart") == 1.5
+    assert sample(registry, "elastrain_job_recovery_seconds_sum", kind="restart") == 8.5
     assert sample(registry, "elastrain_job_rollback_steps_total", job_id="job-1") == 10
-    metrics.observe_recovery("job-2", recovery)  # without a last sign of life: no detect phase
-    assert sample(registry, "elastrain_job_recovery_phase_seconds_count", phase="detect") == 1
-    assert sample(registry, "elastrain_job_recovery_phase_seconds_count", phase="reform") == 2
-    assert sample(registry, "elastrain_job_recovery_seconds_count") == 2
+    assert sample(registry, "elastrain_job_recovery_bytes_total", job_id="job-1", source="storage") == 4096
+    peer = Recovery(
+        reason="r",
+        kind="peer",
+        failed_at=100.0,
+        detected_at=100.02,
+        group_formed_at=100.05,
+        state_loaded_at=100.09,
+        first_step_at=100.15,
+        step_before=40,
+        resumed_step=40,
+        bytes_from_peers=5_000_000,
+        voided_windows=1,
+    )
+    metrics.observe_recovery("job-1", peer)
+    assert sample(registry, "elastrain_job_recovery_seconds_count", kind="peer") == 1
+    assert sample(registry, "elastrain_job_recovery_seconds_count", kind="restart") == 1
+    assert sample(registry, "elastrain_job_recovery_phase_seconds_count", phase="transfer", kind="peer") == 1
+    assert (
+        sample(registry, "elastrain_job_recovery_phase_seconds_count", phase="restore", kind="peer") is None
+    )
+    assert sample(registry, "elastrain_job_recovery_bytes_total", job_id="job-1", source="peers") == 5_000_000
+    assert sample(registry, "elastrain_job_voided_windows_total", job_id="job-1") == 1
+    assert sample(registry, "elastrain_job_rollback_steps_total", job_id="job-1") == 10  # none rolled back
 
 
 def test_job_series_are_labelled_job_id_follow_the_record_and_go_when_it_ends() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from array import array
 from pathlib import Path
+from types import SimpleNamespace
 
 from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus
 from worker.checkpoint.commit import Report
@@ -12,6 +13,22 @@ from worker.checkpoint.layout import shard_file_name, staging_dir_name
 from worker.checkpoint.manifest import TensorEntry
 from worker.checkpoint.saveplan import TensorInfo, split_replicated
 from worker.checkpoint.shardio import write_shard
+from worker.spec import JobSpec
+
+
+def with_recovery(
+    spec: JobSpec, *, mode: str = "peer", spares: int = 0, max_incidents: int | None = None
+) -> JobSpec:
+    """``spec`` with ``recovery.mode``, ``recovery.max_incidents`` and ``spares`` (issue 14).
+    Until worker/spec.py has these fields (the worker half of issue 14) they are set on the value
+    without validation: :mod:`service.jobs.peer` reads them by name. After that merge, the real
+    fields are set."""
+    if "recovery" in type(spec).model_fields:
+        current = getattr(spec, "recovery")  # noqa: B009 - the attribute exists only after the merge
+        recovery = current.model_copy(update={"mode": mode, "max_incidents": max_incidents})
+        return spec.model_copy(update={"recovery": recovery, "spares": spares})
+    recovery = SimpleNamespace(mode=mode, max_incidents=max_incidents)
+    return spec.model_copy(update={"recovery": recovery, "spares": spares})
 
 
 class Clock:

@@ -236,14 +236,16 @@ def test_worker_restart_opens_and_first_step_closes_a_recovery() -> None:
     record = record.model_copy(update={"last_step": 40})
     assert record.state == S.RUNNING and record.restarts == 0
     formed = WorkerEvent(kind="group_formed", group_id="g2", world_size=2)
-    record = apply_worker_event(record, formed, 10.0)
+    record = apply_worker_event(record, formed, 10.0, progress_at=8.0)
     assert record.state == S.RECOVERING and record.restarts == 1
     assert apply_worker_event(record, formed, 11.0) == record  # duplicate report
     record = apply_worker_event(record, WorkerEvent(kind="state_loaded", step=30), 12.0)
     record = apply_worker_event(record, WorkerEvent(kind="first_step", step=31), 14.0)
     assert record.state == S.RUNNING
     recovery = record.recoveries[-1]
-    assert recovery.seconds == 4.0 and recovery.steps_lost == 10 and recovery.state_loaded_at == 12.0
+    # timed from the old group's last sign of life, its newest progress (issue 14 item 7)
+    assert recovery.failed_at == 8.0 and recovery.seconds == 6.0 and recovery.kind == "restart"
+    assert recovery.steps_lost == 10 and recovery.state_loaded_at == 12.0
 
 
 def test_merged_progress_sets_the_step_a_recovery_counts_from() -> None:

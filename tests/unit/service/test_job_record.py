@@ -63,5 +63,15 @@ def test_a_record_stored_before_loads_with_its_spec_as_a_value_and_is_written_ba
     record = JobRecord.from_json(raw)
     assert record.spec == SPEC and record.spec.checkpoint.async_save is True
     assert record.spec.optimizer.betas == (0.9, 0.99)
-    assert record.to_json() == raw  # the same bytes: records written from now on look the same
+    before, written = json.loads(raw), json.loads(record.to_json())
+    assert {key: written[key] for key in before} == before  # written back as it was stored
+    added = {key: written[key] for key in written.keys() - before.keys()}
+    assert added == {  # issue 14: a record from before runs as it did (restart, no spares)
+        "recovery_mode": "restart",
+        "spares": 0,
+        "max_incidents": None,
+        "desired_epoch": 0,
+        "peer_incidents": 0,
+        "spare_failures": 0,
+    }
     assert json.loads(record.to_json())["spec"]["checkpoint"]["async"] is True  # the alias

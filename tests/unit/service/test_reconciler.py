@@ -17,7 +17,8 @@ from service.jobs.errors import NotLeaderError
 from service.jobs.machine import Observation, reconcile
 from service.jobs.model import JobState, NodePhase
 from service.jobs.parts import JobParts
-from service.reconciler import LaunchContext, Reconciler, node_launch
+from service.launch.protocol import node_launch
+from service.reconciler import LaunchContext, Reconciler
 from worker.etcdclient import Credentials
 from worker.spec import parse_spec
 
