@@ -1,6 +1,7 @@
 """Run ``elastrain serve`` with a file-backed fake scheduler (a separate process, so tests can
 ``kill -9`` it). The scheduler keeps everything in ``--nodes-dir``: ``<launch id>.json`` per
-launch (with the environment a node would get), one line per launch in ``launches.log``, and
+launch (with the environment a node would get; written whole or not at all, so a kill -9 of
+the service mid-launch never leaves a half-recorded launch: the record IS the launch), and
 the status a test sets in ``<launch id>.status`` (running until then; with the time its agent
 ended, as ``node_exec`` records it). ``ELASTRAIN_TEST_SPEC_SHIM=1`` gives the JobSpec the fields of
 issue 14 before the worker half that adds them is merged (``spec_shim.py``)."""
@@ -36,9 +37,14 @@ class FileScheduler:
         if not record.exists():  # idempotent per launch id
             # the environment a real node would get (who it is, and what the service told it)
             launched = {"job": node.job_id, "node": node.node_index, "env": node_env(node)}
-            record.write_text(json.dumps(launched))
-            with (self.dir / "launches.log").open("a") as log:
-                log.write(node.launch_id + "\n")
+            tmp = self.dir / f".{node.launch_id}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(launched))
+            try:
+                os.link(tmp, record)  # appears complete, once
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
         return f"file://{node.launch_id}"
 
     def status(self, handle: str) -> NodeStatus:

@@ -89,8 +89,11 @@ class ServiceProcess:
 
     # -- the fake scheduler's files --
     def launches(self) -> list[str]:
-        path = self.nodes_dir / "launches.log"
-        return path.read_text().split() if path.exists() else []
+        """Launch ids the fake scheduler launched, in the order it launched them."""
+        if not self.nodes_dir.is_dir():
+            return []
+        records = [(p.stat().st_mtime_ns, p.stem) for p in self.nodes_dir.glob("*.json")]
+        return [launch_id for _, launch_id in sorted(records)]
 
     def launch_env(self, launch_id: str) -> dict[str, str]:
         env: dict[str, str] = json.loads((self.nodes_dir / f"{launch_id}.json").read_text())["env"]
