@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_client import AUTH, TOKEN, api
+from api_client import SPEC as BASE_SPEC
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -25,24 +27,12 @@ from service.metrics import Metrics
 from service.settings import load_settings
 from worker.checkpoint.commit import report_to_json
 
-TOKEN = "t" * 32
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SPEC: dict[str, Any] = {
-    "name": "demo",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-    "nodes": "1:3",
-    "optimizer": {"betas": [0.9, 0.99]},
-}
+SPEC = BASE_SPEC | {"nodes": "1:3", "optimizer": {"betas": [0.9, 0.99]}}
 
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = load_settings(data_dir=tmp_path, max_body_bytes=64 * 1024)
-    app = create_app(settings, MemoryStore(), api_token=TOKEN)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with api(tmp_path, max_body_bytes=64 * 1024) as c:
         yield c
 
 

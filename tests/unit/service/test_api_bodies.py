@@ -8,35 +8,24 @@ import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from api_client import AUTH as BASE_AUTH
+from api_client import SPEC, api
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from service.api.app import create_app
-from service.etcd.memory import MemoryStore
-from service.settings import load_settings
 from worker.errors import SpecError
 from worker.spec import parse_spec
 
-TOKEN = "t" * 32
-AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-SPEC: dict[str, Any] = {
-    "name": "demo",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-}
+AUTH = BASE_AUTH | {"Content-Type": "application/json"}
 
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    app = create_app(load_settings(data_dir=tmp_path), MemoryStore(), api_token=TOKEN)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with api(tmp_path) as c:
         yield c
 
 

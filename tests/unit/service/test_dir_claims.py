@@ -13,26 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_client import AUTH, SPEC, api
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from service.api.app import create_app
 from service.etcd.memory import MemoryStore
 from service.jobs import keys
-from service.settings import load_settings
 from worker.checkpoint.owner import OWNER_FILE, claim, read_owner
-
-TOKEN = "t" * 32
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SPEC: dict[str, Any] = {
-    "name": "demo",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-}
 
 
 @pytest.fixture
@@ -47,8 +36,7 @@ def store() -> MemoryStore:
 
 @pytest.fixture
 def client(tmp_path: Path, store: MemoryStore) -> Iterator[TestClient]:
-    app = create_app(load_settings(data_dir=tmp_path), store, api_token=TOKEN)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with api(tmp_path, store) as c:
         yield c
 
 

@@ -9,29 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_client import AUTH, SPEC, api
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from service.api.app import create_app
-from service.etcd.memory import MemoryStore
 from service.settings import load_settings
 
-TOKEN = "t" * 32
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SPEC: dict[str, Any] = {
-    "name": "demo",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-}
-
-
-def make_client(tmp_path: Path, **settings: Any) -> TestClient:
-    app = create_app(load_settings(data_dir=tmp_path, **settings), MemoryStore(), api_token=TOKEN)
-    return TestClient(app, raise_server_exceptions=False)
+make_client = api
 
 
 @pytest.fixture

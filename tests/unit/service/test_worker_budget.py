@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_client import AUTH, TOKEN
+from api_client import SPEC as BASE_SPEC
 from svc_fakes import Clock, stage_rank
 from test_api import launched
 
@@ -31,16 +33,7 @@ from service.metrics import Metrics
 from service.settings import load_settings
 from worker.checkpoint.commit import report_to_json
 
-TOKEN = "t" * 32
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SPEC: dict[str, Any] = {
-    "name": "demo",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 1000,
-    "nodes": "1:2",
-}
+SPEC = BASE_SPEC | {"max_steps": 1000, "nodes": "1:2"}
 
 
 class Service:
