@@ -1,7 +1,9 @@
 """Everything a run decides before its process group starts: bad input fails here (SpecError).
 
 :func:`build` seeds, builds the data, the model and the objective, plans the batch and checks the
-user's contract on one micro-batch (:mod:`worker.contract`). Nothing here needs the group, so
+user's contract on one micro-batch (:mod:`worker.contract`), and decides where batches are loaded
+(ahead, on a background thread, unless ``batch()`` draws from the global generators: see
+:mod:`worker.feed`). Nothing here needs the group, so
 ``python -m worker`` can exit 2 with one line before any rank waits for another.
 """
 
@@ -14,8 +16,9 @@ import torch
 from torch import nn
 
 from worker.contract import check_contract
-from worker.data import Dataset, build_data
+from worker.data import Dataset, build_data, has_eval
 from worker.dist import DistInfo
+from worker.feed import draws_from_global_rng
 from worker.models import build_model
 from worker.objective import Objective, build_objective
 from worker.schedule import BatchPlan, plan_batch
@@ -34,6 +37,10 @@ class Built:
     model: nn.Module
     objective: Objective
     plan: BatchPlan
+    prefetch: int = 0
+    """Micro-batches loaded ahead of the step (``data.prefetch``, or 0: see :mod:`worker.feed`)."""
+    notes: tuple[str, ...] = ()
+    """Choices made here that the run record states."""
 
 
 def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
@@ -42,7 +49,7 @@ def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
     flags = set_determinism(spec.deterministic)
     seed_all(spec.seed)  # identical model initialisation on every rank
     data = build_data(spec.data, spec.seed, "train")
-    eval_data = build_data(spec.data, spec.seed, "eval") if spec.data.eval_samples else None
+    eval_data = build_data(spec.data, spec.seed, "eval") if has_eval(spec.data) else None
     model = build_model(spec.model, getattr(data, "meta", {})).to(device)
     objective = build_objective(spec, data)
     plan = plan_batch(spec, info.world_size, reference_batch=None, resuming=resuming)
@@ -54,6 +61,17 @@ def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
         precision=spec.precision,
         device=device,
     )
+    prefetch, notes = spec.data.prefetch, tuple[str, ...]()
+    if prefetch and draws_from_global_rng(data, plan.micro_batch):
+        prefetch, notes = 0, (RANDOM_BATCH_NOTE,)
     return Built(
-        spec=spec, flags=flags, data=data, eval_data=eval_data, model=model, objective=objective, plan=plan
-    )
+        spec=spec, flags=flags, data=data, eval_data=eval_data, model=model, objective=objective,
+        plan=plan, prefetch=prefetch, notes=notes,
+    )  # fmt: skip
+
+
+RANDOM_BATCH_NOTE = (
+    "data.prefetch: batch() draws from the global random generators, so batches are loaded on the "
+    "training thread (not ahead), keeping its draws in the generator streams a checkpoint restores; "
+    "draw from a generator of the dataset's own (seeded from the indices) to have them prefetched"
+)

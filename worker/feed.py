@@ -1,0 +1,215 @@
+"""This rank's micro-batches, in the sampler's exact order: loaded ahead on a background thread.
+
+The sampler is a pure function of a small state (:mod:`worker.sampler`), so the windows to come
+are known in advance: from the state before a window, the feed plans that window and the ones
+after it and calls ``batch()`` for this rank's share of each micro-step, ``data.prefetch``
+micro-batches ahead of the step, on one background thread (one call at a time, in order). The
+training thread takes them in the same order and checks that each is the one it asked for; a
+batch it did not ask for (a request from another state) restarts the loading from there. Nothing
+loaded ahead is part of the run's state: the sampler state a checkpoint holds is the trainer's
+(the state after the last window trained), so it names exactly the next sample, and batches
+loaded past it are dropped. A ``batch()`` that raises stops the run with its own error, raised on
+the training thread when the step reaches that batch (never for a batch the run does not train).
+
+Randomness: a dataset whose ``batch()`` draws from the global generators (python ``random``,
+numpy's, torch's: augmentation) would draw on the background thread, interleaved with the
+training thread's dropout in whatever order the threads ran, and outside the streams a checkpoint
+restores. :func:`draws_from_global_rng` finds such a dataset before the run starts (one call,
+generators compared before and after, then restored) and the trainer loads its batches on the
+training thread instead, between micro-steps, as the prefetch depth 0 does: its draws stay in the
+checkpointed, resumed streams.
+
+On a GPU the loaded tensors are pinned on the background thread, so that the training thread's
+``.to(device, non_blocking=True)`` is an asynchronous copy.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.checkpoint.rng import capture_rng, restore_rng
+from worker.data import Dataset
+from worker.objective import to_device
+from worker.sampler import SamplerState, Window, indices, plan_window
+from worker.trace import rng_fingerprint
+
+DEFAULT_DEPTH = 2
+_STARVED_S = 5.0  # how often a starved training thread checks that the loader is alive
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One micro-step's share of this rank: the dataset indices and what ``batch()`` gave for them."""
+
+    indices: np.ndarray
+    inputs: Any
+    targets: Any
+
+
+Key = tuple[SamplerState, int]
+"""A micro-batch's place: the sampler state before its window, and its micro-step in the window."""
+
+
+class Feed:
+    """Loads this rank's micro-batches on the training thread (prefetch 0). See the module."""
+
+    def __init__(
+        self, data: Dataset, *, seed: int, rank: int, world_size: int, micro_batch: int,
+        accum_steps: int, device: torch.device,
+    ) -> None:  # fmt: skip
+        self.data, self.seed, self.rank, self.world_size = data, seed, rank, world_size
+        self.micro_batch, self.accum_steps, self.device = micro_batch, accum_steps, device
+        self.size = len(data)
+        self.wait_s = 0.0
+        """Seconds the training thread waited for batches (loading them itself, at depth 0)."""
+
+    def plan(self, state: SamplerState) -> Window:
+        """The window that follows ``state`` (pure: every rank plans the same)."""
+        return plan_window(
+            state, dataset_size=self.size, world_size=self.world_size, micro_batch=self.micro_batch,
+            accum_steps=self.accum_steps,
+        )  # fmt: skip
+
+    def load(self, window: Window, micro: int) -> MicroBatch:
+        idx = indices(self.seed, window.epoch, self.size, window.micro_steps[micro].bounds[self.rank])
+        inputs, targets = self.data.batch(idx)
+        return MicroBatch(idx, inputs, targets)
+
+    def batches(self, state: SamplerState, window: Window) -> Iterator[MicroBatch]:
+        """This rank's micro-batches of ``window`` (planned from ``state``), on the device, in order."""
+        for micro in range(len(window.micro_steps)):
+            started = time.perf_counter()
+            got = self._take((state, micro), window)
+            inputs, targets = to_device(got.inputs, self.device), to_device(got.targets, self.device)
+            self.wait_s += time.perf_counter() - started
+            yield MicroBatch(got.indices, inputs, targets)
+
+    def _take(self, key: Key, window: Window) -> MicroBatch:
+        return self.load(window, key[1])
+
+    def close(self) -> None:
+        """Stop loading (idempotent); nothing to do on the training thread."""
+
+
+class PrefetchFeed(Feed):
+    """Loads ``depth`` micro-batches ahead on a background thread (see the module)."""
+
+    def __init__(self, data: Dataset, *, depth: int = DEFAULT_DEPTH, **kwargs: Any) -> None:
+        super().__init__(data, **kwargs)
+        if depth < 1:
+            raise ValueError("a prefetch depth is at least 1 (0 loads on the training thread)")
+        self.depth = depth
+        self.pin = self.device.type == "cuda"
+        self._loader: _Loader | None = None
+
+    def _take(self, key: Key, window: Window) -> MicroBatch:
+        if self._loader is None or self._loader.next_key != key:
+            # The first batch, or the trainer asks from another state than the one loaded ahead
+            # (it asks for a window's micro-steps in order, so key is a window's first here).
+            self.close()
+            self._loader = _Loader(self, key[0], self.depth)
+        got_key, got = self._loader.get()
+        if got_key != key:  # pragma: no cover - the loader loads in the order it is asked
+            raise AssertionError(f"the data loader gave micro-batch {got_key}, not {key}")
+        if isinstance(got, BaseException):
+            raise got  # the user's own error, as batch() raised it
+        return got
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.stop()
+            self._loader = None
+
+
+Item = tuple[Key, Key, MicroBatch | BaseException]
+"""What the loader hands over: the micro-batch's key, the key after it, and the batch (or the
+error loading it raised)."""
+
+
+class _Loader:
+    """One background thread loading from a sampler state on; once stopped it stays stopped."""
+
+    def __init__(self, feed: PrefetchFeed, state: SamplerState, depth: int) -> None:
+        self.feed = feed
+        self.queue: queue.Queue[Item] = queue.Queue(maxsize=depth)
+        self.stopping = threading.Event()
+        self.next_key: Key = (state, 0)
+        """The key of the micro-batch the training thread gets next."""
+        self.thread = threading.Thread(target=self._run, args=(state,), name="elastrain-data", daemon=True)
+        self.thread.start()
+
+    def get(self) -> tuple[Key, MicroBatch | BaseException]:
+        while True:
+            try:
+                key, after, got = self.queue.get(timeout=_STARVED_S)
+            except queue.Empty:
+                if self.thread.is_alive() or not self.queue.empty():
+                    continue
+                return self.next_key, RuntimeError("the data loading thread stopped without a batch")
+            self.next_key = after
+            return key, got
+
+    def _run(self, state: SamplerState) -> None:
+        feed = self.feed
+        while not self.stopping.is_set():
+            window = feed.plan(state)
+            last = len(window.micro_steps) - 1
+            for micro in range(last + 1):
+                if self.stopping.is_set():
+                    return
+                after = (state, micro + 1) if micro < last else (window.after, 0)
+                try:
+                    item = feed.load(window, micro)
+                    if feed.pin:
+                        item = _pinned(item)
+                except BaseException as exc:  # handed to the training thread and raised there
+                    self.queue.put(((state, micro), after, exc))
+                    return
+                self.queue.put(((state, micro), after, item))
+            state = window.after
+
+    def stop(self) -> None:
+        """Stop loading: the thread ends after the batch it is loading (a daemon: a batch() that
+        never returns does not keep the process alive)."""
+        self.stopping.set()
+        while True:  # unblock a put() on a full queue
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        self.thread.join(timeout=1.0)
+
+
+def _pinned(batch: MicroBatch) -> MicroBatch:
+    return MicroBatch(batch.indices, _pin(batch.inputs), _pin(batch.targets))
+
+
+def _pin(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _pin(v) for k, v in value.items()}
+    return value.pin_memory() if isinstance(value, torch.Tensor) else value
+
+
+def draws_from_global_rng(data: Dataset, count: int) -> bool:
+    """Whether ``batch()`` draws from the global generators (python, numpy, torch, CUDA), tried on
+    the first ``count`` samples. Leaves every generator as it was."""
+    before = capture_rng()
+    try:
+        data.batch(np.arange(min(count, len(data))))
+    finally:
+        after = capture_rng()
+        restore_rng(before)
+    return rng_fingerprint(after) != rng_fingerprint(before)
+
+
+def make_feed(data: Dataset, *, depth: int, **kwargs: Any) -> Feed:
+    """A :class:`PrefetchFeed` ``depth`` micro-batches deep, or a :class:`Feed` at depth 0."""
+    return PrefetchFeed(data, depth=depth, **kwargs) if depth > 0 else Feed(data, **kwargs)
