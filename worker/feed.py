@@ -25,7 +25,7 @@ On a GPU the loaded tensors are pinned on the background thread, so that the tra
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -41,7 +41,7 @@ from worker.objective import to_device
 from worker.sampler import SamplerState, Window, indices, plan_window
 from worker.trace import rng_fingerprint
 
-DEFAULT_DEPTH = 2
+DEFAULT_DEPTH = 4
 _STARVED_S = 5.0  # how often a starved training thread checks that the loader is alive
 
 
@@ -134,13 +134,58 @@ Item = tuple[Key, Key, MicroBatch | BaseException]
 error loading it raised)."""
 
 
+class _Buffer:
+    """The loader's bounded buffer. Once full, the loader sleeps until the training thread has taken
+    half of it, then refills: one wake-up of the loader per ``depth // 2`` micro-batches, not one
+    per micro-batch (each wake-up of a thread costs a context switch on cores the ranks share)."""
+
+    def __init__(self, depth: int) -> None:
+        self.items: collections.deque[Item] = collections.deque()
+        self.depth, self.low = depth, depth // 2
+        self.cond = threading.Condition(threading.Lock())
+        self.stopped = False
+        self._loader_waits = False
+        self.loader_wakeups = 0
+        """Times the loader woke from waiting on a full buffer."""
+
+    def put(self, item: Item) -> bool:
+        """Add ``item``; when full, wait until half is taken. False once stopped."""
+        with self.cond:
+            if self.stopped:
+                return False
+            self.items.append(item)
+            self.cond.notify_all()  # a training thread waiting for it
+            if len(self.items) >= self.depth:
+                self._loader_waits = True
+                while len(self.items) > self.low and not self.stopped:
+                    self.cond.wait()
+                    self.loader_wakeups += 1
+                self._loader_waits = False
+            return not self.stopped
+
+    def get(self, timeout: float) -> Item | None:
+        """The oldest item, waiting up to ``timeout`` seconds for one (None: none came)."""
+        with self.cond:
+            if not self.items and not self.cond.wait_for(lambda: bool(self.items), timeout):
+                return None
+            item = self.items.popleft()
+            if self._loader_waits and len(self.items) <= self.low:
+                self.cond.notify_all()
+            return item
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.items.clear()
+            self.cond.notify_all()
+
+
 class _Loader:
     """One background thread loading from a sampler state on; once stopped it stays stopped."""
 
     def __init__(self, feed: PrefetchFeed, state: SamplerState, depth: int) -> None:
         self.feed = feed
-        self.queue: queue.Queue[Item] = queue.Queue(maxsize=depth)
-        self.stopping = threading.Event()
+        self.buffer = _Buffer(depth)
         self.next_key: Key = (state, 0)
         """The key of the micro-batch the training thread gets next."""
         self.thread = threading.Thread(target=self._run, args=(state,), name="elastrain-data", daemon=True)
@@ -148,43 +193,39 @@ class _Loader:
 
     def get(self) -> tuple[Key, MicroBatch | BaseException]:
         while True:
-            try:
-                key, after, got = self.queue.get(timeout=_STARVED_S)
-            except queue.Empty:
-                if self.thread.is_alive() or not self.queue.empty():
+            got = self.buffer.get(timeout=_STARVED_S)
+            if got is None:
+                if self.thread.is_alive():
                     continue
-                return self.next_key, RuntimeError("the data loading thread stopped without a batch")
+                got = self.buffer.get(timeout=0)  # put just before the thread ended
+                if got is None:
+                    return self.next_key, RuntimeError("the data loading thread stopped without a batch")
+            key, after, batch = got
             self.next_key = after
-            return key, got
+            return key, batch
 
     def _run(self, state: SamplerState) -> None:
         feed = self.feed
-        while not self.stopping.is_set():
+        while True:
             window = feed.plan(state)
             last = len(window.micro_steps) - 1
             for micro in range(last + 1):
-                if self.stopping.is_set():
-                    return
                 after = (state, micro + 1) if micro < last else (window.after, 0)
                 try:
                     item = feed.load(window, micro)
                     if feed.pin:
                         item = _pinned(item)
                 except BaseException as exc:  # handed to the training thread and raised there
-                    self.queue.put(((state, micro), after, exc))
+                    self.buffer.put(((state, micro), after, exc))
                     return
-                self.queue.put(((state, micro), after, item))
+                if not self.buffer.put(((state, micro), after, item)):
+                    return
             state = window.after
 
     def stop(self) -> None:
         """Stop loading: the thread ends after the batch it is loading (a daemon: a batch() that
         never returns does not keep the process alive)."""
-        self.stopping.set()
-        while True:  # unblock a put() on a full queue
-            try:
-                self.queue.get_nowait()
-            except queue.Empty:
-                break
+        self.buffer.stop()
         self.thread.join(timeout=1.0)
 
 

@@ -149,7 +149,7 @@ class DataSpec(_Frozen):
     version: str = "1"
     kwargs: dict[str, Scalar] = Field(default_factory=dict)
     prefetch: int = Field(
-        default=2,
+        default=4,
         ge=0,
         le=64,
         description="Micro-batches loaded ahead of the step on a background thread, in the sampler's "

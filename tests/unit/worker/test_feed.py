@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,24 @@ def test_a_failure_past_the_last_step_is_never_raised() -> None:
     f.close()
 
 
+def test_the_loader_wakes_once_per_half_buffer_not_once_per_batch() -> None:
+    """A training thread slower than the loader (the usual case): the loader fills the buffer and
+    sleeps until half of it is taken."""
+    f = feed(synthetic(256, 0), 4, rank=0, world=1, b=4, a=2)
+    assert isinstance(f, PrefetchFeed)
+    state = SamplerState()
+    for _ in range(12):  # 24 micro-batches
+        window = f.plan(state)
+        for _ in f.batches(state, window):
+            time.sleep(0.002)  # the step's compute
+        state = window.after
+    loader = f._loader
+    assert loader is not None
+    wakeups = loader.buffer.loader_wakeups
+    f.close()
+    assert 0 < wakeups <= 24 // 2 + 1
+
+
 class Slow:
     """batch() blocks until released: the loader is stuck inside it when asked to stop."""
 
@@ -120,10 +139,10 @@ class Slow:
         return torch.zeros(len(indices), 2), torch.zeros(len(indices), 1)
 
 
-def test_close_stops_the_loading_thread_with_a_full_queue_and_is_idempotent() -> None:
+def test_close_stops_the_loading_thread_with_a_full_buffer_and_is_idempotent() -> None:
     f = feed(synthetic(64, 0), 2)
     assert isinstance(f, PrefetchFeed)
-    train(f, 1)  # then the loader fills its queue and waits on it, as nothing takes from it
+    train(f, 1)  # then the loader fills its buffer and waits, as nothing takes from it
     loader = f._loader
     assert loader is not None
     f.close()
@@ -142,7 +161,7 @@ def test_close_does_not_wait_for_a_batch_that_never_returns() -> None:
     started.join(timeout=0.5)  # the training thread is waiting for a batch stuck in batch()
     loader = f._loader
     f.close()  # returns: the loader is a daemon thread, which cannot keep the process alive
-    assert loader is not None and loader.thread.daemon and loader.stopping.is_set()
+    assert loader is not None and loader.thread.daemon and loader.buffer.stopped
     slow.release.set()
     loader.thread.join(timeout=30)
     assert not loader.thread.is_alive()  # released, it stops instead of loading on
