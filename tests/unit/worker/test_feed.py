@@ -151,20 +151,31 @@ def test_close_stops_the_loading_thread_with_a_full_buffer_and_is_idempotent() -
 
 
 def test_close_does_not_wait_for_a_batch_that_never_returns() -> None:
+    """And a training thread still waiting on the closed feed gets an error, not a hang."""
     slow = Slow()
     f = feed(slow, 2)
     state = SamplerState()
     window = f.plan(state)
     batches = f.batches(state, window)
-    started = threading.Thread(target=lambda: next(batches, None), daemon=True)
-    started.start()
-    started.join(timeout=0.5)  # the training thread is waiting for a batch stuck in batch()
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            next(batches)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    waiting = threading.Thread(target=step, daemon=True)
+    waiting.start()
+    waiting.join(timeout=0.5)  # the training thread is waiting for a batch stuck in batch()
     loader = f._loader
     f.close()  # returns: the loader is a daemon thread, which cannot keep the process alive
     assert loader is not None and loader.thread.daemon and loader.buffer.stopped
     slow.release.set()
     loader.thread.join(timeout=30)
     assert not loader.thread.is_alive()  # released, it stops instead of loading on
+    waiting.join(timeout=30)
+    assert [str(e) for e in errors] == ["the data loading thread stopped without a batch"]
 
 
 class Augmenting:
