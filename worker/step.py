@@ -40,6 +40,8 @@ class StepResult:
     """The window's loss summed over every sample of every rank (divide by the window's samples)."""
     stats: GradStats | None = None
     """The gradient statistics, on a step that measured them and was not skipped."""
+    votes: tuple[float, ...] = ()
+    """The ``votes`` given to :func:`optimizer_step`, summed over the ranks."""
 
 
 def to_host(values: torch.Tensor) -> list[float]:
@@ -88,6 +90,7 @@ def optimizer_step(
     sharded: bool = False,
     monitor: GradMonitor | None = None,
     measure: bool = False,
+    votes: Sequence[float] = (),
 ) -> StepResult:
     """Unscale, agree across ranks on non-finite gradients, clip, step; ``params`` are the
     optimizer's, in the monitor's order.
@@ -96,22 +99,24 @@ def optimizer_step(
     the underflow watch (``monitor``: every step; the statistics too when ``measure``) and clipping
     alike. The non-finite flag and this rank's ``loss_sum`` are all-reduced together, and while
     they travel the clipping and the watch run on the device (a skipped step throws that work
-    away); then the step's one read (:func:`to_host`) decides. With ``sharded`` (FSDP) each rank
-    holds a slice of every gradient, so the clipping norm is summed over ranks.
+    away); then the step's one read (:func:`to_host`) decides. ``votes`` (numbers the ranks must
+    agree on, such as a save wanted by a local clock) travel with the flag and come back summed.
+    With ``sharded`` (FSDP) each rank holds a slice of every gradient, so the clipping norm is
+    summed over ranks.
     """
     with_grad = [p for p in params if p.grad is not None]
     grads = [local(p.grad) for p in with_grad if p.grad is not None]
     if failpoint("after_grad_sync") == "nonfinite":
         grads[0].view(-1)[0] = float("inf")
     scaler.unscale(grads)
-    device = grads[0].device if grads else loss_sum.device if loss_sum is not None else torch.device("cpu")
+    if loss_sum is None:
+        loss_sum = torch.zeros((), dtype=torch.float64)
+    device = grads[0].device if grads else loss_sum.device
     norms = torch.stack(torch._foreach_norm(grads)) if grads else torch.zeros(0, device=device)
-    loss = (
-        loss_sum.detach().double()
-        if loss_sum is not None
-        else torch.zeros((), dtype=torch.float64, device=device)
-    )
-    shared = torch.stack([(~torch.isfinite(norms)).any().double(), loss.to(device)])
+    flag = (~torch.isfinite(norms)).any().double()
+    shared = torch.stack([flag, loss_sum.detach().double().to(device)])
+    if votes:
+        shared = torch.cat([shared, torch.tensor(list(votes), dtype=torch.float64, device=device)])
     work = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         work = dist.all_reduce(shared, op=dist.ReduceOp.SUM, async_op=True)
@@ -130,20 +135,21 @@ def optimizer_step(
         work.wait()
     values = to_host(torch.cat([shared, *local_values]) if local_values else shared)
     found, global_loss = values[0] > 0, values[1]
+    summed, values = tuple(values[2 : 2 + len(votes)]), values[2 + len(votes) :]
     scaler.update(found)
     if found:
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(skipped=True, loss_sum=global_loss)
+        return StepResult(skipped=True, loss_sum=global_loss, votes=summed)
     stats = None
     if monitor is not None and zero_run is not None:
         monitor.commit(zero_run)
         if measure:
-            stats = monitor.stats(values[2:], numel=sum(g.numel() for g in grads))
+            stats = monitor.stats(values, numel=sum(g.numel() for g in grads))
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(skipped=False, loss_sum=global_loss, stats=stats)
+    return StepResult(skipped=False, loss_sum=global_loss, stats=stats, votes=summed)
 
 
 def _clip(grads: list[torch.Tensor], norms: torch.Tensor, max_norm: float, *, sharded: bool) -> None:

@@ -8,20 +8,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from worker.amp import OPTIMIZER_ROW, DynamicLossScaler, autocast, optimizer_row, state_dtypes
+from worker.amp import OPTIMIZER_ROW, DynamicLossScaler, optimizer_row, state_dtypes
 from worker.build import Built
 from worker.checkpoint.rng import capture_rng
 from worker.dist import DistInfo
+from worker.evaluation import evaluate
 from worker.events import Events, progress_line
 from worker.feed import Feed, make_feed
 from worker.metrics import WorkerMetrics, peak_memory_bytes
 from worker.monitor import GradMonitor, GradStats
-from worker.objective import call_model, to_device
 from worker.progress import Progress
-from worker.sampler import Window, split_evenly
+from worker.sampler import Window
 from worker.schedule import lr_at, plan_batch
 from worker.setup import (
     build_optimizer,
@@ -33,7 +32,7 @@ from worker.setup import (
     spec_hash,
     wrap,
 )
-from worker.step import StepResult, forward_backward, global_sum, optimizer_step
+from worker.step import StepResult, forward_backward, optimizer_step
 from worker.trace import LoadRecorder, SampleTrace, rng_fingerprint
 
 if TYPE_CHECKING:
@@ -191,7 +190,7 @@ class Trainer:
                 self.stepped = True  # the first step of this group: a recovery is over
                 self._first_step()
             final = prog.step == spec.max_steps
-            save = self._want_save(final)
+            save = self._want_save(final, result)
             if prog.step % spec.log_every_steps == 0 or save or final:
                 now = time.perf_counter()
                 rate = (prog.samples_seen - last_log_samples) / max(now - last_log, 1e-9)
@@ -234,6 +233,7 @@ class Trainer:
             sharded=self.wrapped.fsdp,
             monitor=self.monitor,
             measure=(self.progress.step + 1) % self.spec.monitor.every_steps == 0,
+            votes=self._save_vote(),
         )
 
     def _observe_step(self, seconds: float, skipped: bool) -> None:
@@ -278,17 +278,22 @@ class Trainer:
             stale_params=list(stats.stale_params),
         )
 
-    def _want_save(self, final: bool) -> bool:
+    def _save_vote(self) -> tuple[float, ...]:
+        """Time-based policies read local clocks: the ranks agree through the step's all-reduce
+        (a vote for saving the step about to run), or they would diverge on a collective."""
+        cfg = self.spec.checkpoint
+        if self.checkpointer is None or (cfg.interval_seconds is None and cfg.interval != "auto"):
+            return ()
+        return (float(self.checkpointer.should_save(self.progress.step + 1, now=time.time())),)
+
+    def _want_save(self, final: bool, result: StepResult) -> bool:
         if self.checkpointer is None:
             return False
         if final:
             return True
-        want = float(self.checkpointer.should_save(self.progress.step, now=time.time()))
-        cfg = self.spec.checkpoint
-        if cfg.interval_seconds is not None or cfg.interval == "auto":
-            # Time-based policies read local clocks: agree, or ranks would diverge on a collective.
-            want = global_sum([want], self.device)[0]
-        return want > 0
+        if result.votes:
+            return result.votes[0] > 0
+        return self.checkpointer.should_save(self.progress.step, now=time.time())
 
     def _report(self, rate: float) -> None:
         prog = self.progress
@@ -331,25 +336,16 @@ class Trainer:
         )
 
     def _evaluate(self) -> None:
-        """Each eval sample counted once: ranks take disjoint slices, no padding duplicates; a
-        micro-batch at a time (a held-out file may be large)."""
         assert self.eval_data is not None
-        lo, hi = split_evenly(0, len(self.eval_data), self.info.world_size)[self.info.rank]
-        self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        with torch.no_grad():
-            for start in range(lo, hi, self.plan.micro_batch):
-                x, y = self.eval_data.batch(np.arange(start, min(start + self.plan.micro_batch, hi)))
-                with autocast(self.spec.precision, self.device):
-                    out = call_model(self.model, to_device(x, self.device))
-                total += self.objective.loss_sum(out, to_device(y, self.device)).double()
-        summed, count = global_sum([float(total), float(hi - lo)], self.device)
-        self.model.train()
-        value = summed / count
+        value, count = evaluate(
+            self.model, self.eval_data, objective=self.objective, precision=self.spec.precision,
+            device=self.device, micro_batch=self.plan.micro_batch, rank=self.info.rank,
+            world_size=self.info.world_size,
+        )  # fmt: skip
         best = self.progress.best_metric
         if best is None or value < best:
             self.progress.best_metric = value
-        self.events.emit("eval", step=self.progress.step, loss=value, samples=int(count))
+        self.events.emit("eval", step=self.progress.step, loss=value, samples=count)
 
     def _save(self) -> None:
         checkpointer = self.checkpointer

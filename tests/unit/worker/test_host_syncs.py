@@ -84,9 +84,10 @@ def test_a_step_of_four_micro_steps_reads_the_device_once(
         )
         assert loss.device == META and count == 16 and len(window.micro_steps) == 4
         result = step.optimizer_step(
-            params, opt, scaler, lr=1e-3, clip=1.0, loss_sum=loss, monitor=monitor, measure=measure
-        )
+            params, opt, scaler, lr=1e-3, clip=1.0, loss_sum=loss, monitor=monitor, measure=measure,
+            votes=(1.0,),  # a time-based save policy's vote travels with the flag
+        )  # fmt: skip
         assert not result.skipped and (result.stats is not None) == measure
         state = window.after
-    # one read a step: [non-finite flag, loss sum], plus the zero runs and 2 statistics when measured
-    assert reads == [2 + (len(params) + 2 if measure else 0)] * 2
+    # one read a step: [non-finite flag, loss sum, vote], plus the zero runs and 2 statistics
+    assert reads == [3 + (len(params) + 2 if measure else 0)] * 2

@@ -10,7 +10,7 @@ from torch import nn
 
 from worker.amp import DynamicLossScaler
 from worker.spec import LossScaleSpec
-from worker.step import optimizer_step
+from worker.step import StepResult, optimizer_step
 
 
 def model_with_grad(grad: list[float]) -> nn.Linear:
@@ -64,3 +64,13 @@ def test_the_lr_given_is_the_lr_applied() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=123.0)
     optimizer_step(params(model), opt, scaler(1.0), lr=0.25, clip=None)
     assert opt.param_groups[0]["lr"] == 0.25 and model.weight.item() == 0.75
+
+
+def test_the_loss_sum_and_votes_come_back_from_the_steps_read() -> None:
+    """Without a process group the sums over ranks are this rank's own values."""
+    model = model_with_grad([1.0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = optimizer_step(
+        params(model), opt, scaler(1.0), lr=0.5, clip=None, loss_sum=torch.tensor(3.25), votes=(1.0, 0.0)
+    )
+    assert result == StepResult(skipped=False, loss_sum=3.25, votes=(1.0, 0.0))
