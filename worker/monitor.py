@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 _MAGNITUDE = 0x7FFFFFFF  # an fp32's bits without the sign
+SCRATCH_ELEMENTS = 1 << 22
+"""The gradient statistics' int32 scratch buffer, at most (16 MiB); larger gradients go by chunks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,7 @@ class GradMonitor:
         self.zero_run = torch.zeros(len(names), dtype=torch.int64)
         """Steps in a row each parameter got an all-zero (or no) gradient; on the gradients'
         device once a step has run."""
+        self._scratch: torch.Tensor | None = None
 
     def advance(self, norms: torch.Tensor, present: list[int] | None = None) -> torch.Tensor:
         """The zero runs after a step whose gradients have these ``norms`` (``norms[k]`` is
@@ -45,6 +48,15 @@ class GradMonitor:
 
     def commit(self, zero_run: torch.Tensor) -> None:
         self.zero_run = zero_run
+
+    def pending(self, grads: list[torch.Tensor], *, device: torch.device) -> torch.Tensor:
+        """:func:`pending_stats` of ``grads``, through this monitor's scratch buffer (at most
+        ``SCRATCH_ELEMENTS``, kept for the next measurement)."""
+        largest = max((g.numel() for g in grads if g.dtype == torch.float32), default=0)
+        size = min(largest, SCRATCH_ELEMENTS)
+        if size and (self._scratch is None or self._scratch.numel() < size or self._scratch.device != device):
+            self._scratch = torch.empty(size, dtype=torch.int32, device=device)
+        return pending_stats(grads, device=device, scratch=self._scratch if size else None)
 
     def stats(self, values: list[float], *, numel: int) -> GradStats:
         """The statistics from what was read: the zero runs (one per parameter), then
@@ -65,27 +77,45 @@ class GradMonitor:
             self.zero_run = torch.tensor(raw["zero_run"], dtype=torch.int64)
 
 
-def pending_stats(grads: list[torch.Tensor], *, device: torch.device) -> torch.Tensor:
+def pending_stats(
+    grads: list[torch.Tensor], *, device: torch.device, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
     """[non-zero gradient elements, smallest non-zero magnitude (inf: none)] as a float64 vector on
-    ``device``, computed there (nothing is read)."""
-    if not grads:
-        return torch.tensor([0.0, math.inf], dtype=torch.float64, device=device)
-    nonzero = torch.stack([torch.count_nonzero(g) for g in grads]).sum().double()
-    smallest = torch.stack([_min_nonzero(g) for g in grads]).amin().double()
-    return torch.stack([nonzero, smallest])
+    ``device``, computed there (nothing is read).
 
-
-def _min_nonzero(grad: torch.Tensor) -> torch.Tensor:
-    """The smallest non-zero magnitude of ``grad`` as an fp32 scalar (inf if all are zero)."""
-    if grad.numel() == 0:
-        return torch.full((), math.inf, device=grad.device)
-    if grad.dtype == torch.float32:
-        # Positive fp32 values order as their bits do: with the sign cleared, (bits - 1) masked
-        # back to 31 bits sends 0 to the largest value and keeps every other order. Three integer
-        # passes, where a mask and a select cost twice as much on CPU.
-        bits = grad.detach().view(torch.int32).bitwise_and(_MAGNITUDE)
-        low = bits.sub_(1).bitwise_and_(_MAGNITUDE).amin()
+    fp32 gradients go through their bits in ``scratch`` (an int32 buffer, reused chunk by chunk:
+    a fresh temporary the size of a gradient costs more in page faults than the passes over it).
+    Magnitudes of fp32 values order as their bits do: with the sign cleared (so -0.0 is 0),
+    ``(bits - 1)`` masked back to 31 bits sends 0 to the largest value and keeps every other
+    order, so its minimum is the smallest non-zero magnitude's bits, less one.
+    """
+    nonzero, lows, smallest = [], [], []
+    for grad in grads:
+        flat = grad.detach().reshape(-1)
+        if flat.dtype != torch.float32 or scratch is None:
+            magnitude = flat.abs().float()
+            nonzero.append(torch.count_nonzero(magnitude))
+            smallest.append(torch.where(magnitude != 0, magnitude, math.inf).amin() if flat.numel() else None)
+            continue
+        bits = flat.view(torch.int32)
+        for start in range(0, bits.numel(), scratch.numel()):
+            part = bits[start : start + scratch.numel()]
+            buf = torch.bitwise_and(part, _MAGNITUDE, out=scratch[: part.numel()])
+            nonzero.append(torch.count_nonzero(buf))
+            lows.append(buf.sub_(1).bitwise_and_(_MAGNITUDE).amin())
+    if lows:
+        low = torch.stack(lows).amin()
         value = (low + 1).view(torch.float32)
-        return torch.where(low == _MAGNITUDE, torch.full_like(value, math.inf), value)
-    magnitude = grad.detach().abs().float()
-    return torch.where(magnitude != 0, magnitude, math.inf).amin()
+        smallest.append(torch.where(low == _MAGNITUDE, torch.full_like(value, math.inf), value))
+    found = [v for v in smallest if v is not None]
+    least = (
+        torch.stack(found).amin().double()
+        if found
+        else torch.tensor(math.inf, dtype=torch.float64, device=device)
+    )
+    count = (
+        torch.stack(nonzero).sum().double()
+        if nonzero
+        else torch.zeros((), dtype=torch.float64, device=device)
+    )
+    return torch.stack([count.to(device), least.to(device)])

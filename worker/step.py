@@ -26,7 +26,7 @@ from torch import nn
 from worker.amp import DynamicLossScaler, autocast
 from worker.failpoints import failpoint
 from worker.feed import MicroBatch
-from worker.monitor import GradMonitor, GradStats, pending_stats
+from worker.monitor import GradMonitor, GradStats
 from worker.objective import Objective, call_model
 from worker.setup import Wrapped, local
 
@@ -128,7 +128,7 @@ def optimizer_step(
         )
         zero_run = monitor.advance(norms, present)
         if measure:
-            local_values = [zero_run.double(), pending_stats(grads, device=device)]
+            local_values = [zero_run.double(), monitor.pending(grads, device=device)]
     if clip is not None and grads:
         _clip(grads, norms, clip, sharded=sharded)
     if work is not None:
