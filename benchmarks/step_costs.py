@@ -5,8 +5,8 @@ counts, per optimizer step: the aten operations the training thread dispatches i
 (``TorchDispatchMode``: each is a kernel launch on a GPU, most an allocation), the reads of a
 device value among them (``aten._local_scalar_dense``: ``.item()``, ``float()``, ``bool()``; a
 ``.tolist()`` or ``.cpu()`` of a CPU tensor dispatches nothing, so on CPU these undercount: see
-``tests/unit/worker/test_host_syncs.py`` for the exact count), the context switches of all the
-process's threads (``/proc/self/task/*/status``: wake-ups), and the time spent in the events and
+``tests/unit/worker/test_host_syncs.py`` for the exact count), the voluntary context switches of
+all the process's threads (``/proc/self/task/*/status``: wake-ups), and the time spent in the events and
 metrics calls. ``--bare`` counts the same for the baseline loop's step (benchmarks/bare_ddp.py's
 body, one rank). Point ``PYTHONPATH`` at another checkout to count its worker the same way.
 """
@@ -42,11 +42,14 @@ class Ops(TorchDispatchMode):
 
 
 def switches() -> int:
+    """Voluntary context switches of all the process's threads: each is a thread going to sleep
+    (a lock, a queue, a wait for a peer) and so, later, a wake-up. (Involuntary ones measure the
+    machine's load, not the worker.)"""
     total = 0
     for status in Path("/proc/self/task").glob("*/status"):
         with contextlib.suppress(OSError):
             for line in status.read_text().splitlines():
-                if line.endswith("ctxt_switches:") or "ctxt_switches" in line:
+                if line.startswith("voluntary_ctxt_switches:"):
                     total += int(line.split()[-1])
     return total
 
@@ -93,15 +96,13 @@ def count_worker(path: Path, steps: int) -> dict[str, float]:
 
     trainer_module.Trainer._train_window = step  # type: ignore[method-assign]
     trainer_module.Trainer._finish = finished  # type: ignore[method-assign]
-    started = switches()
     with contextlib.redirect_stdout(sys.stderr):
         main(["--config", str(path)])
     n = counted["steps"]
     return {
         "aten_ops_per_step": sum(mode.ops.values()) / n,
         "device_reads_per_step (item/float/bool)": mode.ops["_local_scalar_dense"] / n,
-        "context_switches_per_step (in the step)": counted["switches"] / n,
-        "context_switches_per_step (whole run)": (switches() - started) / n,
+        "wakeups_per_step": counted["switches"] / n,
         "events_and_metrics_us_per_step": 1e6 * reporting[0] / n,
         "threads": len(list(Path("/proc/self/task").iterdir())),
     }
@@ -137,7 +138,7 @@ def count_bare(steps: int) -> dict[str, float]:
     return {
         "aten_ops_per_step": sum(mode.ops.values()) / steps,
         "device_reads_per_step (item/float/bool)": mode.ops["_local_scalar_dense"] / steps,
-        "context_switches_per_step (in the step)": n_switch / steps,
+        "wakeups_per_step": n_switch / steps,
     }
 
 
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--bare", action="store_true")
+    parser.add_argument("--prefetch", type=int, default=None, help="the worker's data.prefetch")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with one_rank_env(), tempfile.TemporaryDirectory() as tmp:
@@ -165,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             result = count_bare(args.steps)
         else:
             path = Path(tmp) / "spec.json"
-            path.write_text(json.dumps(bench_spec("fp32", args.steps)))
+            spec = bench_spec("fp32", args.steps)
+            if args.prefetch is not None:
+                spec["data"]["prefetch"] = args.prefetch  # type: ignore[index]
+            path.write_text(json.dumps(spec))
             result = count_worker(path, args.steps)
     print(json.dumps({"who": "bare" if args.bare else "worker", **result}, indent=1))
     return 0
