@@ -206,6 +206,8 @@ class _Loader:
 
     def _run(self, state: SamplerState) -> None:
         feed = self.feed
+        if feed.pin:  # pin through this rank's device's context, not device 0's (as DataLoader does)
+            torch.cuda.set_device(feed.device)
         while True:
             window = feed.plan(state)
             last = len(window.micro_steps) - 1

@@ -160,7 +160,7 @@ def _clip(grads: list[torch.Tensor], norms: torch.Tensor, max_norm: float, *, sh
     if sharded and dist.is_initialized():
         dist.all_reduce(squared, op=dist.ReduceOp.SUM)
     coef = (max_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, coef)
+    torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
 
 def global_sum(values: list[float], device: torch.device) -> list[float]:
