@@ -2,9 +2,9 @@
 
 :func:`build` seeds, builds the data, the model and the objective, plans the batch and checks the
 user's contract on one micro-batch (:mod:`worker.contract`), and decides where batches are loaded
-(ahead, on a background thread, unless ``batch()`` draws from the global generators: see
-:mod:`worker.feed`). Nothing here needs the group, so
-``python -m worker`` can exit 2 with one line before any rank waits for another.
+(ahead on a background thread, or between micro-steps: :func:`worker.feed.choose_depth`).
+Nothing here needs the group, so ``python -m worker`` can exit 2 with one line before any rank
+waits for another.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from worker.contract import check_contract
 from worker.data import Dataset, build_data, has_eval
 from worker.dist import DistInfo
-from worker.feed import draws_from_global_rng
+from worker.feed import choose_depth
 from worker.models import build_model
 from worker.objective import Objective, build_objective
 from worker.schedule import BatchPlan, plan_batch
@@ -38,7 +38,7 @@ class Built:
     objective: Objective
     plan: BatchPlan
     prefetch: int = 0
-    """Micro-batches loaded ahead of the step (``data.prefetch``, or 0: see :mod:`worker.feed`)."""
+    """Micro-batches loaded ahead of the step (see :func:`worker.feed.choose_depth`)."""
     notes: tuple[str, ...] = ()
     """Choices made here that the run record states."""
 
@@ -61,17 +61,8 @@ def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
         precision=spec.precision,
         device=device,
     )
-    prefetch, notes = spec.data.prefetch, tuple[str, ...]()
-    if prefetch and draws_from_global_rng(data, plan.micro_batch):
-        prefetch, notes = 0, (RANDOM_BATCH_NOTE,)
+    prefetch, notes = choose_depth(spec.data.prefetch, data, count=plan.micro_batch, device=device)
     return Built(
         spec=spec, flags=flags, data=data, eval_data=eval_data, model=model, objective=objective,
         plan=plan, prefetch=prefetch, notes=notes,
     )  # fmt: skip
-
-
-RANDOM_BATCH_NOTE = (
-    "data.prefetch: batch() draws from the global random generators, so batches are loaded on the "
-    "training thread (not ahead), keeping its draws in the generator streams a checkpoint restores; "
-    "draw from a generator of the dataset's own (seeded from the indices) to have them prefetched"
-)

@@ -14,10 +14,11 @@ the training thread when the step reaches that batch (never for a batch the run 
 Randomness: a dataset whose ``batch()`` draws from the global generators (python ``random``,
 numpy's, torch's: augmentation) would draw on the background thread, interleaved with the
 training thread's dropout in whatever order the threads ran, and outside the streams a checkpoint
-restores. :func:`draws_from_global_rng` finds such a dataset before the run starts (one call,
-generators compared before and after, then restored) and the trainer loads its batches on the
-training thread instead, between micro-steps, as the prefetch depth 0 does: its draws stay in the
-checkpointed, resumed streams.
+restores. :func:`probe` finds such a dataset before the run starts (generators compared before
+and after two calls, then restored) and the trainer loads its batches on the training thread
+instead, between micro-steps, as the prefetch depth 0 does: its draws stay in the checkpointed,
+resumed streams. The same calls time ``batch()``: with ``data.prefetch`` unset, a fast one on CPU
+is loaded between micro-steps too (:func:`choose_depth`).
 
 On a GPU the loaded tensors are pinned on the background thread, so that the training thread's
 ``.to(device, non_blocking=True)`` is an asynchronous copy.
@@ -241,16 +242,59 @@ def _pin(value: Any) -> Any:
     return value.pin_memory() if isinstance(value, torch.Tensor) else value
 
 
-def draws_from_global_rng(data: Dataset, count: int) -> bool:
-    """Whether ``batch()`` draws from the global generators (python, numpy, torch, CUDA), tried on
-    the first ``count`` samples. Leaves every generator as it was."""
+AUTO_MIN_BATCH_S = 1e-3
+"""With ``data.prefetch`` unset on CPU, a ``batch()`` faster than this is loaded between micro-steps."""
+
+RANDOM_BATCH_NOTE = (
+    "data.prefetch: batch() draws from the global random generators, so batches are loaded on the "
+    "training thread (not ahead), keeping its draws in the generator streams a checkpoint restores; "
+    "draw from a generator of the dataset's own (seeded from the indices) to have them loaded ahead"
+)
+
+
+def probe(data: Dataset, count: int) -> tuple[bool, float]:
+    """Load the first ``count`` samples twice: whether ``batch()`` draws from the global generators
+    (python, numpy, torch, CUDA), and the faster call's seconds. Leaves every generator as it was."""
     before = capture_rng()
+    seconds = []
     try:
-        data.batch(np.arange(min(count, len(data))))
+        for _ in range(2):
+            started = time.perf_counter()
+            data.batch(np.arange(min(count, len(data))))
+            seconds.append(time.perf_counter() - started)
     finally:
         after = capture_rng()
         restore_rng(before)
-    return rng_fingerprint(after) != rng_fingerprint(before)
+    return rng_fingerprint(after) != rng_fingerprint(before), min(seconds)
+
+
+def choose_depth(
+    requested: int | None, data: Dataset, *, count: int, device: torch.device
+) -> tuple[int, tuple[str, ...]]:
+    """How many micro-batches to load ahead, and the run record's note on why not when not.
+
+    ``requested`` is ``data.prefetch``: 0 never loads ahead; a number loads that many ahead. Unset:
+    :data:`DEFAULT_DEPTH` ahead on a GPU (the host has cores to spare while the device computes)
+    and on CPU when a ``batch()`` takes :data:`AUTO_MIN_BATCH_S` or more (it waits for storage,
+    or cores are free); a faster one is loaded between micro-steps, where a thread would cost more
+    than it saves on cores the ranks fill (its wake-ups, and the GIL it holds when the OS
+    preempts it). Either way, a ``batch()`` that draws from the global generators is loaded between
+    micro-steps.
+    """
+    if requested == 0:
+        return 0, ()
+    draws, seconds = probe(data, count)
+    if draws:
+        return 0, (RANDOM_BATCH_NOTE,)
+    if requested is not None:
+        return requested, ()
+    if device.type == "cuda" or seconds >= AUTO_MIN_BATCH_S:
+        return DEFAULT_DEPTH, ()
+    return 0, (
+        f"data.prefetch unset: a batch() took {1e3 * seconds:.3f} ms on CPU, so batches are loaded "
+        f"between micro-steps (ahead from {1e3 * AUTO_MIN_BATCH_S:g} ms; set data.prefetch to load "
+        "them ahead anyway)",
+    )
 
 
 def make_feed(data: Dataset, *, depth: int, **kwargs: Any) -> Feed:

@@ -148,12 +148,13 @@ class DataSpec(_Frozen):
     )
     version: str = "1"
     kwargs: dict[str, Scalar] = Field(default_factory=dict)
-    prefetch: int = Field(
-        default=4,
+    prefetch: int | None = Field(
+        default=None,
         ge=0,
         le=64,
         description="Micro-batches loaded ahead of the step on a background thread, in the sampler's "
-        "order (0: on the training thread, between micro-steps). Results do not depend on it.",
+        "order; 0: on the training thread, between micro-steps; unset: 4 ahead on a GPU or when a "
+        "batch() takes 1 ms or more, else 0. Results do not depend on it.",
     )
     path: str | None = Field(default=None, validate_default=True, min_length=1, max_length=4096)
     eval_path: str | None = Field(default=None, validate_default=True, min_length=1, max_length=4096)

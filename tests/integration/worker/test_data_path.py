@@ -68,14 +68,14 @@ def outcome(run: Run) -> tuple[Any, ...]:
 def test_a_token_file_trains_the_same_bits_loaded_ahead_or_not_and_resumes_bit_for_bit(
     tmp_path: Path, files: dict[str, str]
 ) -> None:
-    ahead = train(tmp_path, "ahead", token_spec(tmp_path / "ahead", files))
+    ahead = train(tmp_path, "ahead", token_spec(tmp_path / "ahead", files, prefetch=4))
     inline = train(tmp_path, "inline", token_spec(tmp_path / "inline", files, prefetch=0))
     assert outcome(ahead) == outcome(inline)
     assert ahead.last("finished")["samples_seen"] == 24 * 16 - 8  # one short window
     assert [e["samples"] for e in ahead.all("eval")] == [20, 20]
     seen = committed(tmp_path / "ahead-trace")
     assert set(seen.values()) == {1} and {i for e, i in seen if e == 0} == set(range(WINDOWS))
-    killed = train(tmp_path, "killed", token_spec(tmp_path / "killed", files), kill="1#13")
+    killed = train(tmp_path, "killed", token_spec(tmp_path / "killed", files, prefetch=4), kill="1#13")
     resumed = killed.last("resumed")
     assert resumed["step"] == 8 and resumed["rng_restored"]
     assert_rng_continued(killed, tmp_path / "killed-trace", tmp_path / "ahead-trace", "token-file kill at 13")

@@ -15,7 +15,7 @@ import torch
 
 from worker.checkpoint.rng import capture_rng
 from worker.data import synthetic, tokens
-from worker.feed import Feed, PrefetchFeed, draws_from_global_rng, make_feed
+from worker.feed import DEFAULT_DEPTH, RANDOM_BATCH_NOTE, Feed, PrefetchFeed, choose_depth, make_feed, probe
 from worker.sampler import SamplerState
 from worker.trace import rng_fingerprint
 
@@ -201,10 +201,49 @@ class Augmenting:
 @pytest.mark.parametrize("source", ["torch", "numpy", "python"])
 def test_a_batch_that_draws_from_a_global_generator_is_found_and_leaves_no_trace(source: str) -> None:
     before = rng_fingerprint(capture_rng())
-    assert draws_from_global_rng(Augmenting(source), 4)
+    assert probe(Augmenting(source), 4)[0]
     assert rng_fingerprint(capture_rng()) == before
 
 
 def test_the_built_in_data_draws_nothing() -> None:
-    assert not draws_from_global_rng(synthetic(16, 0), 4)
-    assert not draws_from_global_rng(tokens(16, 0), 4)
+    assert not probe(synthetic(16, 0), 4)[0]
+    assert not probe(tokens(16, 0), 4)[0]
+
+
+class Costly:
+    """batch() takes ``seconds`` (or returns prepared tensors at once); counts its calls."""
+
+    task, meta = "regression", {}
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds, self.calls = seconds, 0
+        self.x, self.y = torch.zeros(4, 2), torch.zeros(4, 1)
+
+    def __len__(self) -> int:
+        return 16
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        if self.seconds:
+            time.sleep(self.seconds)
+        return self.x[: len(indices)], self.y[: len(indices)]
+
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")  # a device descriptor: nothing runs on it
+
+
+def test_unset_prefetch_loads_a_fast_batch_between_micro_steps_on_cpu_and_says_so() -> None:
+    depth, notes = choose_depth(None, Costly(), count=4, device=CPU)
+    assert depth == 0 and len(notes) == 1 and notes[0].startswith("data.prefetch unset: a batch() took")
+
+
+def test_unset_prefetch_loads_ahead_when_batch_waits_or_on_a_gpu() -> None:
+    assert choose_depth(None, Costly(seconds=0.002), count=4, device=CPU) == (DEFAULT_DEPTH, ())
+    assert choose_depth(None, Costly(), count=4, device=GPU) == (DEFAULT_DEPTH, ())
+
+
+def test_a_given_prefetch_is_kept_unless_batch_draws_from_the_global_generators() -> None:
+    assert choose_depth(3, Costly(), count=4, device=CPU) == (3, ())
+    assert choose_depth(3, Augmenting("numpy"), count=4, device=GPU) == (0, (RANDOM_BATCH_NOTE,))
+    never = Costly()
+    assert choose_depth(0, never, count=4, device=CPU) == (0, ()) and never.calls == 0
