@@ -1,7 +1,9 @@
 """The baseline: a plain torchrun + DDP loop (~40 lines) on the worker's model and data.
 
 Run under torchrun: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/bare_ddp.py SPEC``.
-Same model, batch, precision and bucket size as the spec; no checkpoints, no monitoring.
+Same model, data, batch, precision, bucket size and DDP options as the worker
+(``gradient_as_bucket_view``, gradients set to None after each step); no checkpoints, no
+monitoring, no non-finite agreement: the floor the worker's own cost is measured against.
 Rank 0 prints ``{"samples_per_second": ...}`` measured after the first ``log_every_steps`` steps.
 """
 
@@ -29,7 +31,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec.seed)
     data = build_data(spec.data, spec.seed)
-    model = DDP(build_model(spec.model, data.meta), bucket_cap_mb=spec.ddp.bucket_cap_mb)
+    model = DDP(
+        build_model(spec.model, data.meta), bucket_cap_mb=spec.ddp.bucket_cap_mb, gradient_as_bucket_view=True
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=spec.optimizer.lr)
     scaler = torch.amp.GradScaler("cpu", enabled=spec.precision == "fp16")
     b, accum = spec.micro_batch_size, spec.accum_steps_or_default

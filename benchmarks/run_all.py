@@ -11,6 +11,8 @@ import sys
 
 BENCHMARKS = (
     ("worker throughput vs bare torchrun+DDP", ["benchmarks.worker_throughput"]),
+    ("worker with a batch() that costs half the step vs free data", ["benchmarks.data_prefetch"]),
+    ("slow batches: training thread, loader thread, DataLoader processes", ["benchmarks.loader_choice"]),
     ("checkpoint save/load vs raw I/O and DCP", ["benchmarks.checkpoint_bench"]),
     ("async checkpoint: blocking and background cost", ["benchmarks.checkpoint_async"]),
     ("re-rendezvous after a worker SIGKILL", ["benchmarks.rendezvous_recovery", "--skip-default"]),

@@ -1,14 +1,17 @@
 """samples/s of ``-m worker`` against a bare torchrun + DDP loop, side by side in one run.
 
-Same model, batch, precision and bucket size; checkpointing off. Runs alternate (bare, worker,
-bare, worker, ...) so that drift on a shared machine hits both; prints each rate, the medians and
-the ratio worker / bare (target >= 0.98).
+Same model, data, batch, precision, bucket size, DDP options (``gradient_as_bucket_view``) and
+threads (``OMP_NUM_THREADS=1``); checkpointing off, the worker's metrics exporter on (its default).
+Rounds interleave in alternating order (bare, worker; worker, bare; ...) so that drift on a shared
+machine hits both; prints each rate, the medians with their spread (min-max), the ratio of the
+medians and the median of the per-round ratios (target >= 0.98), and the load average around it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,10 +54,14 @@ def worker_rate(path: Path, nproc: int) -> float:
     return (last["samples_seen"] - first["samples_seen"]) / (last["time"] - first["time"])
 
 
+def spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):,.0f} (min {min(values):,.0f}, max {max(values):,.0f})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--precision", default="fp32")
     args = parser.parse_args(argv)
@@ -62,14 +69,24 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec(args.precision, args.steps)))
         bare, ours = [], []
-        for _ in range(args.rounds):
-            bare.append(bare_rate(path, args.nproc))
-            ours.append(worker_rate(path, args.nproc))
+        load = os.getloadavg()[0]
+        for i in range(args.rounds):
+            if i % 2:
+                ours.append(worker_rate(path, args.nproc))
+                bare.append(bare_rate(path, args.nproc))
+            else:
+                bare.append(bare_rate(path, args.nproc))
+                ours.append(worker_rate(path, args.nproc))
     b, w = statistics.median(bare), statistics.median(ours)
-    print(f"worker throughput ({args.precision}, W={args.nproc}, {args.rounds} rounds)")
-    print(f"  bare torchrun+DDP samples/s: {', '.join(f'{r:,.0f}' for r in bare)}  median {b:,.0f}")
-    print(f"  -m worker         samples/s: {', '.join(f'{r:,.0f}' for r in ours)}  median {w:,.0f}")
-    print(f"  ratio worker/bare: {w / b:.3f}  (target >= 0.98)")
+    ratios = [o / r for o, r in zip(ours, bare, strict=True)]
+    print(f"worker throughput ({args.precision}, W={args.nproc}, {args.rounds} rounds, {args.steps} steps)")
+    print(f"  bare torchrun+DDP samples/s: {', '.join(f'{r:,.0f}' for r in bare)}  {spread(bare)}")
+    print(f"  -m worker         samples/s: {', '.join(f'{r:,.0f}' for r in ours)}  {spread(ours)}")
+    print(
+        f"  ratio worker/bare: {w / b:.3f} (medians); per round {', '.join(f'{r:.3f}' for r in ratios)}, "
+        f"median {statistics.median(ratios):.3f}  (target >= 0.98)"
+    )
+    print(f"  load average (1 min) before {load:.2f}, after {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -1,8 +1,10 @@
 """Everything a run decides before its process group starts: bad input fails here (SpecError).
 
 :func:`build` seeds, builds the data, the model and the objective, plans the batch and checks the
-user's contract on one micro-batch (:mod:`worker.contract`). Nothing here needs the group, so
-``python -m worker`` can exit 2 with one line before any rank waits for another.
+user's contract on one micro-batch (:mod:`worker.contract`), and decides where batches are loaded
+(ahead on a background thread, or between micro-steps: :func:`worker.feed.choose_depth`).
+Nothing here needs the group, so ``python -m worker`` can exit 2 with one line before any rank
+waits for another.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 from torch import nn
 
 from worker.contract import check_contract
-from worker.data import Dataset, build_data
+from worker.data import Dataset, build_data, has_eval
 from worker.dist import DistInfo
+from worker.feed import choose_depth
 from worker.models import build_model
 from worker.objective import Objective, build_objective
 from worker.schedule import BatchPlan, plan_batch
@@ -34,6 +37,10 @@ class Built:
     model: nn.Module
     objective: Objective
     plan: BatchPlan
+    prefetch: int = 0
+    """Micro-batches loaded ahead of the step (see :func:`worker.feed.choose_depth`)."""
+    notes: tuple[str, ...] = ()
+    """Choices made here that the run record states."""
 
 
 def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
@@ -42,7 +49,7 @@ def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
     flags = set_determinism(spec.deterministic)
     seed_all(spec.seed)  # identical model initialisation on every rank
     data = build_data(spec.data, spec.seed, "train")
-    eval_data = build_data(spec.data, spec.seed, "eval") if spec.data.eval_samples else None
+    eval_data = build_data(spec.data, spec.seed, "eval") if has_eval(spec.data) else None
     model = build_model(spec.model, getattr(data, "meta", {})).to(device)
     objective = build_objective(spec, data)
     plan = plan_batch(spec, info.world_size, reference_batch=None, resuming=resuming)
@@ -54,6 +61,8 @@ def build(spec: JobSpec, info: DistInfo, *, resuming: bool) -> Built:
         precision=spec.precision,
         device=device,
     )
+    prefetch, notes = choose_depth(spec.data.prefetch, data, count=plan.micro_batch, device=device)
     return Built(
-        spec=spec, flags=flags, data=data, eval_data=eval_data, model=model, objective=objective, plan=plan
-    )
+        spec=spec, flags=flags, data=data, eval_data=eval_data, model=model, objective=objective,
+        plan=plan, prefetch=prefetch, notes=notes,
+    )  # fmt: skip

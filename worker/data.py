@@ -1,4 +1,4 @@
-"""Built-in data, generated deterministically from the seed (no downloads), and user factories.
+"""Built-in data (generated deterministically from the seed, or a token file on disk) and user factories.
 
 A data factory is called as ``factory(samples=N, seed=S, split="train"|"eval", **kwargs)`` and
 returns a :class:`Dataset`: ``len()``, ``batch(indices) -> (inputs, targets)``, ``task`` and
@@ -7,6 +7,11 @@ and the dataset's own length is the run's (a file-backed set covers its file). `
 mapping of tensors (passed to the model as keyword arguments). ``task`` selects the built-in
 loss; with a ``loss`` factory it may be anything. Losses are sums over samples in fp32, so the
 trainer can divide by the true global sample count.
+
+``batch()`` runs on a background thread, ahead of the step (see :mod:`worker.feed`), one call at a
+time and in the sampler's order; a dataset that draws from the global random generators in it is
+loaded on the training thread instead. The built-in ``token-file`` reads a flat binary file of
+token ids through a memory map (:mod:`worker.tokenfile`).
 """
 
 from __future__ import annotations
@@ -120,8 +125,17 @@ def tokens(
 BUILTIN: dict[str, Callable[..., Any]] = {"synthetic": synthetic, "tokens": tokens}
 
 
+def has_eval(spec: DataSpec) -> bool:
+    """Whether the run has held-out data to evaluate on."""
+    return spec.eval_samples > 0 or spec.eval_path is not None
+
+
 def build_data(spec: DataSpec, seed: int, split: str = "train") -> Dataset:
     """Build one split. Raises SpecError on bad options."""
+    if spec.name == "token-file":
+        from worker.tokenfile import token_file
+
+        return token_file(spec, split)
     samples = spec.samples if split == "train" else spec.eval_samples
     factory = BUILTIN[spec.name] if spec.name else load_factory(spec.factory or "", "data.factory")
     check_kwargs(factory, dict(spec.kwargs), "data.kwargs", skip=3)

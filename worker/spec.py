@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
     field_validator,
@@ -132,8 +133,18 @@ class ModelSpec(_Frozen):
         return self
 
 
+TOKEN_FILE_FIELDS = ("path", "eval_path", "dtype", "seq_len", "vocab_size")
+"""The fields of the built-in ``token-file`` dataset (refused with any other data)."""
+_TOKEN_FILE_REQUIRED = {
+    "path": "the flat binary file of token ids to train on (as nanoGPT's prepare.py writes train.bin)",
+    "dtype": "'uint16' (ids below 65536, nanoGPT's format) or 'uint32', as the file was written",
+    "seq_len": "the tokens per sample (a sample is seq_len inputs and the next seq_len targets)",
+}
+
+
 class DataSpec(_Frozen):
-    """Which data: a built-in generated set by ``name`` or user code by ``factory``."""
+    """Which data: a built-in by ``name`` (generated sets, or ``token-file``: a flat binary file of
+    token ids read through a memory map) or user code by ``factory``."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -142,25 +153,70 @@ class DataSpec(_Frozen):
         json_schema_extra={"oneOf": [{"required": ["name"]}, {"required": ["factory"]}]},
     )
 
-    name: Literal["synthetic", "tokens"] | None = None
+    name: Literal["synthetic", "tokens", "token-file"] | None = None
     factory: Text | None = None
     samples: Annotated[int, Field(gt=0, le=MAX_SAMPLES)] | None = Field(
         default=None,
-        description=(
-            "Training samples; unset: the dataset's own length (the built-ins generate 4096). A "
-            "factory is called with samples=None then."
-        ),
+        description="Training samples; unset: the dataset's own length (the generated built-ins make "
+        "4096, token-file every window of its file; a factory gets samples=None). token-file: its "
+        "first `samples` windows.",
     )
-    eval_samples: int = Field(default=0, ge=0, le=MAX_SAMPLES)
+    eval_samples: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SAMPLES,
+        description="Held-out samples (0: none). token-file: the last eval_samples windows of `path` "
+        "are held out of training, or with eval_path at most this many of its windows (0: all).",
+    )
     version: str = Field(default="1", max_length=200)
     kwargs: Kwargs = Field(default_factory=dict)
+    prefetch: int | None = Field(
+        default=None,
+        ge=0,
+        le=64,
+        description="Micro-batches loaded ahead of the step on a background thread, in the sampler's "
+        "order; 0: on the training thread, between micro-steps; unset: 4 ahead on a GPU or when a "
+        "batch() takes 1 ms or more, else 0. Results do not depend on it.",
+    )
+    path: str | None = Field(default=None, validate_default=True, min_length=1, max_length=4096)
+    eval_path: str | None = Field(default=None, validate_default=True, min_length=1, max_length=4096)
+    dtype: Literal["uint16", "uint32"] | None = Field(default=None, validate_default=True)
+    seq_len: int | None = Field(default=None, validate_default=True, gt=0, le=2**24)
+    vocab_size: int | None = Field(
+        default=None, validate_default=True, gt=0, le=2**32,
+        description="token-file: the model's vocabulary; unset: the largest id in the files + 1.",
+    )  # fmt: skip
 
     _factory = field_validator("factory")(_check_factory)
+
+    @field_validator(*TOKEN_FILE_FIELDS)
+    @classmethod
+    def _token_file_field(cls, value: Any, info: ValidationInfo) -> Any:
+        """token-file's fields go with name 'token-file' and no other data; three are required."""
+        if "name" not in info.data:
+            return value  # the name itself is wrong: that error is the one to read
+        token_file = info.data["name"] == "token-file"
+        field = str(info.field_name)
+        if token_file and value is None and field in _TOKEN_FILE_REQUIRED:
+            raise ValueError(f"required with name 'token-file': {_TOKEN_FILE_REQUIRED[field]}")
+        if not token_file and value is not None:
+            used = f"name {info.data['name']!r}" if info.data["name"] else "a factory (use data.kwargs)"
+            raise ValueError(f"belongs to name 'token-file', not to {used}; remove it")
+        return value
+
+    @field_validator("kwargs")
+    @classmethod
+    def _token_file_kwargs(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if value and info.data.get("name") == "token-file":
+            raise ValueError(
+                "token-file takes no kwargs; its options are fields of data: " + ", ".join(TOKEN_FILE_FIELDS)
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
         if (self.name is None) == (self.factory is None):
-            raise ValueError("give exactly one of 'name' (synthetic, tokens) or 'factory'")
+            raise ValueError("give exactly one of 'name' (synthetic, tokens, token-file) or 'factory'")
         return self
 
 

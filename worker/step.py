@@ -5,122 +5,165 @@ of per-sample losses times ``W / N``, where N is the window's true global sample
 averages over the W ranks, so the gradient is the mean over exactly the window's samples — with
 equal batches this is the usual division by A, done once; with unequal batches every sample
 weighs the same, never a mean of means.
+
+The host waits for the device once per step: the loss stays on the device while the micro-steps
+run, and :func:`optimizer_step` reads one small vector at the step's end — whether any rank's
+gradients are non-finite, the window's global loss sum (both all-reduced together) and, on the
+steps that measure them, the gradient statistics. Every read of a device value in the step goes
+through :func:`to_host`, so that a test can count them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from worker.amp import DynamicLossScaler, any_rank_non_finite, autocast
-from worker.data import Dataset
+from worker.amp import DynamicLossScaler, autocast
 from worker.failpoints import failpoint
-from worker.objective import Objective, call_model, to_device
-from worker.sampler import Window, indices
+from worker.feed import MicroBatch
+from worker.monitor import GradMonitor, GradStats
+from worker.objective import Objective, call_model
 from worker.setup import Wrapped, local
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
+    """What the step's one read from the device says."""
+
     skipped: bool
-    local_loss_sum: float
-    local_samples: int
+    loss_sum: float
+    """The window's loss summed over every sample of every rank (divide by the window's samples)."""
+    stats: GradStats | None = None
+    """The gradient statistics, on a step that measured them and was not skipped."""
+    votes: tuple[float, ...] = ()
+    """The ``votes`` given to :func:`optimizer_step`, summed over the ranks."""
+
+
+def to_host(values: torch.Tensor) -> list[float]:
+    """The one place the step waits for the device: a small vector, read once per step."""
+    return [float(v) for v in values.tolist()]
 
 
 def forward_backward(
     wrapped: Wrapped,
-    data: Dataset,
-    window: Window,
+    batches: Iterable[MicroBatch],
     *,
+    micro_steps: int,
+    weight: float,
     objective: Objective,
-    rank: int,
-    world_size: int,
-    seed: int,
     precision: str,
     scale: float,
     device: torch.device,
-) -> tuple[float, int, float]:
-    """Run the window's micro-steps; gradients end up synchronised and scaled by ``scale``.
-    Returns this rank's loss sum, its sample count and the seconds spent waiting for data.
-    ``objective`` picks from the forward's output and gives the micro-batch's per-sample loss sum."""
-    weight = world_size / window.samples
-    total = torch.zeros((), dtype=torch.float64)
+) -> tuple[torch.Tensor, int]:
+    """Run a window's ``micro_steps`` micro-batches; gradients end up synchronised and scaled by
+    ``scale``. ``weight`` is W / N (N: the window's global sample count). ``objective`` picks from
+    the forward's output and gives the micro-batch's per-sample loss sum. Returns this rank's loss
+    sum (a float64 tensor on ``device``, not read here) and its sample count."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    data_wait = 0.0
-    last = len(window.micro_steps) - 1
-    size = len(data)
-    for j, micro in enumerate(window.micro_steps):
-        started = time.perf_counter()
-        idx = indices(seed, window.epoch, size, micro.bounds[rank])
-        x, y = data.batch(idx)
-        x, y = to_device(x, device), to_device(y, device)
-        data_wait += time.perf_counter() - started
+    last = micro_steps - 1
+    for j, micro in enumerate(batches):
         sync = contextlib.nullcontext() if j == last else wrapped.no_sync()
         with sync:
             with autocast(precision, device):
-                out = call_model(wrapped.module, x)
-            loss = objective.loss_sum(out, y)
+                out = call_model(wrapped.module, micro.inputs)
+            loss = objective.loss_sum(out, micro.targets)
             (loss * (weight * scale)).backward()
-        total += loss.detach().double().cpu()
-        count += len(idx)
-    return float(total), count, data_wait
+        total += loss.detach().double()
+        count += len(micro.indices)
+    return total, count
 
 
 def optimizer_step(
-    model: nn.Module,
+    params: Sequence[nn.Parameter],
     optimizer: torch.optim.Optimizer,
     scaler: DynamicLossScaler,
     *,
     lr: float,
     clip: float | None,
+    loss_sum: torch.Tensor | None = None,
     sharded: bool = False,
-    on_norms: Callable[[list[torch.Tensor | None]], None] | None = None,
-) -> bool:
-    """Unscale, agree across ranks on non-finite gradients, clip, step. Returns True if skipped.
+    monitor: GradMonitor | None = None,
+    measure: bool = False,
+    votes: Sequence[float] = (),
+) -> StepResult:
+    """Unscale, agree across ranks on non-finite gradients, clip, step; ``params`` are the
+    optimizer's, in the monitor's order.
 
     One pass over the gradients computes every gradient's norm; it serves the non-finite check,
-    the underflow watch and clipping alike. With ``sharded`` (FSDP) each rank holds a slice of
-    every gradient, so the clipping norm is summed over ranks.
+    the underflow watch (``monitor``: every step; the statistics too when ``measure``) and clipping
+    alike. The non-finite flag and this rank's ``loss_sum`` are all-reduced together, and while
+    they travel the clipping and the watch run on the device (a skipped step throws that work
+    away); then the step's one read (:func:`to_host`) decides. ``votes`` (numbers the ranks must
+    agree on, such as a save wanted by a local clock) travel with the flag and come back summed.
+    With ``sharded`` (FSDP) each rank holds a slice of every gradient, so the clipping norm is
+    summed over ranks.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [local(p.grad) for p in params if p.grad is not None]
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in with_grad if p.grad is not None]
     if failpoint("after_grad_sync") == "nonfinite":
         grads[0].view(-1)[0] = float("inf")
     scaler.unscale(grads)
-    norms = list(torch._foreach_norm(grads)) if grads else []
-    device = grads[0].device if grads else torch.device("cpu")
-    found = any_rank_non_finite(norms, device=device)
+    if loss_sum is None:
+        loss_sum = torch.zeros((), dtype=torch.float64)
+    device = grads[0].device if grads else loss_sum.device
+    norms = torch.stack(torch._foreach_norm(grads)) if grads else torch.zeros(0, device=device)
+    # 0 when every norm is finite, NaN when one is not (inf * 0 and NaN * 0 are NaN); summed over
+    # the ranks it stays NaN if any rank's was. Two ops, where isfinite/any take six.
+    flag = (norms * 0).sum().double()
+    shared = torch.stack([flag, loss_sum.detach().double().to(device)])
+    if votes:
+        shared = torch.cat([shared, torch.tensor(list(votes), dtype=torch.float64, device=device)])
+    work = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        work = dist.all_reduce(shared, op=dist.ReduceOp.SUM, async_op=True)
+    local_values: list[torch.Tensor] = []
+    zero_run = None
+    if monitor is not None:
+        present = (
+            None if len(with_grad) == len(params) else [i for i, p in enumerate(params) if p.grad is not None]
+        )
+        zero_run = monitor.advance(norms, present)
+        if measure:
+            local_values = [zero_run.double(), monitor.pending(grads, device=device)]
+    if clip is not None and grads:
+        _clip(grads, norms, clip, sharded=sharded)
+    if work is not None:
+        work.wait()
+    values = to_host(torch.cat([shared, *local_values]) if local_values else shared)
+    found, global_loss = not math.isfinite(values[0]), values[1]
+    summed, values = tuple(values[2 : 2 + len(votes)]), values[2 + len(votes) :]
     scaler.update(found)
     if found:
         optimizer.zero_grad(set_to_none=True)
-        return True
-    if on_norms is not None:
-        it = iter(norms)
-        on_norms([None if p.grad is None else next(it) for p in params])
-    if clip is not None and grads:
-        _clip(grads, norms, clip, sharded=sharded)
+        return StepResult(skipped=True, loss_sum=global_loss, votes=summed)
+    stats = None
+    if monitor is not None and zero_run is not None:
+        monitor.commit(zero_run)
+        if measure:
+            stats = monitor.stats(values, numel=sum(g.numel() for g in grads))
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return False
+    return StepResult(skipped=False, loss_sum=global_loss, stats=stats, votes=summed)
 
 
-def _clip(grads: list[torch.Tensor], norms: list[torch.Tensor], max_norm: float, *, sharded: bool) -> None:
+def _clip(grads: list[torch.Tensor], norms: torch.Tensor, max_norm: float, *, sharded: bool) -> None:
     """Scale all gradients so that their global L2 norm is at most ``max_norm`` (as
-    ``clip_grad_norm_`` does), reusing the per-gradient norms."""
-    squared = torch.stack(norms).double().square().sum()
+    ``clip_grad_norm_`` does), reusing the per-gradient norms; on the device, without a read (a
+    factor of exactly 1 leaves every gradient's bits as they are)."""
+    squared = norms.double().square().sum()
     if sharded and dist.is_initialized():
         dist.all_reduce(squared, op=dist.ReduceOp.SUM)
-    coef = max_norm / (float(squared.sqrt()) + 1e-6)
-    if coef < 1.0:
-        torch._foreach_mul_(grads, coef)
+    coef = (max_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
 
 def global_sum(values: list[float], device: torch.device) -> list[float]:
@@ -128,4 +171,4 @@ def global_sum(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return [float(v) for v in tensor.tolist()]
+    return to_host(tensor)

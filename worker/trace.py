@@ -1,8 +1,9 @@
 """``ELASTRAIN_TRACE_SAMPLES=DIR``: what each rank's data path actually loaded (a test aid).
 
-The trainer wraps the dataset in a :class:`LoadRecorder`, which notes the indices of every
-``batch()`` call once it has returned, so a trace says what was fed to the model, not what the
-plan said. After each window the rank appends one JSON line to
+The trainer passes the micro-batches the step takes through a :class:`LoadRecorder`, which
+notes the indices of each one, as ``batch()`` returned it, when the step takes it: a trace says
+what was fed to the model, not what the plan said, nor what was loaded ahead and never trained
+on (see :mod:`worker.feed`). After each window the rank appends one JSON line to
 ``DIR/rank-<rank>-pid-<pid>.jsonl``: the generation, the step before the window, the epoch, the
 world size, the indices in load order, and a fingerprint of every generator's state (python,
 numpy, torch CPU, CUDA) taken right before the window's first micro-step. Lines of windows that
@@ -14,31 +15,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from worker.data import Dataset
-
 
 class LoadRecorder:
-    """A dataset that records the indices each ``batch()`` call loaded."""
+    """Notes the indices of every micro-batch the step takes, in order."""
 
-    def __init__(self, data: Dataset) -> None:
-        self.data = data
-        self.task: str = getattr(data, "task", "")
-        self.meta: dict[str, Any] = getattr(data, "meta", {})
+    def __init__(self) -> None:
         self.loaded: list[int] = []
 
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.data.batch(indices)
-        self.loaded.extend(int(i) for i in indices)
-        return out
+    def record(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Pass ``batches`` (each with its ``indices``) through, noting each as it is taken."""
+        for micro in batches:
+            self.loaded.extend(int(i) for i in micro.indices)
+            yield micro
 
     def take(self) -> list[int]:
         loaded, self.loaded = self.loaded, []

@@ -8,23 +8,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from worker.amp import OPTIMIZER_ROW, DynamicLossScaler, autocast, optimizer_row, state_dtypes
+from worker.amp import OPTIMIZER_ROW, DynamicLossScaler, optimizer_row, state_dtypes
 from worker.build import Built
 from worker.checkpoint.rng import capture_rng
 from worker.dist import DistInfo
+from worker.evaluation import evaluate
 from worker.events import Events, progress_line
+from worker.feed import Feed, make_feed
 from worker.metrics import WorkerMetrics, peak_memory_bytes
-from worker.monitor import GradMonitor
-from worker.objective import call_model, to_device
+from worker.monitor import GradMonitor, GradStats
 from worker.progress import Progress
-from worker.sampler import Window, plan_window, split_evenly
+from worker.sampler import Window
 from worker.schedule import lr_at, plan_batch
 from worker.setup import (
     build_optimizer,
-    local,
     params_digest,
     rank_seed,
     run_record,
@@ -33,7 +32,7 @@ from worker.setup import (
     spec_hash,
     wrap,
 )
-from worker.step import forward_backward, global_sum, optimizer_step
+from worker.step import StepResult, forward_backward, optimizer_step
 from worker.trace import LoadRecorder, SampleTrace, rng_fingerprint
 
 if TYPE_CHECKING:
@@ -68,13 +67,13 @@ class Trainer:
         self.eval_data = built.eval_data
         trace_dir = os.environ.get("ELASTRAIN_TRACE_SAMPLES")
         self.trace = SampleTrace(trace_dir, info.rank) if trace_dir else None
-        self.recorder = LoadRecorder(built.data) if self.trace is not None else None
-        self.data = self.recorder if self.recorder is not None else built.data
+        self.recorder = LoadRecorder() if self.trace is not None else None
+        self.data, self.prefetch = built.data, built.prefetch
         self.progress = Progress()
         self.scaler = DynamicLossScaler(spec.loss_scale, enabled=spec.precision == "fp16")
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.monitor = GradMonitor(names, stale_after=spec.monitor.stale_after_steps)
-        self.notes: list[str] = []
+        self.notes: list[str] = list(built.notes)
         self.record: dict[str, Any] = {}
         self.data_wait = 0.0
         self.local_samples = 0
@@ -84,6 +83,8 @@ class Trainer:
             self.model, info, parallelism=spec.parallelism, bucket_cap_mb=spec.ddp.bucket_cap_mb
         )
         self.optimizer = build_optimizer(self.model, spec.optimizer)
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.tokens_per_sample = int(getattr(self.data, "meta", {}).get("seq_len", 0))
         if metrics is not None and spec.monitor.time_communication and not self.wrapped.fsdp:
             self.wrapped.module.register_comm_hook(None, metrics.comm.hook)  # type: ignore[operator]
 
@@ -150,36 +151,47 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps``; returns the finished event's fields."""
+        feed = make_feed(
+            self.data, depth=self.prefetch, seed=self.spec.seed, rank=self.info.rank,
+            world_size=self.info.world_size, micro_batch=self.plan.micro_batch,
+            accum_steps=self.plan.accum_steps, device=self.device,
+        )  # fmt: skip
+        try:
+            self._loop(feed)
+        finally:
+            feed.close()  # batches loaded past the last step are dropped
+        return self._finish()
+
+    def _loop(self, feed: Feed) -> None:
         spec, prog = self.spec, self.progress
         last_log, last_log_samples = time.perf_counter(), prog.samples_seen
+        self.model.train()
         while prog.step < spec.max_steps:
-            window = plan_window(
-                prog.sampler,
-                dataset_size=len(self.data),
-                world_size=self.info.world_size,
-                micro_batch=self.plan.micro_batch,
-                accum_steps=self.plan.accum_steps,
-            )
+            window = feed.plan(prog.sampler)
             rng = rng_fingerprint(capture_rng()) if self.trace is not None else None
             started = time.perf_counter()
-            skipped, local_loss = self._train_window(window)
-            self._observe_step(time.perf_counter() - started, skipped)
+            waited = feed.wait_s
+            result = self._train_window(feed, window)
+            self.data_wait = feed.wait_s - waited
+            self._observe_step(time.perf_counter() - started, result.skipped)
             if rng is not None:
                 self._trace(window, rng)
             prog.sampler = window.after
-            if skipped:
+            if result.skipped:
                 prog.samples_skipped += window.samples
                 self.events.emit("skipped_step", step=prog.step, loss_scale=self.scaler.scale)
                 continue
             prog.step += 1
             prog.samples_seen += window.samples
+            prog.last_loss = result.loss_sum / window.samples
+            if result.stats is not None:
+                self._grad_stats(result.stats)
             if not self.stepped:
                 self.stepped = True  # the first step of this group: a recovery is over
                 self._first_step()
             final = prog.step == spec.max_steps
-            save = self._want_save(final)
+            save = self._want_save(final, result)
             if prog.step % spec.log_every_steps == 0 or save or final:
-                prog.last_loss = global_sum([local_loss], self.device)[0] / window.samples
                 now = time.perf_counter()
                 rate = (prog.samples_seen - last_log_samples) / max(now - last_log, 1e-9)
                 last_log, last_log_samples = now, prog.samples_seen
@@ -188,60 +200,57 @@ class Trainer:
                 self._evaluate()
             if save:
                 self._save()
-        return self._finish()
 
-    def _train_window(self, window: Window) -> tuple[bool, float]:
-        self.model.train()
-        scale = self.scaler.scale
-        local_loss, local_samples, self.data_wait = forward_backward(
+    def _train_window(self, feed: Feed, window: Window) -> StepResult:
+        batches = feed.batches(self.progress.sampler, window)
+        if self.recorder is not None:
+            batches = self.recorder.record(batches)
+        local_loss, self.local_samples = forward_backward(
             self.wrapped,
-            self.data,
-            window,
+            batches,
+            micro_steps=len(window.micro_steps),
+            weight=self.info.world_size / window.samples,
             objective=self.objective,
-            rank=self.info.rank,
-            world_size=self.info.world_size,
-            seed=self.spec.seed,
             precision=self.spec.precision,
-            scale=scale,
+            scale=self.scaler.scale,
             device=self.device,
         )
         total = self.spec.max_steps * self.plan.global_batch
-        lr = lr_at(
+        self.lr = lr_at(
             self.progress.samples_seen,
             base_lr=self.spec.optimizer.lr,
             factor=self.plan.lr_factor,
             schedule=self.spec.lr_schedule,
             total=total,
         )
-        self.lr = lr
-        skipped = optimizer_step(
-            self.model,
+        return optimizer_step(
+            self.params,
             self.optimizer,
             self.scaler,
-            lr=lr,
+            lr=self.lr,
             clip=self.spec.optimizer.grad_clip_norm,
+            loss_sum=local_loss,
             sharded=self.wrapped.fsdp,
-            on_norms=self._observe_grads,
+            monitor=self.monitor,
+            measure=(self.progress.step + 1) % self.spec.monitor.every_steps == 0,
+            votes=self._save_vote(),
         )
-        self.local_samples = local_samples
-        return skipped, local_loss
 
     def _observe_step(self, seconds: float, skipped: bool) -> None:
         """Feed the rank's Prometheus exporter (worker.metrics) after every window."""
         metrics = self.metrics
         if metrics is None:
             return
-        tokens = self.local_samples * int(getattr(self.data, "meta", {}).get("seq_len", 0))
+        tokens = self.local_samples * self.tokens_per_sample
         step = self.progress.step + (0 if skipped else 1)
         metrics.observe_step(seconds, self.local_samples, tokens, self.data_wait, step=step)
         if skipped:
             metrics.skipped()
         if self.spec.precision == "fp16":
             metrics.set_scale(self.scaler.scale, min_scale=self.spec.loss_scale.min_scale)
-        metrics.peak_memory(peak_memory_bytes(self.info.device))
 
     def _trace(self, window: Window, rng: str) -> None:
-        """ELASTRAIN_TRACE_SAMPLES (see worker.trace): what the data path loaded for this window."""
+        """ELASTRAIN_TRACE_SAMPLES (see worker.trace): what the step trained on in this window."""
         assert self.trace is not None and self.recorder is not None
         self.trace.write(
             generation=self.generation, step=self.progress.step, epoch=window.epoch,
@@ -258,35 +267,33 @@ class Trainer:
             self._write_record(self.record)
         self.events.emit("first_step", step=self.progress.step, state_dtypes=state)
 
-    def _observe_grads(self, norms: list[torch.Tensor | None]) -> None:
-        self.monitor.observe(norms)
-        step = self.progress.step + 1
-        if step % self.spec.monitor.every_steps == 0:
-            grads = [
-                None if p.grad is None else local(p.grad) for p in self.model.parameters() if p.requires_grad
-            ]
-            stats = self.monitor.measure(grads)
-            if self.metrics is not None:
-                self.metrics.grad_stats(stats.zero_fraction, stats.min_nonzero)
-            self.events.emit(
-                "grad_stats",
-                step=step,
-                zero_fraction=stats.zero_fraction,
-                min_nonzero=stats.min_nonzero,
-                stale_params=list(stats.stale_params),
-            )
+    def _grad_stats(self, stats: GradStats) -> None:
+        if self.metrics is not None:
+            self.metrics.grad_stats(stats.zero_fraction, stats.min_nonzero)
+        self.events.emit(
+            "grad_stats",
+            step=self.progress.step,
+            zero_fraction=stats.zero_fraction,
+            min_nonzero=stats.min_nonzero,
+            stale_params=list(stats.stale_params),
+        )
 
-    def _want_save(self, final: bool) -> bool:
+    def _save_vote(self) -> tuple[float, ...]:
+        """Time-based policies read local clocks: the ranks agree through the step's all-reduce
+        (a vote for saving the step about to run), or they would diverge on a collective."""
+        cfg = self.spec.checkpoint
+        if self.checkpointer is None or (cfg.interval_seconds is None and cfg.interval != "auto"):
+            return ()
+        return (float(self.checkpointer.should_save(self.progress.step + 1, now=time.time())),)
+
+    def _want_save(self, final: bool, result: StepResult) -> bool:
         if self.checkpointer is None:
             return False
         if final:
             return True
-        want = float(self.checkpointer.should_save(self.progress.step, now=time.time()))
-        cfg = self.spec.checkpoint
-        if cfg.interval_seconds is not None or cfg.interval == "auto":
-            # Time-based policies read local clocks: agree, or ranks would diverge on a collective.
-            want = global_sum([want], self.device)[0]
-        return want > 0
+        if result.votes:
+            return result.votes[0] > 0
+        return self.checkpointer.should_save(self.progress.step, now=time.time())
 
     def _report(self, rate: float) -> None:
         prog = self.progress
@@ -302,6 +309,9 @@ class Trainer:
         self.events.say(line)
         extra: dict[str, Any] = {}
         if self.metrics is not None:
+            # Read here, not every step: the process's max RSS is a getrusage call that cost up to
+            # 0.4 ms a step under load (it walks every thread of the process).
+            self.metrics.peak_memory(peak_memory_bytes(self.info.device))
             if prog.last_loss is not None:
                 self.metrics.set_loss(prog.last_loss)
             extra = self.metrics.progress_fields()
@@ -326,24 +336,16 @@ class Trainer:
         )
 
     def _evaluate(self) -> None:
-        """Each eval sample counted once: ranks take disjoint slices, no padding duplicates."""
         assert self.eval_data is not None
-        lo, hi = split_evenly(0, len(self.eval_data), self.info.world_size)[self.info.rank]
-        self.model.eval()
-        total = 0.0
-        with torch.no_grad():
-            if hi > lo:
-                x, y = self.eval_data.batch(np.arange(lo, hi))
-                with autocast(self.spec.precision, self.device):
-                    out = call_model(self.model, to_device(x, self.device))
-                total = float(self.objective.loss_sum(out, to_device(y, self.device)))
-        summed, count = global_sum([total, float(hi - lo)], self.device)
-        self.model.train()
-        value = summed / count
+        value, count = evaluate(
+            self.model, self.eval_data, objective=self.objective, precision=self.spec.precision,
+            device=self.device, micro_batch=self.plan.micro_batch, rank=self.info.rank,
+            world_size=self.info.world_size,
+        )  # fmt: skip
         best = self.progress.best_metric
         if best is None or value < best:
             self.progress.best_metric = value
-        self.events.emit("eval", step=self.progress.step, loss=value, samples=int(count))
+        self.events.emit("eval", step=self.progress.step, loss=value, samples=count)
 
     def _save(self) -> None:
         checkpointer = self.checkpointer

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from worker import dist as wdist
 from worker.data import build_data
+from worker.feed import Feed
 from worker.models import build_model
 from worker.objective import Objective
 from worker.sampler import SamplerState, plan_window
@@ -41,14 +42,16 @@ def main() -> None:
             micro_batch=cfg["b"],
             accum_steps=cfg["a"],
         )
+        feed = Feed(
+            data, seed=5, rank=info.rank, world_size=info.world_size, micro_batch=cfg["b"],
+            accum_steps=cfg["a"], device=torch.device("cpu"),
+        )  # fmt: skip
         forward_backward(
             wrapped,
-            data,
-            window,
+            feed.batches(SamplerState(0, cfg["cursor"]), window),
+            micro_steps=len(window.micro_steps),
+            weight=info.world_size / window.samples,
             objective=Objective(task=data.task),
-            rank=info.rank,
-            world_size=info.world_size,
-            seed=5,
             precision="fp32",
             scale=1.0,
             device=torch.device("cpu"),

@@ -10,7 +10,7 @@ from torch import nn
 
 from worker.amp import DynamicLossScaler
 from worker.spec import LossScaleSpec
-from worker.step import optimizer_step
+from worker.step import StepResult, optimizer_step
 
 
 def model_with_grad(grad: list[float]) -> nn.Linear:
@@ -21,6 +21,10 @@ def model_with_grad(grad: list[float]) -> nn.Linear:
     return model
 
 
+def params(model: nn.Module) -> list[nn.Parameter]:
+    return list(model.parameters())
+
+
 def scaler(scale: float) -> DynamicLossScaler:
     return DynamicLossScaler(LossScaleSpec(init_scale=scale), enabled=True)
 
@@ -28,12 +32,12 @@ def scaler(scale: float) -> DynamicLossScaler:
 def test_a_skipped_step_applies_no_weight_decay_and_leaves_the_optimizer_alone() -> None:
     model = model_with_grad([1.0, 2.0])
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
-    assert not optimizer_step(model, opt, scaler(4.0), lr=0.1, clip=None)  # one good step
+    assert not optimizer_step(params(model), opt, scaler(4.0), lr=0.1, clip=None).skipped  # one good step
     weight = model.weight.detach().clone()
     state = {k: v.clone() for k, v in opt.state[model.weight].items()}
     model.weight.grad = torch.tensor([[float("inf"), 1.0]])
     s = scaler(4.0)
-    assert optimizer_step(model, opt, s, lr=0.1, clip=1.0)
+    assert optimizer_step(params(model), opt, s, lr=0.1, clip=1.0).skipped
     assert torch.equal(model.weight, weight), "a skipped step moved the weights (weight decay?)"
     assert all(torch.equal(opt.state[model.weight][k], v) for k, v in state.items()), (
         "moments or step changed"
@@ -50,7 +54,7 @@ def test_gradients_are_unscaled_before_clipping(true_grad: list[float], expected
     scale = 1024.0
     model = model_with_grad([g * scale for g in true_grad])
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    assert not optimizer_step(model, opt, scaler(scale), lr=1.0, clip=1.0)
+    assert not optimizer_step(params(model), opt, scaler(scale), lr=1.0, clip=1.0).skipped
     update = 1.0 - model.weight.detach()[0]
     torch.testing.assert_close(update, torch.tensor(expected_update))
 
@@ -58,5 +62,15 @@ def test_gradients_are_unscaled_before_clipping(true_grad: list[float], expected
 def test_the_lr_given_is_the_lr_applied() -> None:
     model = model_with_grad([1.0])
     opt = torch.optim.SGD(model.parameters(), lr=123.0)
-    optimizer_step(model, opt, scaler(1.0), lr=0.25, clip=None)
+    optimizer_step(params(model), opt, scaler(1.0), lr=0.25, clip=None)
     assert opt.param_groups[0]["lr"] == 0.25 and model.weight.item() == 0.75
+
+
+def test_the_loss_sum_and_votes_come_back_from_the_steps_read() -> None:
+    """Without a process group the sums over ranks are this rank's own values."""
+    model = model_with_grad([1.0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = optimizer_step(
+        params(model), opt, scaler(1.0), lr=0.5, clip=None, loss_sum=torch.tensor(3.25), votes=(1.0, 0.0)
+    )
+    assert result == StepResult(skipped=False, loss_sum=3.25, votes=(1.0, 0.0))

@@ -1,4 +1,4 @@
-"""The sample trace records what the data path loaded, after batch() returned."""
+"""The sample trace records what the step trained on: batches as batch() returned them, when taken."""
 
 from __future__ import annotations
 
@@ -10,22 +10,53 @@ import torch
 
 from worker.checkpoint.rng import capture_rng
 from worker.data import synthetic
+from worker.feed import Feed, make_feed
+from worker.sampler import SamplerState, epoch_order
 from worker.trace import LoadRecorder, rng_fingerprint
 
 
-def test_the_recorder_notes_each_loaded_batch_in_order() -> None:
-    recorder = LoadRecorder(synthetic(32, 0))
-    x, _ = recorder.batch(np.array([5, 3]))
-    recorder.batch(np.array([7]))
-    assert recorder.take() == [5, 3, 7] and recorder.take() == []
-    assert x.shape[0] == 2 and len(recorder) == 32 and recorder.task == "regression"
+def feed(data: object, depth: int) -> Feed:
+    return make_feed(
+        data, depth=depth, seed=0, rank=0, world_size=1, micro_batch=2, accum_steps=2,  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+    )  # fmt: skip
 
 
-def test_a_batch_that_fails_is_not_recorded() -> None:
-    recorder = LoadRecorder(synthetic(32, 0))
-    with pytest.raises(IndexError):
-        recorder.batch(np.array([1, 99]))
-    assert recorder.take() == []
+@pytest.mark.parametrize("depth", [0, 2])
+def test_the_recorder_notes_what_the_step_takes_in_order(depth: int) -> None:
+    """Prefetched batches the step has not taken yet (the next window's) are not in the trace."""
+    f, recorder = feed(synthetic(32, 0), depth), LoadRecorder()
+    window = f.plan(SamplerState())
+    taken = [m.indices.tolist() for m in recorder.record(f.batches(SamplerState(), window))]
+    f.close()
+    assert recorder.take() == taken[0] + taken[1] and recorder.take() == []
+    assert sorted(taken[0] + taken[1]) == sorted(epoch_order(0, 0, 32)[:4].tolist())
+
+
+class Failing:
+    task, meta = "regression", {}
+
+    def __len__(self) -> int:
+        return 32
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        if 0 in indices.tolist() or len(indices) == 0:
+            raise IndexError("no sample 0 here")
+        return torch.zeros(len(indices), 1), torch.zeros(len(indices), 1)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_batch_that_fails_is_not_recorded(depth: int) -> None:
+    f, recorder = feed(Failing(), depth), LoadRecorder()
+    state = SamplerState()
+    with pytest.raises(IndexError, match="no sample 0 here"):
+        while True:
+            window = f.plan(state)
+            for _ in recorder.record(f.batches(state, window)):
+                pass
+            state = window.after
+    f.close()
+    assert 0 not in recorder.take()
 
 
 def test_the_fingerprint_of_a_state_survives_the_json_a_checkpoint_keeps() -> None:
