@@ -119,6 +119,7 @@ class Checkpointer:
         self._last_time = time.time()
         self._started = self._last_time
         self._parent_step: int | None = None
+        self._origin = ""  # the checkpoint.resume this job started from (recorded in every manifest)
         self._hf: tuple[nn.Module, dict[str, Any] | None] | None = None
         self.session = "off"
         if self.job_dir is not None:
@@ -252,6 +253,8 @@ class Checkpointer:
         self._seq += 1
         live = capture(model, optimizer)
         meta = {"progress": json_copy(progress, "progress"), "extra": live.extra}
+        if self._origin:
+            meta["origin"] = self._origin  # which checkpoint.resume this job started from
         hf = self._hf_config(model)
         if hf is not None:
             meta["hf"] = hf
@@ -335,6 +338,7 @@ class Checkpointer:
             self.stats.restores_total += 1
             self.stats.bytes_read_total += result.bytes_read
             self._parent_step = result.step
+            self._origin = result.origin
             if self.job_dir is not None and result.path.parent.resolve() == self.job_dir.resolve():
                 self._last_step = result.step  # already in this job's directory: saving it again is a no-op
             copy_to = os.environ.get(COPY_ON_RESUME_ENV)

@@ -5,9 +5,10 @@ needs; the ranks then agree through the store (a checkpoint is used only if it v
 rank). A corrupt one is refused with its reason logged and counted, and the next older one is
 tried. A checkpoint that does not fit the model (missing tensors, other shapes, another data
 version) is an error, not a fallback. ``resume: <path>`` (a step or job directory) loads exactly
-that, or fails. After a load, rank 0 sets every newer step of the job aside (``.corrupt-*`` if it
-was refused, ``.superseded-*`` otherwise) so that no later resume or publish can mix two
-histories, and points ``latest`` at the step loaded.
+that, or fails -- until the job has published steps of its own since it (see ``_candidates``).
+After a load, rank 0 sets every newer step of the job aside (``.corrupt-*`` if it was refused,
+``.superseded-*`` otherwise) so that no later resume or publish can mix two histories, and
+points ``latest`` at the step loaded.
 """
 
 from __future__ import annotations
@@ -68,13 +69,47 @@ class Restored:
     rng_restored: bool
     notes: list[str] = field(default_factory=list)
     bytes_read: int = 0
+    origin: str = ""  # what the steps saved after this load record as their origin
 
 
 def _candidates(ctx: RestoreContext) -> tuple[list[Path], bool]:
-    """Step directories to try, newest first, and whether falling back is allowed."""
+    """Step directories to try, newest first, and whether falling back is allowed.
+
+    ``resume: <path>`` names where a job *starts*: once the job has published steps of its own
+    since it started from that path, a restart resumes from those (newest first, falling back to
+    older ones and finally to the path), as Composer's ``autoresume`` does over ``load_path`` and
+    torchtitan's ``initial_load_path``. Otherwise every torchrun restart would reload the path and
+    set the job's own progress aside. A step was published since that start when its manifest
+    records the same ``checkpoint.resume`` as its origin (:func:`origin_of`); so a rollback to a
+    step of the job's own directory is not undone by the steps written before it."""
+    own = [p for _, p in reversed(list_published(ctx.job_dir))]
     if ctx.resume == "auto":
-        return [p for _, p in reversed(list_published(ctx.job_dir))], True
-    return [resolve_checkpoint(ctx.resume)], False
+        return own, True
+    since = [p for p in own if _origin(p) in (ctx.resume, None)]
+    try:
+        start = resolve_checkpoint(ctx.resume)
+    except CheckpointError:
+        if since:  # the starting point is gone (e.g. retention removed a rolled-back-to step)
+            return since, True
+        raise
+    since = [p for p in since if p.resolve() != start.resolve()]
+    return [*since, start], bool(since)
+
+
+def _origin(step_dir: Path) -> str | None:
+    """The ``checkpoint.resume`` a step's job started from, ``""`` for none, or None when its
+    manifest cannot be read (kept as a candidate: the load refuses it, counted, like any corrupt
+    step)."""
+    try:
+        return str(load_manifest(step_dir).meta.get("origin") or "")
+    except (CheckpointError, OSError):
+        return None
+
+
+def origin_of(resume: str, manifest: Manifest) -> str:
+    """The origin the steps saved after this load record: the explicit start, or under ``auto``
+    what the loaded step recorded."""
+    return resume if resume != "auto" else str(manifest.meta.get("origin") or "")
 
 
 def _try(ctx: RestoreContext, step_dir: Path, live: LiveState) -> tuple[str, str, Manifest | None, int]:
@@ -161,6 +196,7 @@ def restore(
         rng_restored=rng_restored,
         notes=notes,
         bytes_read=nbytes,
+        origin=origin_of(ctx.resume, manifest),
     )
 
 
@@ -189,9 +225,19 @@ def _settle(ctx: RestoreContext, step: int, step_dir: Path, refused: list[Path],
         if newer <= step:
             continue
         tag = "corrupt" if path.name in refused_names else "superseded"
-        aside = job_dir / f".{tag}-{path.name}-g{ctx.generation}"
+        aside = _unused(job_dir / f".{tag}-{path.name}-g{ctx.generation}")
         os.replace(path, aside)
         event("checkpoint_set_aside", path=str(path), to=aside.name)
     if read_latest(job_dir) != step_dir_name(step):
         write_latest(job_dir, step)
     fsync_dir(job_dir)
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``, ... : a step set aside twice under one generation (a
+    second rollback past it) must not fail on, or replace, the first one."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate

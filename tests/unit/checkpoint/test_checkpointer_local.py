@@ -136,6 +136,55 @@ def test_explicit_path_and_other_model(tmp_path: Path) -> None:
         checkpointer(tmp_path).restore(model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
 
 
+def test_explicit_path_is_where_a_job_starts_not_where_every_restart_goes(tmp_path: Path) -> None:
+    """``resume: <another job's checkpoint>``, then this job publishes steps of its own and is
+    restarted (torchrun reruns the same spec): it resumes from its own newest step, not the path
+    again, and its own steps are kept. A corrupt own step falls back to an older own one."""
+    source, _ = _two_steps(tmp_path / "source")
+    own = tmp_path / "own"
+    model, optim = model_and_optim()
+    ck = checkpointer(own, resume=str(source))
+    first = ck.restore(model=model, optimizer=optim)
+    assert first is not None and first.path == source
+    train(model, optim, 1)
+    save(ck, model, optim, 2)
+    train(model, optim, 1)
+    save(ck, model, optim, 3)
+    ck.close()
+
+    model2, optim2 = model_and_optim(seed=3)
+    again = checkpointer(own, resume=str(source)).restore(model=model2, optimizer=optim2)
+    assert again is not None and again.step == 3 and again.path.parent == own
+    assert state_equal(model, model2, optim, optim2)
+    assert [s for s, _ in list_published(own)] == [2, 3]
+
+    _flip(own / "step-00000003" / "rank-00000.bin")
+    fallback = checkpointer(own, resume=str(source)).restore(model=model2, optimizer=optim2)
+    assert fallback is not None and fallback.step == 2
+
+
+def test_rollback_to_an_own_step_then_a_restart_keeps_what_was_trained_since(tmp_path: Path) -> None:
+    """``resume: <a step of this job>`` rolls back (newer steps set aside); the steps published after
+    that are what a restart resumes from."""
+    older, _ = _two_steps(tmp_path)
+    model, optim = model_and_optim()
+    ck = checkpointer(tmp_path, resume=str(older))
+    rolled = ck.restore(model=model, optimizer=optim)
+    assert rolled is not None and rolled.step == 1
+    train(model, optim, 1)
+    save(ck, model, optim, 2)
+    ck.close()
+    restarted = checkpointer(tmp_path, resume=str(older)).restore(model=model, optimizer=optim)
+    assert restarted is not None and restarted.step == 2 and restarted.path.name == "step-00000002"
+    assert any(p.name.startswith(".superseded-step-00000002") for p in tmp_path.iterdir())
+    # A second rollback to the same step (another spelling of the path: a new start) sets the
+    # newer step aside beside the first one set aside, never onto it.
+    again = checkpointer(tmp_path, resume=f"{older}/").restore(model=model, optimizer=optim)
+    assert again is not None and again.step == 1
+    aside = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".superseded-step-00000002"))
+    assert len(aside) == 2, aside
+
+
 @pytest.mark.parametrize(
     "spec", ["during_shard_write=enospc", "after_shard_write=raise", "before_manifest_write=raise",
              "before_publish_rename=enospc"],
