@@ -241,8 +241,8 @@ class Reconciler:
         period = max(0.5, self.election.ttl_s / 3)
         while not self._stop.wait(period):
             try:
-                if self.election.fence is not None and not self.election.keep_alive():
-                    log.warning("leader lease lost")
+                if self.election.fence is not None:
+                    self.election.keep_alive()  # a lost lease is logged by the election
             except EtcdUnavailableError as exc:
                 log.warning("leader keep-alive failed: %s", exc)
 

@@ -3,10 +3,13 @@ publishes for the other instances (a standby forwards writes there)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from service.etcd.kv import LEADER_KEY, Fence, KVStore, Write
+
+log = logging.getLogger("elastrain.election")
 
 
 def address_key(leader_key: str = LEADER_KEY) -> str:
@@ -82,6 +85,9 @@ class LeaderElection:
         started = self._clock()
         held = self._store.lease_refresh(fence.lease_id) and self._store.commit([], fence=fence)
         if not held:
+            # Said here, whichever caller found out (the keep-alive thread or a campaign): the
+            # operator reads when this instance stopped leading.
+            log.warning("leader lease lost: %s no longer leads", self.holder)
             self.fence = None
         else:
             self._refreshed = started
