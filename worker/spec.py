@@ -388,6 +388,15 @@ class JobSpec(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _peer_needs_ddp(self) -> JobSpec:
+        if self.recovery.mode == "peer" and self.parallelism != "ddp":
+            raise ValueError(
+                "field 'recovery.mode': peer recovery needs parallelism 'ddp' (FSDP state is sharded: "
+                "no peer holds a lost rank's shard); use 'auto' or 'restart'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_loss(self) -> JobSpec:
         if self.loss is not None and self.model.output == "loss":
             raise ValueError(

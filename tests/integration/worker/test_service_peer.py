@@ -1,0 +1,95 @@
+"""Issue 14 end to end: the `elastrain serve` console script (embedded etcd, the local TorchX
+scheduler), a DDP job in peer mode on 2 nodes of 1 real torchrun worker each plus a warm spare;
+the test SIGKILLs node 1's worker mid-run. The survivor keeps its process, the spare takes the
+lost slot with the state from the survivor's memory, and the job finishes with the same final
+checkpoint as an uninterrupted bare torchrun run of the same training.
+
+Steps are slowed (a failpoint sleep after each gradient sync) only so that the test can find the
+job mid-run; the kill itself is a real SIGKILL from outside the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.launch import run_worker, write_spec
+from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
+
+pytestmark = pytest.mark.integration
+
+SLOW = "after_grad_sync=sleep:0.05"
+
+
+def peer_spec(**over: Any) -> dict[str, Any]:
+    """One process per node; one thread each, as torchrun gives the bare run's two processes (a
+    different thread count adds a matmul's partial sums in another order: other bits)."""
+    return job_spec(nodes="2", nproc_per_node=1, max_steps=120, recovery={"mode": "peer"},
+                    env={"OMP_NUM_THREADS": "1"}) | over  # fmt: skip
+
+
+def workers(launch_id: str) -> list[int]:
+    """The pids of the worker processes (not the torchrun agent) of one node app."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ours = f"ELASTRAIN_LAUNCH_ID={launch_id}".encode() in environ and b"worker" in cmdline
+        if ours and b"torch.distributed.run" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final checkpoint digest of the same training on a bare torchrun (2 processes)."""
+    tmp = tmp_path_factory.mktemp("bare-peer")
+    spec = peer_spec(nodes="1", nproc_per_node=2, recovery={"mode": "restart"}, env={})
+    spec["checkpoint"] = spec["checkpoint"] | {"dir": str(tmp / "ck")}
+    run = run_worker(write_spec(tmp, spec), nproc=2)
+    assert run.code == 0, run.stderr[-3000:]
+    return digest(tmp / "ck")
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": SLOW})
+    svc.data_dir.mkdir()
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+def test_a_killed_worker_is_replaced_by_the_spare_from_peer_memory(
+    service: Service, uninterrupted: str
+) -> None:
+    job_id = service.submit(peer_spec(spares=1))
+    survivor, victim = f"{job_id}-n0-a0", f"{job_id}-n1-a0"
+    until(lambda: (service.job(job_id)["step"] or 0) >= 15, "the job 15 steps in", 300)
+    (survivor_pid,) = until(lambda: workers(survivor), "the survivor's worker", 30)
+    (victim_pid,) = until(lambda: workers(victim), "the victim's worker", 30)
+    killed_at = time.time()
+    os.kill(victim_pid, signal.SIGKILL)
+    repaired = lambda: (r := service.job(job_id)["recoveries"]) and r[0]["first_step_at"]  # noqa: E731
+    until(repaired, "the repaired group's first step", 120)
+    os.kill(survivor_pid, 0)  # the survivor kept its process (raises if it is gone)
+    final = service.finished(job_id)
+    assert final["state"] == "SUCCEEDED", (final["events"][-12:], service.node_logs(job_id)[-4000:])
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "peer" and final["restarts"] == 0, recovery
+    assert victim in recovery["lost"] and recovery["failed_at"] >= killed_at - 1, recovery
+    assert recovery["bytes_from_peers"] > 0 and not recovery["bytes_from_storage"], recovery
+    members = {n["index"]: n["launch_id"] for n in final["nodes"] if n["role"] == "member"}
+    assert members[1] == f"{job_id}-n2-a0", final["nodes"]  # the spare took the lost slot
+    assert digest(Path(final["checkpoint_dir"])) == uninterrupted
