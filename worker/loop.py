@@ -274,6 +274,8 @@ class PeerLoop:
             slot = self.slots.get(gone)
             rank = record.members.index(spare)
             launch = record.launch_ids[rank] if rank < len(record.launch_ids) else ""
+            if launch and launch in old.launch_ids:  # the lost node's own agent respawned it: no spare
+                continue
             if slot is None or not launch:
                 self.trainer.events.emit("spare_slot_unknown", member=spare, lost=gone)
                 continue

@@ -1,8 +1,9 @@
 """Issue 14 end to end: the `elastrain serve` console script (embedded etcd, the local TorchX
-scheduler), a DDP job in peer mode on 2 nodes of 1 real torchrun worker each plus a warm spare;
-the test SIGKILLs node 1's worker mid-run. The survivor keeps its process, the spare takes the
-lost slot with the state from the survivor's memory, and the job finishes with the same final
-checkpoint as an uninterrupted bare torchrun run of the same training.
+scheduler), a DDP job in peer mode on 2 nodes of 1 real torchrun worker each, with a warm spare
+or without; the test SIGKILLs node 1's worker mid-run. The survivor keeps its process, the
+replacement (the spare, or the worker node 1's agent starts again) gets the state from the
+survivor's memory, and the job finishes with the same final checkpoint as an uninterrupted bare
+torchrun run of the same training; the job record shows one peer recovery and no restart.
 
 Steps are slowed (a failpoint sleep after each gradient sync) only so that the test can find the
 job mid-run; the kill itself is a real SIGKILL from outside the worker.
@@ -71,10 +72,13 @@ def service(tmp_path: Path) -> Iterator[Service]:
     svc.stop()
 
 
-def test_a_killed_worker_is_replaced_by_the_spare_from_peer_memory(
-    service: Service, uninterrupted: str
+@pytest.mark.parametrize("spares", [1, 0], ids=["spare", "respawned"])
+def test_a_killed_worker_is_replaced_from_peer_memory(
+    service: Service, uninterrupted: str, spares: int
 ) -> None:
-    job_id = service.submit(peer_spec(spares=1))
+    """With a spare, the spare takes the lost slot; without, the lost node's own torchrun agent
+    starts its worker again and the group waits for it (a fixed size: ``nodes`` "2")."""
+    job_id = service.submit(peer_spec(spares=spares))
     survivor, victim = f"{job_id}-n0-a0", f"{job_id}-n1-a0"
     until(lambda: (service.job(job_id)["step"] or 0) >= 15, "the job 15 steps in", 300)
     (survivor_pid,) = until(lambda: workers(survivor), "the survivor's worker", 30)
@@ -91,5 +95,5 @@ def test_a_killed_worker_is_replaced_by_the_spare_from_peer_memory(
     assert victim in recovery["lost"] and recovery["failed_at"] >= killed_at - 1, recovery
     assert recovery["bytes_from_peers"] > 0 and not recovery["bytes_from_storage"], recovery
     members = {n["index"]: n["launch_id"] for n in final["nodes"] if n["role"] == "member"}
-    assert members[1] == f"{job_id}-n2-a0", final["nodes"]  # the spare took the lost slot
+    assert members[1] == (f"{job_id}-n2-a0" if spares else victim), final["nodes"]
     assert digest(Path(final["checkpoint_dir"])) == uninterrupted
