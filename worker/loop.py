@@ -89,8 +89,11 @@ class PeerState:
         t.monitor.load_state_dict(blob["monitor"])
 
     def void_window(self) -> None:
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        self.trainer.wrapped = Wrapped(self.trainer.model, fsdp=False)  # no reference to DDP or its group
+        t = self.trainer
+        t.optimizer.zero_grad(set_to_none=True)
+        t.wrapped = Wrapped(t.model, fsdp=False)  # no reference to DDP or its group
+        if t.recorder is not None:  # the sample trace: what the voided window loaded was not trained
+            t.recorder.take()
 
     def rewrap(self, info: GroupInfo) -> None:
         t = self.trainer

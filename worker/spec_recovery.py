@@ -19,8 +19,8 @@ MAX_SPARES = 64
 """The most warm spares a job may keep (``spares``)."""
 
 RecoveryMode = Literal["auto", "peer", "restart"]
-DEFAULT_MODE: RecoveryMode = "restart"
-"""``restart`` until the worker's peer loop is the tested default (issue 14); then ``auto``."""
+DEFAULT_MODE: RecoveryMode = "auto"
+"""Peer recovery for DDP jobs under the service, by default (issue 14 item 5)."""
 
 
 class RecoverySpec(Frozen):

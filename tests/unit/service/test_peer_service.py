@@ -53,10 +53,11 @@ def test_the_recovery_mode_follows_the_spec(mode: str, parallelism: str, expecte
 
 
 def test_a_spec_without_the_recovery_fields_gets_the_defaults() -> None:
-    """A spec that names neither ``recovery`` nor ``spares`` (and every job record stored before
-    they existed): the default mode, no spares, no incident limit."""
+    """A spec that names neither ``recovery`` nor ``spares``: ``auto`` (peer for DDP, restart for
+    FSDP), no spares, no incident limit."""
     plain = spec()
-    assert peer.recovery_mode(plain) == "restart" and peer.spares(plain) == 0
+    assert peer.recovery_mode(plain) == "peer" and peer.spares(plain) == 0
+    assert peer.recovery_mode(spec(parallelism="fsdp")) == "restart"
     assert peer.max_incidents(plain) is None
 
 
