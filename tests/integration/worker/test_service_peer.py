@@ -63,22 +63,23 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digest(tmp / "ck")
 
 
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[Service]:
-    svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": SLOW})
+def start(tmp_path: Path, failpoints: str) -> Service:
+    svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": failpoints})
     svc.data_dir.mkdir()
     svc.start()
+    return svc
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    svc = start(tmp_path, SLOW)
     yield svc
     svc.stop()
 
 
-@pytest.mark.parametrize("spares", [1, 0], ids=["spare", "respawned"])
-def test_a_killed_worker_is_replaced_from_peer_memory(
-    service: Service, uninterrupted: str, spares: int
-) -> None:
-    """With a spare, the spare takes the lost slot; without, the lost node's own torchrun agent
-    starts its worker again and the group waits for it (a fixed size: ``nodes`` "2")."""
-    job_id = service.submit(peer_spec(spares=spares))
+def kill_and_finish(service: Service, job_id: str) -> tuple[dict[str, Any], float]:
+    """SIGKILL node 1's worker 15 steps in; the survivor (node 0's) keeps its process through the
+    recovery. Returns the finished job and the time of the kill."""
     survivor, victim = f"{job_id}-n0-a0", f"{job_id}-n1-a0"
     until(lambda: (service.job(job_id)["step"] or 0) >= 15, "the job 15 steps in", 300)
     (survivor_pid,) = until(lambda: workers(survivor), "the survivor's worker", 30)
@@ -91,9 +92,40 @@ def test_a_killed_worker_is_replaced_from_peer_memory(
     final = service.finished(job_id)
     assert final["state"] == "SUCCEEDED", (final["events"][-12:], service.node_logs(job_id)[-4000:])
     (recovery,) = final["recoveries"]
-    assert recovery["kind"] == "peer" and final["restarts"] == 0, recovery
     assert victim in recovery["lost"] and recovery["failed_at"] >= killed_at - 1, recovery
+    assert final["restarts"] == 0, final["events"][-12:]
+    return final, killed_at
+
+
+@pytest.mark.parametrize("spares", [1, 0], ids=["spare", "respawned"])
+def test_a_killed_worker_is_replaced_from_peer_memory(
+    service: Service, uninterrupted: str, spares: int
+) -> None:
+    """With a spare, the spare takes the lost slot; without, the lost node's own torchrun agent
+    starts its worker again and the group waits for it (a fixed size: ``nodes`` "2")."""
+    job_id = service.submit(peer_spec(spares=spares))
+    final, _ = kill_and_finish(service, job_id)
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "peer", recovery
     assert recovery["bytes_from_peers"] > 0 and not recovery["bytes_from_storage"], recovery
     members = {n["index"]: n["launch_id"] for n in final["nodes"] if n["role"] == "member"}
-    assert members[1] == (f"{job_id}-n2-a0" if spares else victim), final["nodes"]
+    assert members[1] == f"{job_id}-n{2 if spares else 1}-a0", final["nodes"]
+    assert digest(Path(final["checkpoint_dir"])) == uninterrupted
+
+
+def test_a_corrupt_transfer_falls_back_to_the_checkpoint_in_process(
+    tmp_path: Path, uninterrupted: str
+) -> None:
+    """The spare's first received chunk has a byte flipped (failpoint ``peer_receive_chunk``):
+    the members' digests disagree, nobody trains on it, and every member restores the newest
+    checkpoint in its own process -- a ``storage`` recovery, still no restart, same final state."""
+    service = start(tmp_path, f"{SLOW},peer_receive_chunk=corrupt#1")
+    try:
+        job_id = service.submit(peer_spec(spares=1))
+        final, _ = kill_and_finish(service, job_id)
+    finally:
+        service.stop()
+    assert "elastrain failpoint peer_receive_chunk: corrupt" in service.node_logs(job_id)
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "storage" and recovery["bytes_from_storage"] > 0, recovery
     assert digest(Path(final["checkpoint_dir"])) == uninterrupted
