@@ -18,6 +18,7 @@ committed step, and ``spare_promoted`` for a spare that took a lost member's slo
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +163,10 @@ class PeerLoop:
             teardown()
             self._settle(self.member.recover(self.state, failure), old, failure)
         fields = trainer._finish()
+        if trainer.info.rank == 0:  # a worker still waiting to join (it came late) leaves: see peerrun
+            with contextlib.suppress(ElastrainError):
+                kv = self.member.membership.kv
+                kv.put(self.member.membership.keys.finished, json.dumps({"step": fields["step"]}).encode())
         self.member.release_standby()
         return fields
 
@@ -218,6 +223,8 @@ class PeerLoop:
         if plan != t.plan and self.started:
             t.events.emit("batch_replanned", world_size=info.world_size, batch_plan=plan.to_json())
         t.plan = plan
+        if t.metrics is not None:
+            t.metrics.reseat(rank=info.rank, world_size=info.world_size)
         t.checkpointer = self.make_checkpointer(t.info, info.generation)
         if t.checkpointer is not None:
             t.checkpointer.run_record = t.record

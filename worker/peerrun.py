@@ -8,6 +8,7 @@ the service read the right thing: 0 when training finished or the group let this
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from worker.checkpoint import Checkpointer
     from worker.dist import DistInfo
     from worker.events import Events
+    from worker.recovery.recover import GroupMember
     from worker.service_client import EventForwarder, ServiceClient
 
 
@@ -66,7 +68,12 @@ def run_peer(
         loop = PeerLoop(trainer, member, checkpointer=checkpointer, forwarder=forwarder, job_id=cfg.job_id)
         if role == "spare":
             events.emit("spare_standby", member_id=member.member_id, control=member.me.control)
+        joined = threading.Event()
+        threading.Thread(
+            target=_leave_when_finished, args=(member, joined, events), name="elastrain-finished", daemon=True
+        ).start()
         loop.join()
+        joined.set()
         loop.run()
     except PeerExit as exc:  # not a failure of the job: nothing to report
         events.emit("peer_left", reason=str(exc))
@@ -84,6 +91,20 @@ def run_peer(
     if member is not None:
         member.close()
     return 0
+
+
+def _leave_when_finished(member: GroupMember, joined: threading.Event, events: Events) -> None:
+    """A worker still waiting to be called into the group when training finished (a spare, a
+    replacement or a node added near the end) leaves: exit 0, its node app ends as SUCCEEDED."""
+    key = member.membership.keys.finished
+    while not joined.wait(1.0):
+        try:
+            done = member.membership.kv.get(key) is not None
+        except ElastrainError:
+            continue
+        if done and not joined.is_set():
+            events.emit("peer_left", reason="training finished before this worker was called into the group")
+            os._exit(0)
 
 
 def _fail(exc: BaseException, client: ServiceClient | None, trainer: object, info: DistInfo) -> None:
