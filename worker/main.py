@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from worker.checkpoint import Checkpointer
     from worker.dist import DistInfo
     from worker.events import Events
-    from worker.service_client import ServiceClient
+    from worker.service_client import EventForwarder, ServiceClient
     from worker.spec import JobSpec
     from worker.trainer import Trainer
 
@@ -53,9 +53,13 @@ def _resuming(checkpoint_dir: str | None, resume: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     # Imported here so that `--help` and argument errors stay fast.
+    from worker import lifeline
+
+    if lifeline.should_install(os.environ):  # both modes: a worker dies with its torchrun agent
+        lifeline.install()
     import torch
 
-    from worker import dist
+    from worker import dist, peermode
     from worker.build import build
     from worker.events import Events
     from worker.spec import load_spec
@@ -66,18 +70,26 @@ def main(argv: list[str] | None = None) -> int:
         if spec.checkpoint.dir is None and env_dir:  # the service's storage for this job
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": env_dir})})
         info = dist.detect(os.environ, backend=spec.ddp.backend, cuda_available=torch.cuda.is_available())
-        if spec.checkpoint.dir is not None:  # it belongs to this job, before anything is written there
+        peer = peermode.peer_requested(os.environ)
+        if (
+            spec.checkpoint.dir is not None and not peer
+        ):  # it belongs to this job, before anything is written there
             _own(Path(spec.checkpoint.dir), spec.name, main=info.is_main)
-        events = Events(enabled=info.is_main, job=spec.name, rank=info.rank)
-        if info.is_main and spec.checkpoint.dir is not None:  # the run dir `elastrain report` reads
+        events = Events(enabled=info.is_main and not peer, job=spec.name, rank=info.rank)
+        if (info.is_main or peer) and spec.checkpoint.dir is not None:  # the run dir `elastrain report` reads
             events.log_path = _run_dir(spec.checkpoint.dir) / "events.jsonl"
-        timeout_s = _collective_timeout(os.environ.get("ELASTRAIN_COLLECTIVE_TIMEOUT_S", "300"))
+        default_timeout = str(spec.recovery.collective_timeout_s) if peer else "300"
+        timeout_s = _collective_timeout(os.environ.get("ELASTRAIN_COLLECTIVE_TIMEOUT_S", default_timeout))
         built = build(spec, info, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume))
     except SpecError as exc:
         print(f"elastrain worker: error: {exc}", file=sys.stderr)
         _refused(f"error: {exc}")
         return EXIT_BAD_INPUT
-    client = _service(info, events)
+    client, forwarder = _service(info, events)
+    if peer:
+        from worker.peerrun import run_peer
+
+        return run_peer(built, info, events=events, client=client, forwarder=forwarder, timeout_s=timeout_s)
     trainer: Trainer | None = None
     generation: int | None = None
     try:
@@ -166,17 +178,20 @@ def _run_dir(path: str) -> Path:
     return Path(path)
 
 
-def _service(info: DistInfo, events: Events) -> ServiceClient | None:
-    """The control plane's client when the service launched us (see worker.service_client)."""
+def _service(info: DistInfo, events: Events) -> tuple[ServiceClient | None, EventForwarder | None]:
+    """The control plane's client when the service launched us (see worker.service_client), and
+    the sink that reports this rank's events to it."""
     from worker import service_client
 
     client = service_client.from_env()
-    if client is not None:
-        client.heartbeat_from(info.local_rank)
-        events.sinks.append(
-            service_client.forward_events(client, rank=info.rank, world_size=info.world_size, env=os.environ)
-        )
-    return client
+    if client is None:
+        return None, None
+    client.heartbeat_from(info.local_rank)
+    forwarder = service_client.forward_events(
+        client, rank=info.rank, world_size=info.world_size, env=os.environ
+    )
+    events.sinks.append(forwarder)
+    return client, forwarder
 
 
 def _refused(line: str) -> None:

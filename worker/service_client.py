@@ -268,23 +268,29 @@ def from_env(env: Mapping[str, str] | None = None) -> ServiceClient | None:
     return ServiceClient(cfg) if cfg else None
 
 
-def forward_events(client: ServiceClient, *, rank: int, world_size: int, env: Mapping[str, str]) -> Any:
-    """An Events sink that turns the worker's own events into the service's callbacks."""
-    group_id = ":".join(
-        env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
-    )
+class EventForwarder:
+    """An Events sink that turns the worker's own events into the service's callbacks. ``rank``
+    and ``world_size`` follow the group: peer mode re-seats them at every re-formation (only the
+    group's rank 0 reports)."""
 
-    def sink(event: str, fields: dict[str, Any]) -> None:
+    def __init__(self, client: ServiceClient, *, rank: int, world_size: int, env: Mapping[str, str]) -> None:
+        self.client, self.rank, self.world_size = client, rank, world_size
+        self.group_id = ":".join(
+            env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
+        )
+
+    def __call__(self, event: str, fields: dict[str, Any]) -> None:
+        client = self.client
         if event == "progress" and "step" in fields:
             client.set_step(int(fields["step"]))
-        if rank != 0:
+        if self.rank != 0:
             return
         if event == "run_record":
             client.event(
                 "group_formed",
                 rank=0,
-                group_id=group_id[:200],
-                world_size=world_size,
+                group_id=str(fields.get("group_id") or self.group_id)[:200],
+                world_size=self.world_size,
                 restart_count=int(fields.get("restart_count", 0)),
             )
         elif event == "resumed":
@@ -295,11 +301,18 @@ def forward_events(client: ServiceClient, *, rank: int, world_size: int, env: Ma
                 samples_seen=int(fields["samples_seen"]),
                 samples_per_s=float(fields["samples_per_second"]),
                 loss=fields.get("loss"),
-                world_size=world_size,
+                world_size=self.world_size,
             )
         elif event == "first_step":
             client.event("first_step", rank=0, step=int(fields["step"]))
         elif event == "finished":
             client.event("finished", rank=0, step=int(fields["step"]), message="training finished")
+        elif event in ("recovery", "spare_promoted"):  # peer mode: already in the contract's words
+            client.event(event, **fields)
 
-    return sink
+
+def forward_events(
+    client: ServiceClient, *, rank: int, world_size: int, env: Mapping[str, str]
+) -> EventForwarder:
+    """The :class:`EventForwarder` of this rank."""
+    return EventForwarder(client, rank=rank, world_size=world_size, env=env)

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -38,8 +37,10 @@ from worker.spec_limits import (
     MAX_SAMPLES,
     MAX_STEPS,
     MAX_TEXT,
+    Frozen,
     check_env_name,
 )
+from worker.spec_recovery import MAX_SPARES, RecoverySpec
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
@@ -89,10 +90,7 @@ OutputChoice = Annotated[
 ]
 
 
-class _Frozen(BaseModel):
-    # Finite numbers only: Python's json and pydantic's parser take NaN, Infinity and 1e999, which
-    # no optimizer, scaler or schedule can use and which JSON writes back as null.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+_Frozen = Frozen
 
 
 def _check_factory(value: str | None) -> str | None:
@@ -333,6 +331,13 @@ class JobSpec(_Frozen):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     log_every_steps: Steps = 10
     # Fields for the control plane; a bare torchrun worker ignores them.
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    spares: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SPARES,
+        description="Warm spare processes kept beside the job's nodes (peer recovery only).",
+    )
     nodes: str = Field(default="1", json_schema_extra={"pattern": r"^[0-9]+(:[0-9]+)?$"})
     initial_nodes: int | None = Field(default=None, gt=0, le=MAX_NODES)
     nproc_per_node: int = Field(default=1, gt=0, le=1024)
@@ -380,6 +385,15 @@ class JobSpec(_Frozen):
         lo, hi = parse_nodes(self.nodes)
         if self.initial_nodes is not None and not lo <= self.initial_nodes <= hi:
             raise ValueError(f"'initial_nodes' {self.initial_nodes} must lie within 'nodes' {self.nodes!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _peer_needs_ddp(self) -> JobSpec:
+        if self.recovery.mode == "peer" and self.parallelism != "ddp":
+            raise ValueError(
+                "field 'recovery.mode': peer recovery needs parallelism 'ddp' (FSDP state is sharded: "
+                "no peer holds a lost rank's shard); use 'auto' or 'restart'"
+            )
         return self
 
     @model_validator(mode="after")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from pydantic import BaseModel, ConfigDict
+
 MAX_NODES = 10_000
 """The most nodes a job may ask for (the scale route's cap too)."""
 # Bounds of what a run can do at all (issue 13 item 7: max_steps 1e30 and micro_batch_size 1e12
@@ -39,3 +41,11 @@ def check_env_name(name: str) -> None:
         raise ValueError(
             f"{name!r} is set by the service or torchrun for every node and cannot be overridden; remove it"
         )
+
+
+class Frozen(BaseModel):
+    """The base of every JobSpec model. Finite numbers only: Python's json and pydantic's parser
+    take NaN, Infinity and 1e999, which no optimizer, scaler or schedule can use and which JSON
+    writes back as null."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)

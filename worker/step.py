@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +92,7 @@ def optimizer_step(
     monitor: GradMonitor | None = None,
     measure: bool = False,
     votes: Sequence[float] = (),
+    commit: Callable[[bool], bool] | None = None,
 ) -> StepResult:
     """Unscale, agree across ranks on non-finite gradients, clip, step; ``params`` are the
     optimizer's, in the monitor's order.
@@ -102,6 +103,9 @@ def optimizer_step(
     they travel the clipping and the watch run on the device (a skipped step throws that work
     away); then the step's one read (:func:`to_host`) decides. ``votes`` (numbers the ranks must
     agree on, such as a save wanted by a local clock) travel with the flag and come back summed.
+    ``commit`` (peer mode, :mod:`worker.loop`) is the window's commit vote: called with the
+    non-finite flag once every rank's contribution arrived and before any state changes, it
+    returns the group's flag, or raises when the group broke (then nothing was applied).
     With ``sharded`` (FSDP) each rank holds a slice of every gradient, so the clipping norm is
     summed over ranks.
     """
@@ -139,6 +143,8 @@ def optimizer_step(
     values = to_host(torch.cat([shared, *local_values]) if local_values else shared)
     found, global_loss = not math.isfinite(values[0]), values[1]
     summed, values = tuple(values[2 : 2 + len(votes)]), values[2 + len(votes) :]
+    if commit is not None:  # the commit point: no collective from here to the end of the apply
+        found = commit(found)
     scaler.update(found)
     if found:
         optimizer.zero_grad(set_to_none=True)

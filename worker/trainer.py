@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.tokens_per_sample = int(getattr(self.data, "meta", {}).get("seq_len", 0))
+        self.last_log = (time.perf_counter(), 0)
+        # Peer mode (worker.loop): the window's commit vote, and the per-window random streams.
+        self.commit: Callable[[bool], bool] | None = None
+        self.window_rng: Callable[[], None] | None = None
+        self.on_first_step: Callable[[], None] | None = None
         if metrics is not None and spec.monitor.time_communication and not self.wrapped.fsdp:
             self.wrapped.module.register_comm_hook(None, metrics.comm.hook)  # type: ignore[operator]
 
@@ -163,43 +169,52 @@ class Trainer:
         return self._finish()
 
     def _loop(self, feed: Feed) -> None:
-        spec, prog = self.spec, self.progress
-        last_log, last_log_samples = time.perf_counter(), prog.samples_seen
         self.model.train()
-        while prog.step < spec.max_steps:
-            window = feed.plan(prog.sampler)
-            rng = rng_fingerprint(capture_rng()) if self.trace is not None else None
-            started = time.perf_counter()
-            waited = feed.wait_s
-            result = self._train_window(feed, window)
-            self.data_wait = feed.wait_s - waited
-            self._observe_step(time.perf_counter() - started, result.skipped)
-            if rng is not None:
-                self._trace(window, rng)
-            prog.sampler = window.after
-            if result.skipped:
-                prog.samples_skipped += window.samples
-                self.events.emit("skipped_step", step=prog.step, loss_scale=self.scaler.scale)
-                continue
-            prog.step += 1
-            prog.samples_seen += window.samples
-            prog.last_loss = result.loss_sum / window.samples
-            if result.stats is not None:
-                self._grad_stats(result.stats)
-            if not self.stepped:
-                self.stepped = True  # the first step of this group: a recovery is over
-                self._first_step()
-            final = prog.step == spec.max_steps
-            save = self._want_save(final, result)
-            if prog.step % spec.log_every_steps == 0 or save or final:
-                now = time.perf_counter()
-                rate = (prog.samples_seen - last_log_samples) / max(now - last_log, 1e-9)
-                last_log, last_log_samples = now, prog.samples_seen
-                self._report(rate)
-            if self._eval_due(final):
-                self._evaluate()
-            if save:
-                self._save()
+        self.last_log = (time.perf_counter(), self.progress.samples_seen)
+        while self.progress.step < self.spec.max_steps:
+            self.window(feed)
+
+    def window(self, feed: Feed) -> None:
+        """Train one window and do what follows a committed one (progress, report, eval, save).
+        The state changes only after the step's commit point (:func:`worker.step.optimizer_step`);
+        what follows it may fail with the window committed (peer mode recovers from there)."""
+        spec, prog = self.spec, self.progress
+        if self.window_rng is not None:  # peer mode: streams derived from (seed, version, rank)
+            self.window_rng()
+        window = feed.plan(prog.sampler)
+        rng = rng_fingerprint(capture_rng()) if self.trace is not None else None
+        started = time.perf_counter()
+        waited = feed.wait_s
+        result = self._train_window(feed, window)
+        self.data_wait = feed.wait_s - waited
+        self._observe_step(time.perf_counter() - started, result.skipped)
+        if rng is not None:
+            self._trace(window, rng)
+        prog.sampler = window.after
+        if result.skipped:
+            prog.samples_skipped += window.samples
+            self.events.emit("skipped_step", step=prog.step, loss_scale=self.scaler.scale)
+            return
+        prog.step += 1
+        prog.samples_seen += window.samples
+        prog.last_loss = result.loss_sum / window.samples
+        if result.stats is not None:
+            self._grad_stats(result.stats)
+        if not self.stepped:
+            self.stepped = True  # the first step of this group: a recovery is over
+            self._first_step()
+        final = prog.step == spec.max_steps
+        save = self._want_save(final, result)
+        if prog.step % spec.log_every_steps == 0 or save or final:
+            now = time.perf_counter()
+            last_log, last_log_samples = self.last_log
+            rate = (prog.samples_seen - last_log_samples) / max(now - last_log, 1e-9)
+            self.last_log = (now, prog.samples_seen)
+            self._report(rate)
+        if self._eval_due(final):
+            self._evaluate()
+        if save:
+            self._save()
 
     def _train_window(self, feed: Feed, window: Window) -> StepResult:
         batches = feed.batches(self.progress.sampler, window)
@@ -234,6 +249,7 @@ class Trainer:
             monitor=self.monitor,
             measure=(self.progress.step + 1) % self.spec.monitor.every_steps == 0,
             votes=self._save_vote(),
+            commit=self.commit,
         )
 
     def _observe_step(self, seconds: float, skipped: bool) -> None:
@@ -260,6 +276,8 @@ class Trainer:
     def _first_step(self) -> None:
         """The group's first successful step: a recovery is over, and the optimizer's moments
         now exist, so the run record's optimizer entry says what they really are."""
+        if self.on_first_step is not None:
+            self.on_first_step()
         state = state_dtypes(self.model, self.optimizer)
         self.record["state_dtypes"] = state
         self.record.setdefault("precision_table", {})[OPTIMIZER_ROW] = optimizer_row(state)

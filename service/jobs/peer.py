@@ -9,32 +9,22 @@ restart across nodes is the recovery, exactly as before.
 These functions are the one place the service reads those spec fields; the record keeps their
 answers from submit on (:class:`service.jobs.model.JobRecord` ``recovery_mode``, ``spares``,
 ``max_incidents``), so nothing else needs the spec for them.
-
-Transitional: the fields come with the worker half of issue 14 (``worker/spec.py``). Until that
-is merged they are read with ``getattr`` and a spec without them runs in restart mode with no
-spares; after the merge the ``getattr`` calls become plain attribute reads.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from service.jobs.model import JobRecord, RecoveryMode
 from worker.errors import SpecError
 from worker.spec import JobSpec
-
-
-def _recovery(spec: JobSpec) -> Any:
-    return getattr(spec, "recovery", None)
+from worker.spec_recovery import effective_mode
 
 
 def peer_mode(spec: JobSpec) -> bool:
     """Whether ``spec``'s job recovers from its peers' memory: ``recovery.mode`` ``peer``, or
-    ``auto`` for a DDP job. A spec without the ``recovery`` field (before the worker half of
-    issue 14) recovers by restart."""
-    mode = getattr(_recovery(spec), "mode", "restart")
-    return mode == "peer" or (mode == "auto" and spec.parallelism == "ddp")
+    ``auto`` for a DDP job (every job the service runs is under the service)."""
+    return effective_mode(spec.recovery.mode, parallelism=spec.parallelism, under_service=True) == "peer"
 
 
 def recovery_mode(spec: JobSpec) -> RecoveryMode:
@@ -42,15 +32,14 @@ def recovery_mode(spec: JobSpec) -> RecoveryMode:
 
 
 def spares(spec: JobSpec) -> int:
-    """How many warm spare node apps the job keeps (0 without the field)."""
-    return int(getattr(spec, "spares", 0) or 0)
+    """How many warm spare node apps the job keeps."""
+    return spec.spares
 
 
 def max_incidents(spec: JobSpec) -> int | None:
     """The circuit breaker of peer recovery (``recovery.max_incidents``): a job with more peer
-    incidents than this fails. None (the default, or without the field): no limit."""
-    limit = getattr(_recovery(spec), "max_incidents", None)
-    return None if limit is None else int(limit)
+    incidents than this fails. None (the default): no limit."""
+    return spec.recovery.max_incidents
 
 
 def check(spec: JobSpec) -> None:
@@ -58,7 +47,7 @@ def check(spec: JobSpec) -> None:
     peer recovery). Raises :class:`SpecError` naming the field and the fix."""
     count = spares(spec)
     if count and not peer_mode(spec):
-        mode = getattr(_recovery(spec), "mode", "restart")
+        mode = spec.recovery.mode
         why = f"recovery.mode is {mode!r}"
         if mode == "auto":
             why = "an FSDP job under recovery.mode 'auto' recovers by restart"

@@ -31,7 +31,8 @@ from service.etcd.server import EtcdServer
 from tests.faults.conftest import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-SPEC: dict[str, Any] = job_spec("fence", "1:2", initial_nodes=1, max_restarts=3)
+# The restart path on purpose: the failed node is counted as one restart by whichever leader acts.
+SPEC: dict[str, Any] = job_spec("fence", "1:2", initial_nodes=1, max_restarts=3, recovery={"mode": "restart"})
 REFUSED = "elastrain_fenced_writes_refused_total"
 
 

@@ -113,6 +113,12 @@ class WorkerMetrics:
 
     # ------------------------------------------------------------ what the trainer calls
 
+    def reseat(self, *, rank: int, world_size: int) -> None:
+        """Peer mode (issue 14): this process holds ``rank`` of a group of ``world_size`` now."""
+        with self._lock:
+            self.rank.labels["rank"] = str(rank)
+        self._set(elastrain_worker_world_size=world_size)
+
     def observe_step(
         self, seconds: float, samples: int, tokens: int = 0, data_wait_s: float = 0.0,
         comm_s: float | None = None, *, step: int | None = None,

@@ -51,6 +51,7 @@ SPEC: dict[str, Any] = {
     "log_every_steps": 1,
     "monitor": {"every_steps": 5, "time_communication": True},
     "checkpoint": {"interval_steps": 10},
+    "recovery": {"mode": "restart"},  # the node is launched by hand as a restart-mode node (below)
     "nodes": "1",
     "nproc_per_node": 2,
     "max_restarts": 2,

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.integration.recovery.etcd_kv import EtcdKeyValue
 from worker.dist import DistInfo
+from worker.recovery.etcdkv import connect
 from worker.recovery.failure import Failure, classify
 from worker.recovery.group import GroupInfo, teardown
 from worker.recovery.plan import Policy
@@ -191,7 +191,7 @@ def run(args: dict[str, Any]) -> None:
                          policy=policy, desired_world=args["world"],
                          chunk_bytes=args.get("chunk_bytes", 1 << 16),
                          collective_timeout_s=args.get("collective_timeout_s", 30.0))  # fmt: skip
-    member = GroupMember(cfg, kv=EtcdKeyValue(args["etcd"]), role=args["role"], node_index=args["node"],
+    member = GroupMember(cfg, kv=connect(args["etcd"]), role=args["role"], node_index=args["node"],
                          launch_id=args.get("launch", ""),
                          on_event=log.emit)  # fmt: skip
     member.start()

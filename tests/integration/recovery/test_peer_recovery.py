@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.recovery.etcd_kv import EtcdKeyValue
 from tests.integration.recovery.harness import Job, reference, timeline
+from worker.recovery.etcdkv import connect
 from worker.recovery.membership import Keys
 
 pytestmark = pytest.mark.integration
@@ -70,7 +70,7 @@ def test_sigkill_of_a_random_rank(
     assert arrived["kind"] == "peer" and arrived["bytes"] > 0 and arrived["rank"] == victim, arrived
     assert {e["layout"] for e in job.events("finished")} == {ref["layout"]}
     # One incident, recorded by the leader in etcd: what was lost, since when, and how it ended.
-    stored = EtcdKeyValue(etcd).list_prefix(Keys(job.args["job"]).incidents)
+    stored = connect(etcd).list_prefix(Keys(job.args["job"]).incidents)
     assert len(stored) == 1, stored
     incident = json.loads(stored[0][1].value)
     assert incident["kind"] == "peer" and incident["lost_launch_ids"] == [f"rank{victim}"], incident

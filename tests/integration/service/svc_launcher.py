@@ -3,8 +3,7 @@
 launch (with the environment a node would get; written whole or not at all, so a kill -9 of
 the service mid-launch never leaves a half-recorded launch: the record IS the launch), and
 the status a test sets in ``<launch id>.status`` (running until then; with the time its agent
-ended, as ``node_exec`` records it). ``ELASTRAIN_TEST_SPEC_SHIM=1`` gives the JobSpec the fields of
-issue 14 before the worker half that adds them is merged (``spec_shim.py``)."""
+ended, as ``node_exec`` records it)."""
 
 from __future__ import annotations
 
@@ -13,11 +12,6 @@ import json
 import os
 import sys
 from pathlib import Path
-
-if os.environ.get("ELASTRAIN_TEST_SPEC_SHIM") == "1":  # before the service is imported
-    from spec_shim import install
-
-    install()
 
 from service.launch.apps import node_env
 from service.launch.protocol import NodeLaunch, NodeStatus

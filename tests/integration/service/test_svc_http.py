@@ -60,7 +60,8 @@ def test_job_succeeds_when_its_nodes_exit_zero(module_service: ServiceProcess) -
 def test_node_failure_is_recovered_and_counted(module_service: ServiceProcess) -> None:
     svc = module_service
     with svc.client() as client:
-        job_id = submit(client, nodes="1", max_restarts=1)["id"]
+        # The restart path on purpose: in peer mode (the default for DDP) a lost node is not a restart.
+        job_id = submit(client, nodes="1", max_restarts=1, recovery={"mode": "restart"})["id"]
         wait_for(lambda: state(client, job_id) == "RUNNING", what="RUNNING")
         svc.set_status(f"{job_id}-n0-a0", "failed", 137)
         wait_for(lambda: f"{job_id}-n0-a1" in svc.launches(), what="relaunch")

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     workdir = tmp_path_factory.mktemp("peer-service")
     with EtcdServer(workdir / "etcd") as etcd:
-        proc = ServiceProcess(workdir, etcd=etcd.endpoint, env={"ELASTRAIN_TEST_SPEC_SHIM": "1"}).start()
+        proc = ServiceProcess(workdir, etcd=etcd.endpoint).start()
         try:
             yield proc
         finally:

@@ -213,3 +213,15 @@ def test_progress_fields_and_comm_without_a_hook(tmp_path: Path) -> None:
     assert fields["comm_exposed_seconds"] == 0.05 and fields["peak_memory_bytes"] == 2048
     assert m.comm.take() == (0.0, 0.0)
     assert m.port is None  # nothing served without a port
+
+
+def test_a_reseated_rank_is_exported_with_its_new_rank_and_world_size(tmp_path: Path) -> None:
+    """Peer mode: after a re-formation the process holds another rank of a group of another size."""
+    m = WorkerMetrics(job="j", rank=0, world_size=1, plan=_plan(tmp_path, 0), node="n")
+    m.reseat(rank=2, world_size=3)
+    m.observe_step(0.1, 4, step=7)
+    text = m.render().decode()
+    assert value(text, "elastrain_worker_step", rank="2") == 7
+    assert value(text, "elastrain_worker_world_size", rank="2") == 3
+    assert not [lab for n, lab in samples(text) if n == "elastrain_worker_step" and dict(lab)["rank"] == "0"]
+    m.close()

@@ -3,9 +3,9 @@ plane's tests."""
 
 from __future__ import annotations
 
+import json
 from array import array
 from pathlib import Path
-from types import SimpleNamespace
 
 from service.launch.protocol import UNKNOWN, NodeLaunch, NodeStatus
 from worker.checkpoint.commit import Report
@@ -19,16 +19,11 @@ from worker.spec import JobSpec
 def with_recovery(
     spec: JobSpec, *, mode: str = "peer", spares: int = 0, max_incidents: int | None = None
 ) -> JobSpec:
-    """``spec`` with ``recovery.mode``, ``recovery.max_incidents`` and ``spares`` (issue 14).
-    Until worker/spec.py has these fields (the worker half of issue 14) they are set on the value
-    without validation: :mod:`service.jobs.peer` reads them by name. After that merge, the real
-    fields are set."""
-    if "recovery" in type(spec).model_fields:
-        current = getattr(spec, "recovery")  # noqa: B009 - the attribute exists only after the merge
-        recovery = current.model_copy(update={"mode": mode, "max_incidents": max_incidents})
-        return spec.model_copy(update={"recovery": recovery, "spares": spares})
-    recovery = SimpleNamespace(mode=mode, max_incidents=max_incidents)
-    return spec.model_copy(update={"recovery": recovery, "spares": spares})
+    """``spec`` with ``recovery.mode``, ``recovery.max_incidents`` and ``spares`` (issue 14),
+    validated as a submitted spec is."""
+    raw = spec.model_dump(mode="json", by_alias=True)
+    raw["recovery"] = {**raw["recovery"], "mode": mode, "max_incidents": max_incidents}
+    return JobSpec.model_validate_json(json.dumps({**raw, "spares": spares}))
 
 
 class Clock:

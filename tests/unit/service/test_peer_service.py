@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -53,11 +52,27 @@ def test_the_recovery_mode_follows_the_spec(mode: str, parallelism: str, expecte
     assert peer.recovery_mode(with_recovery(spec(parallelism=parallelism), mode=mode)) == expected
 
 
-def test_a_spec_without_the_recovery_fields_recovers_by_restart_without_spares() -> None:
-    """A spec from before the worker half of issue 14 (no ``recovery``, no ``spares``)."""
-    before: Any = SimpleNamespace(parallelism="ddp")
-    assert peer.recovery_mode(before) == "restart" and peer.spares(before) == 0
-    assert peer.max_incidents(before) is None
+def test_a_spec_without_the_recovery_fields_gets_the_defaults() -> None:
+    """A spec that names neither ``recovery`` nor ``spares``: ``auto`` (peer for DDP, restart for
+    FSDP), no spares, no incident limit."""
+    plain = spec()
+    assert peer.recovery_mode(plain) == "peer" and peer.spares(plain) == 0
+    assert peer.recovery_mode(spec(parallelism="fsdp")) == "restart"
+    assert peer.max_incidents(plain) is None
+
+
+def test_the_recovery_fields_are_bounded_and_named_in_errors() -> None:
+    for change, field in [
+        ({"spares": 65}, "spares"),
+        ({"spares": -1}, "spares"),
+        ({"recovery": {"mode": "sometimes"}}, "recovery.mode"),
+        ({"recovery": {"collective_timeout_s": 0}}, "recovery.collective_timeout_s"),
+        ({"recovery": {"max_incidents": 0}}, "recovery.max_incidents"),
+        ({"recovery": {"replicas": 2}}, "recovery.replicas"),
+    ]:
+        with pytest.raises(SpecError, match=rf"field '{field}'"):
+            spec(**change)
+    assert spec(recovery={"max_incidents": 3}, spares=64).recovery.max_incidents == 3
 
 
 def test_spares_need_peer_recovery() -> None:

@@ -115,7 +115,7 @@ def test_relaunch_of_an_orphaned_intent_that_did_launch_starts_nothing_new(world
 
 
 def test_failed_node_is_relaunched_then_the_job_fails_when_restarts_run_out(world: World) -> None:
-    job_id = world.submit(nodes="1", max_restarts=1)
+    job_id = world.submit(nodes="1", max_restarts=1, recovery={"mode": "restart"})  # the restart path
     r = world.reconciler()
     r.run_once()
     world.scheduler.finish(f"{job_id}-n0-a0", exit_code=1)
@@ -156,7 +156,7 @@ def test_scale_through_the_service_launches_and_stops_nodes(world: World) -> Non
 
 
 def test_launch_refused_by_the_scheduler_fails_the_job_with_its_message(world: World) -> None:
-    job_id = world.submit(nodes="1", max_restarts=0)
+    job_id = world.submit(nodes="1", max_restarts=0, recovery={"mode": "restart"})  # no restart at all
     world.scheduler.refuse = "image 'nope' not found"
     world.reconciler().run_once()
     record = world.jobs.get(job_id)

@@ -74,3 +74,26 @@ def test_the_loss_sum_and_votes_come_back_from_the_steps_read() -> None:
         params(model), opt, scaler(1.0), lr=0.5, clip=None, loss_sum=torch.tensor(3.25), votes=(1.0, 0.0)
     )
     assert result == StepResult(skipped=False, loss_sum=3.25, votes=(1.0, 0.0))
+
+
+def test_the_commit_vote_decides_and_a_refused_vote_changes_nothing() -> None:
+    """Peer mode's commit point (worker.loop): the group's verdict replaces the local flag, and a
+    vote that raises (the group broke) leaves weights, moments and the scaler as they were."""
+    model = model_with_grad([1.0, 2.0])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    asked: list[bool] = []
+    s = scaler(4.0)
+    result = optimizer_step(
+        params(model), opt, s, lr=0.1, clip=None, commit=lambda f: asked.append(f) or True
+    )
+    assert asked == [False] and result.skipped and not opt.state, "the group said non-finite: no update"
+    assert s.state.skipped_total == 1
+    model.weight.grad = torch.tensor([[1.0, 2.0]])
+    weight = model.weight.detach().clone()
+
+    def broken(found: bool) -> bool:
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError):
+        optimizer_step(params(model), opt, s, lr=0.1, clip=None, commit=broken)
+    assert torch.equal(model.weight, weight) and not opt.state and s.state.skipped_total == 1

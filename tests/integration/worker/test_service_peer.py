@@ -1,0 +1,131 @@
+"""Issue 14 end to end: the `elastrain serve` console script (embedded etcd, the local TorchX
+scheduler), a DDP job in peer mode on 2 nodes of 1 real torchrun worker each, with a warm spare
+or without; the test SIGKILLs node 1's worker mid-run. The survivor keeps its process, the
+replacement (the spare, or the worker node 1's agent starts again) gets the state from the
+survivor's memory, and the job finishes with the same final checkpoint as an uninterrupted bare
+torchrun run of the same training; the job record shows one peer recovery and no restart.
+
+Steps are slowed (a failpoint sleep after each gradient sync) only so that the test can find the
+job mid-run; the kill itself is a real SIGKILL from outside the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.launch import run_worker, write_spec
+from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
+
+pytestmark = pytest.mark.integration
+
+SLOW = "after_grad_sync=sleep:0.05"
+
+
+def peer_spec(**over: Any) -> dict[str, Any]:
+    """One process per node; one thread each, as torchrun gives the bare run's two processes (a
+    different thread count adds a matmul's partial sums in another order: other bits)."""
+    return job_spec(nodes="2", nproc_per_node=1, max_steps=120, recovery={"mode": "peer"},
+                    env={"OMP_NUM_THREADS": "1"}) | over  # fmt: skip
+
+
+def workers(launch_id: str) -> list[int]:
+    """The pids of the worker processes (not the torchrun agent) of one node app."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ours = f"ELASTRAIN_LAUNCH_ID={launch_id}".encode() in environ and b"worker" in cmdline
+        if ours and b"torch.distributed.run" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final checkpoint digest of the same training on a bare torchrun (2 processes)."""
+    tmp = tmp_path_factory.mktemp("bare-peer")
+    spec = peer_spec(nodes="1", nproc_per_node=2, recovery={"mode": "restart"}, env={})
+    spec["checkpoint"] = spec["checkpoint"] | {"dir": str(tmp / "ck")}
+    run = run_worker(write_spec(tmp, spec), nproc=2)
+    assert run.code == 0, run.stderr[-3000:]
+    return digest(tmp / "ck")
+
+
+def start(tmp_path: Path, failpoints: str) -> Service:
+    svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": failpoints})
+    svc.data_dir.mkdir()
+    svc.start()
+    return svc
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    svc = start(tmp_path, SLOW)
+    yield svc
+    svc.stop()
+
+
+def kill_and_finish(service: Service, job_id: str) -> tuple[dict[str, Any], float]:
+    """SIGKILL node 1's worker 15 steps in; the survivor (node 0's) keeps its process through the
+    recovery. Returns the finished job and the time of the kill."""
+    survivor, victim = f"{job_id}-n0-a0", f"{job_id}-n1-a0"
+    until(lambda: (service.job(job_id)["step"] or 0) >= 15, "the job 15 steps in", 300)
+    (survivor_pid,) = until(lambda: workers(survivor), "the survivor's worker", 30)
+    (victim_pid,) = until(lambda: workers(victim), "the victim's worker", 30)
+    killed_at = time.time()
+    os.kill(victim_pid, signal.SIGKILL)
+    repaired = lambda: (r := service.job(job_id)["recoveries"]) and r[0]["first_step_at"]  # noqa: E731
+    until(repaired, "the repaired group's first step", 120)
+    os.kill(survivor_pid, 0)  # the survivor kept its process (raises if it is gone)
+    final = service.finished(job_id)
+    assert final["state"] == "SUCCEEDED", (final["events"][-12:], service.node_logs(job_id)[-4000:])
+    (recovery,) = final["recoveries"]
+    assert victim in recovery["lost"] and recovery["failed_at"] >= killed_at - 1, recovery
+    assert final["restarts"] == 0, final["events"][-12:]
+    return final, killed_at
+
+
+@pytest.mark.parametrize("spares", [1, 0], ids=["spare", "respawned"])
+def test_a_killed_worker_is_replaced_from_peer_memory(
+    service: Service, uninterrupted: str, spares: int
+) -> None:
+    """With a spare, the spare takes the lost slot; without, the lost node's own torchrun agent
+    starts its worker again and the group waits for it (a fixed size: ``nodes`` "2")."""
+    job_id = service.submit(peer_spec(spares=spares))
+    final, _ = kill_and_finish(service, job_id)
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "peer", recovery
+    assert recovery["bytes_from_peers"] > 0 and not recovery["bytes_from_storage"], recovery
+    members = {n["index"]: n["launch_id"] for n in final["nodes"] if n["role"] == "member"}
+    assert members[1] == f"{job_id}-n{2 if spares else 1}-a0", final["nodes"]
+    assert digest(Path(final["checkpoint_dir"])) == uninterrupted
+
+
+def test_a_corrupt_transfer_falls_back_to_the_checkpoint_in_process(
+    tmp_path: Path, uninterrupted: str
+) -> None:
+    """The spare's first received chunk has a byte flipped (failpoint ``peer_receive_chunk``):
+    the members' digests disagree, nobody trains on it, and every member restores the newest
+    checkpoint in its own process -- a ``storage`` recovery, still no restart, same final state."""
+    service = start(tmp_path, f"{SLOW},peer_receive_chunk=corrupt#1")
+    try:
+        job_id = service.submit(peer_spec(spares=1))
+        final, _ = kill_and_finish(service, job_id)
+    finally:
+        service.stop()
+    assert "elastrain failpoint peer_receive_chunk: corrupt" in service.node_logs(job_id)
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "storage" and recovery["bytes_from_storage"] > 0, recovery
+    assert digest(Path(final["checkpoint_dir"])) == uninterrupted

@@ -1,0 +1,99 @@
+"""Peer mode's start from the service's launch environment (worker.peermode), the reporter that
+follows the group's rank 0 (worker.service_client.EventForwarder), and the spec fields that
+choose the mode (worker.spec_recovery)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from worker import peermode
+from worker.dist import DistInfo
+from worker.errors import SpecError
+from worker.service_client import EventForwarder
+from worker.spec import parse_spec
+from worker.spec_recovery import effective_mode
+
+RAW: dict[str, Any] = {
+    "name": "peer",
+    "model": {"name": "mlp"},
+    "data": {"name": "synthetic"},
+    "micro_batch_size": 4,
+    "max_steps": 10,
+    "nodes": "1:3",
+    "initial_nodes": 2,
+    "nproc_per_node": 2,
+}
+INFO = DistInfo(0, 2, 0, "gloo", "cpu", 0, True)
+ENV = {
+    "ELASTRAIN_JOB_ID": "job-1",
+    "ELASTRAIN_WORKER_TOKEN": "token-of-the-job",
+    "ELASTRAIN_ETCD_ENDPOINTS": "http://127.0.0.1:2379,http://localhost:2380",
+}
+
+
+def test_the_group_is_sized_from_nodes_and_processes_per_node() -> None:
+    cfg = peermode.config(parse_spec(RAW), INFO, ENV, spec_hash="h", timeout_s=7.0)
+    assert (cfg.policy.min_world, cfg.policy.max_world, cfg.policy.unit) == (2, 6, 2)
+    assert cfg.desired_world == 4 and cfg.collective_timeout_s == 7.0 and cfg.job_id == "job-1"
+    assert cfg.advertise == "127.0.0.1", "etcd on loopback: the workers are on one machine"
+    assert peermode.advertise(ENV | {"ELASTRAIN_NODE_ADDR": "10.1.2.3"}) == "10.1.2.3"
+
+
+def test_the_control_secret_is_the_jobs_and_not_the_token_itself() -> None:
+    a, b = peermode.secret("token-a"), peermode.secret("token-b")
+    assert len(a) == 32 and a != b and a == peermode.secret("token-a") and b"token-a" not in a
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"ELASTRAIN_JOB_ID": ""}, "ELASTRAIN_JOB_ID"),
+        ({"ELASTRAIN_WORKER_TOKEN": ""}, "ELASTRAIN_WORKER_TOKEN"),
+        ({"ELASTRAIN_ROLE": "captain"}, "ELASTRAIN_ROLE"),
+    ],
+)
+def test_a_bad_launch_environment_is_named(env: dict[str, str], match: str) -> None:
+    with pytest.raises(SpecError, match=match):
+        peermode.role(ENV | env)
+        peermode.config(parse_spec(RAW), INFO, ENV | env, spec_hash="h", timeout_s=1.0)
+
+
+def test_auto_is_peer_only_for_ddp_under_the_service() -> None:
+    assert effective_mode("auto", parallelism="ddp", under_service=True) == "peer"
+    assert effective_mode("auto", parallelism="ddp", under_service=False) == "restart"
+    assert effective_mode("auto", parallelism="fsdp", under_service=True) == "restart"
+    assert effective_mode("peer", parallelism="ddp", under_service=False) == "peer"
+    assert effective_mode("restart", parallelism="ddp", under_service=True) == "restart"
+
+
+def test_peer_recovery_with_fsdp_is_refused_naming_the_field() -> None:
+    with pytest.raises(SpecError, match=r"field 'recovery.mode'.*ddp"):
+        parse_spec(RAW | {"parallelism": "fsdp", "recovery": {"mode": "peer"}})
+
+
+class Client:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def set_step(self, step: int) -> None:
+        pass
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.sent.append((kind, fields))
+
+    def progress(self, **fields: Any) -> None:
+        self.sent.append(("progress", fields))
+
+
+def test_only_the_groups_rank_0_reports_and_the_seat_follows_the_group() -> None:
+    client = Client()
+    forward = EventForwarder(client, rank=-1, world_size=1, env={})  # type: ignore[arg-type]
+    forward("first_step", {"step": 3})
+    assert client.sent == [], "a process without a rank of the group reports nothing"
+    forward.rank, forward.world_size = 0, 3  # re-seated on a re-formation
+    forward("progress", {"step": 4, "samples_seen": 8, "samples_per_second": 1.0})
+    forward("spare_promoted", {"launch_id": "job-1-n2-a0", "node_index": 1, "rank": 1})
+    assert client.sent[0][1]["world_size"] == 3
+    assert client.sent[1] == ("spare_promoted", {"launch_id": "job-1-n2-a0", "node_index": 1, "rank": 1})

@@ -1,0 +1,310 @@
+"""Peer mode: the training loop of one process in the job's data-parallel group (issue 14,
+issue14-design.md §3.15), the :class:`worker.trainer.Trainer` driven by :mod:`worker.recovery`.
+
+Every window: the random streams are derived from ``(seed, version, rank)``, the trainer's step
+runs, and its commit point is the group's vote (:meth:`GroupMember.vote`, after the step's
+all-reduce and before any state changes). A failure raised anywhere in the window (a failed or
+timed-out collective, a vote that fenced this member) is classified *inside* the ``except`` block
+and handled *outside* it: the window is voided (gradients dropped, the DDP wrapper let go), the
+group torn down, the recovery run (:meth:`GroupMember.recover`), and the trainer re-seated on the
+new generation (rank, world size, batch plan, checkpointer, feed, the rank-0 reporter). A planned
+re-formation (joiners waiting) takes the same path at a window boundary.
+
+The service hears of each incident from the new generation's rank 0 (the peer contract):
+``recovery`` ``started`` once the group formed and holds the agreed state, ``done`` at its first
+committed step, and ``spare_promoted`` for a spare that took a lost member's slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.checkpoint import Checkpointer
+from worker.dist import DistInfo
+from worker.errors import ElastrainError
+from worker.feed import Feed, make_feed
+from worker.objective import call_model
+from worker.progress import Progress
+from worker.recovery.failure import Failure, classify
+from worker.recovery.group import GroupInfo, teardown
+from worker.recovery.records import GenRecord
+from worker.recovery.recover import GroupMember, Outcome
+from worker.recovery.rewrap import rewrap
+from worker.recovery.rng import derive_window_rng
+from worker.schedule import plan_batch
+from worker.service_client import EventForwarder
+from worker.setup import Wrapped
+from worker.trainer import Trainer
+
+CheckpointerFactory = Callable[[DistInfo, int], Checkpointer | None]
+
+
+class PeerExit(ElastrainError):
+    """The group went on without this process, or gave up re-forming: exit with ``code``
+    (0: a planned leave; 1: torchrun respawns this node's workers as newcomers)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerState:
+    """:class:`worker.recovery.seam.RecoverableState` over a :class:`Trainer`."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        x, y = trainer.data.batch(np.zeros(1, dtype=np.int64))
+        self._probe = (x.to(trainer.device), y.to(trainer.device))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.trainer.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.trainer.optimizer
+
+    def version(self) -> int:
+        """Committed windows: steps plus skipped fp16 windows."""
+        return self.trainer.progress.step + self.trainer.scaler.state.skipped_total
+
+    def progress(self) -> dict[str, Any]:
+        """Less the batch plan: each member plans its own for the new world size (a spare built
+        it for a world of one)."""
+        t = self.trainer
+        blob = t.progress.to_json(t.scaler, t.monitor, t.plan)
+        del blob["batch_plan"]
+        return blob
+
+    def load_progress(self, blob: dict[str, Any]) -> None:
+        t = self.trainer
+        t.progress = Progress.from_json(blob)
+        t.scaler.load_state_dict(blob["loss_scaler"])
+        t.monitor.load_state_dict(blob["monitor"])
+
+    def void_window(self) -> None:
+        t = self.trainer
+        t.optimizer.zero_grad(set_to_none=True)
+        t.wrapped = Wrapped(t.model, fsdp=False)  # no reference to DDP or its group
+        if t.recorder is not None:  # the sample trace: what the voided window loaded was not trained
+            t.recorder.take()
+
+    def rewrap(self, info: GroupInfo) -> None:
+        t = self.trainer
+        t.info = info.dist_info(t.info)
+        x, y = self._probe
+
+        def forward(module: torch.nn.Module) -> torch.Tensor:
+            return t.objective.loss_sum(call_model(module, x), y)
+
+        ddp = rewrap(t.model, t.info, bucket_cap_mb=t.spec.ddp.bucket_cap_mb, forward=forward)
+        t.wrapped = Wrapped(ddp, fsdp=False)
+        if t.metrics is not None and t.spec.monitor.time_communication:
+            ddp.register_comm_hook(None, t.metrics.comm.hook)
+
+
+class PeerLoop:
+    """The trainer in the group (see the module docstring). ``checkpointer(info, generation)``
+    builds the checkpointer of a generation; ``forwarder`` is the service reporter (None without
+    the service)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        member: GroupMember,
+        *,
+        checkpointer: CheckpointerFactory,
+        forwarder: EventForwarder | None,
+        job_id: str,
+    ) -> None:
+        self.trainer, self.member = trainer, member
+        self.state = PeerState(trainer)
+        self.make_checkpointer, self.forwarder, self.job_id = checkpointer, forwarder, job_id
+        self.reform = False
+        self.started = False
+        self.slots: dict[str, int] = {}  # member id -> node index, for spare_promoted
+        self.pending: dict[str, Any] | None = None  # the recovery report awaiting its first step
+        trainer.commit = self._commit
+        trainer.window_rng = self._derive
+        trainer.on_first_step = self._first_step
+
+    # -- the step ------------------------------------------------------------------------------
+    def _commit(self, nonfinite: bool) -> bool:
+        verdict = self.member.vote(nonfinite=nonfinite, version=self.state.version())
+        self.reform = verdict.reform
+        return verdict.nonfinite
+
+    def _derive(self) -> None:
+        derive_window_rng(self.trainer.spec.seed, self.state.version(), self.trainer.info.rank)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def join(self) -> None:
+        """Be called into a generation (a spare waits until promoted) and take its state."""
+        self._settle(self.member.join(self.state), None, None)
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``max_steps`` through every recovery; returns the finished event's fields."""
+        trainer = self.trainer
+        while True:
+            failure = self._train()
+            if failure is None:
+                break
+            if not failure.recoverable:
+                raise ElastrainError(f"this rank failed ({failure.message}); torchrun starts it again")
+            old = self.member.record
+            self.state.void_window()  # outside the except block: DDP, its group and sockets go now
+            teardown()
+            self._settle(self.member.recover(self.state, failure), old, failure)
+        fields = trainer._finish()
+        if trainer.info.rank == 0:  # a worker still waiting to join (it came late) leaves: see peerrun
+            with contextlib.suppress(ElastrainError):
+                kv = self.member.membership.kv
+                kv.put(self.member.membership.keys.finished, json.dumps({"step": fields["step"]}).encode())
+        self.member.release_standby()
+        return fields
+
+    def _train(self) -> Failure | None:
+        trainer = self.trainer
+        feed = self._feed()
+        start = self.state.version()
+        failure: Failure | None = None
+        try:
+            while trainer.progress.step < trainer.spec.max_steps:
+                trainer.window(feed)
+                start = self.state.version()
+                if self.reform:
+                    self.reform = False
+                    failure = Failure.planned()
+                    break
+        except Exception as exc:
+            failure = classify(exc, in_window=self.state.version() == start)
+        finally:
+            feed.close()
+        return failure
+
+    def _feed(self) -> Feed:
+        t = self.trainer
+        return make_feed(
+            t.data, depth=t.prefetch, seed=t.spec.seed, rank=t.info.rank, world_size=t.info.world_size,
+            micro_batch=t.plan.micro_batch, accum_steps=t.plan.accum_steps, device=t.device,
+        )  # fmt: skip
+
+    # -- after a join or a recovery ------------------------------------------------------------
+    def _settle(self, outcome: Outcome, old: GenRecord | None, failure: Failure | None) -> None:
+        self.trainer.events.emit("peer_outcome", **_describe(outcome))
+        if outcome.kind not in ("peer", "storage") or outcome.info is None:
+            code = 0 if outcome.kind == "leave" else 1
+            raise PeerExit(f"peer recovery: {outcome.kind}: {outcome.reason}", code)
+        info = outcome.info
+        self._seat(info)
+        read = 0
+        if outcome.kind == "storage":
+            read = self._restore(info)
+        self._remember_slots()
+        if failure is not None and old is not None and (failure.kind != "planned" or outcome.lost):
+            self._report_started(outcome, old, failure, read)
+
+    def _seat(self, info: GroupInfo) -> None:
+        """Rank, world size, batch plan, checkpointer and reporter of the new generation."""
+        t = self.trainer
+        t.info = info.dist_info(t.info)
+        t.generation = info.generation
+        t.events.rank, t.events.enabled = info.rank, info.rank == 0
+        if self.forwarder is not None:
+            self.forwarder.rank, self.forwarder.world_size = info.rank, info.world_size
+        plan = plan_batch(t.spec, info.world_size, reference_batch=t.progress.reference_batch, resuming=True)
+        if plan != t.plan and self.started:
+            t.events.emit("batch_replanned", world_size=info.world_size, batch_plan=plan.to_json())
+        t.plan = plan
+        if t.metrics is not None:
+            t.metrics.reseat(rank=info.rank, world_size=info.world_size)
+        t.checkpointer = self.make_checkpointer(t.info, info.generation)
+        if t.checkpointer is not None:
+            t.checkpointer.run_record = t.record
+        t.stepped = False
+
+    def _restore(self, info: GroupInfo) -> int:
+        """No member holds a usable state: the checkpoint (or the seed, for a new job)."""
+        t = self.trainer
+        before = t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0
+        if not self.started:
+            t.start()  # the first generation: resume if a checkpoint says so, write the run record
+            self.started = True
+        else:
+            t._resume()
+        self.state.rewrap(info)
+        self.member.mark_valid()
+        return (t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0) - before
+
+    def _remember_slots(self) -> None:
+        """Every member's node index (etcd ``members/``), read once per generation by rank 0: a
+        lost member's slot is what a promoted spare fills."""
+        if self.trainer.info.rank != 0:
+            return
+        with contextlib.suppress(ElastrainError, ValueError):  # etcd away, or a record it cannot read
+            self.slots |= {m: i.node_index for m, i in self.member.membership.members().items()}
+
+    def _report_started(self, outcome: Outcome, old: GenRecord, failure: Failure, read: int) -> None:
+        info = outcome.info
+        assert info is not None
+        if info.rank != 0:
+            return
+        decided = self.member.resolver.decisions if self.member.resolver is not None else []
+        lost_ranks = [old.members.index(m) for m in outcome.lost if m in old.members]
+        launches = [old.launch_ids[r] for r in lost_ranks if r < len(old.launch_ids) and old.launch_ids[r]]
+        phases = outcome.phases
+        failed_at = decided[0].get("failed_at") if decided else None
+        report: dict[str, Any] = {
+            "incident": f"{self.job_id}/g{old.generation}", "recovery_kind": outcome.kind,
+            "lost": launches[:64], "lost_ranks": lost_ranks[:1024],
+            "failed_at": failed_at if failed_at is not None else failure.at,
+            "detected_at": phases.get("detected", failure.at), "formed_at": phases.get("formed"),
+            "transferred_at": phases.get("transferred"), "source_rank": outcome.source_rank,
+            "bytes_from_peers": outcome.bytes_from_peers, "bytes_from_storage": max(read, 0),
+            "voided_windows": outcome.voided_windows, "world_before": max(len(old.members), 1),
+            "world_after": info.world_size, "step": self.trainer.progress.step, "rank": 0,
+        }  # fmt: skip
+        self.trainer.events.emit("recovery", phase="started", **report)
+        self.pending = report
+        self._report_promoted(outcome, old, info)
+
+    def _report_promoted(self, outcome: Outcome, old: GenRecord, info: GroupInfo) -> None:
+        record = self.member.record
+        assert record is not None
+        lost = [m for m in old.members if m in outcome.lost]
+        fresh = [m for m in record.members if m not in old.members]
+        for spare, gone in zip(fresh, lost, strict=False):
+            slot = self.slots.get(gone)
+            rank = record.members.index(spare)
+            launch = record.launch_ids[rank] if rank < len(record.launch_ids) else ""
+            if launch and launch in old.launch_ids:  # the lost node's own agent respawned it: no spare
+                continue
+            if slot is None or not launch:
+                self.trainer.events.emit("spare_slot_unknown", member=spare, lost=gone)
+                continue
+            self.trainer.events.emit("spare_promoted", launch_id=launch, node_index=slot, rank=rank)
+            self.slots[spare] = slot
+
+    def _first_step(self) -> None:
+        report, self.pending = self.pending, None
+        if report is not None and self.trainer.info.rank == 0:
+            self.trainer.events.emit("recovery", **(report | {"phase": "done", "first_step_at": time.time()}))
+
+
+def _describe(outcome: Outcome) -> dict[str, Any]:
+    info = outcome.info
+    return {
+        "kind": outcome.kind, "reason": outcome.reason, "source_rank": outcome.source_rank,
+        "bytes_from_peers": outcome.bytes_from_peers, "voided_windows": outcome.voided_windows,
+        "version": outcome.version, "lost": list(outcome.lost), "promoted": list(outcome.promoted),
+        "attempts": outcome.attempts, "phases": outcome.phases,
+        "generation": info.generation if info else None, "rank": info.rank if info else None,
+        "world_size": info.world_size if info else None,
+    }  # fmt: skip

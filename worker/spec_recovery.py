@@ -1,0 +1,58 @@
+"""The JobSpec's ``recovery`` field (issue 14, issue14-design.md §3.4, §3.12, §3.13): how a job
+recovers from a lost rank. Torch-free, like :mod:`worker.spec`, which embeds it.
+
+``mode``: ``peer`` — the survivors keep their processes and the lost rank's state comes from
+their memory (:mod:`worker.recovery`); ``restart`` — torchrun stops every worker and the job
+resumes from the newest checkpoint; ``auto`` — peer for a DDP job under the service, restart for
+FSDP and under a bare torchrun (:func:`effective_mode`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from worker.spec_limits import Frozen
+
+MAX_SPARES = 64
+"""The most warm spares a job may keep (``spares``)."""
+
+RecoveryMode = Literal["auto", "peer", "restart"]
+DEFAULT_MODE: RecoveryMode = "auto"
+"""Peer recovery for DDP jobs under the service, by default (issue 14 item 5)."""
+
+
+class RecoverySpec(Frozen):
+    mode: RecoveryMode = Field(
+        default=DEFAULT_MODE,
+        description=(
+            "peer: survivors keep their processes and hand the lost rank's state on from memory; "
+            "restart: torchrun restarts every worker from the newest checkpoint; auto: peer for a "
+            "DDP job under the service, restart otherwise."
+        ),
+    )
+    collective_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description=(
+            "Peer mode: how long a collective waits for a stalled rank before the group drops it "
+            "(ELASTRAIN_COLLECTIVE_TIMEOUT_S overrides it)."
+        ),
+    )
+    max_incidents: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Peer mode: the job fails after more recoveries than this (null: no limit).",
+    )
+
+
+def effective_mode(mode: str, *, parallelism: str, under_service: bool) -> Literal["peer", "restart"]:
+    """The recovery a job actually runs: ``auto`` is peer only for DDP under the service. Pure."""
+    if mode == "peer":
+        return "peer"
+    if mode == "auto" and parallelism == "ddp" and under_service:
+        return "peer"
+    return "restart"
