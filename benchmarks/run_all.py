@@ -18,6 +18,7 @@ BENCHMARKS = (
     ("re-rendezvous after a worker SIGKILL", ["benchmarks.rendezvous_recovery", "--skip-default"]),
     ("control plane GET/submit load", ["benchmarks.service_api"]),
     ("a job under the service vs bare torchrun; recovery vs its floor", ["benchmarks.service_job"]),
+    ("recovery without a restart vs torchrun's restart", ["benchmarks.peer_recovery", "--rounds", "2"]),
 )
 
 

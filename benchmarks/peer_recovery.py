@@ -1,0 +1,131 @@
+"""Recovery without a restart against torchrun's restart, side by side in one run (issue 14).
+
+The same job under a real ``elastrain serve`` (2 nodes x 1 process, the benchmark MLP, a
+checkpoint every 50 steps), twice a round in alternating order (restart, peer; peer, restart):
+
+- ``recovery.mode: restart``: one worker is SIGKILLed after the first checkpoint; torchrun
+  stops the survivors, the group re-forms, fresh processes import torch and load the newest
+  checkpoint, and the steps since it are trained again.
+- ``recovery.mode: peer`` (with ``--spares`` warm spares, default 1): the same kill; the
+  survivor keeps its process, a spare (or a replacement) takes the lost place and receives the
+  state from the survivor's memory.
+
+Each round reads the job record's recovery (the workers' own measurements) and prints the time
+from the kill to the first step of the repaired group, the steps trained again (the newest step
+reported before the kill minus the step the group resumed from: a lower bound, progress comes
+every 10 steps) and the recovery's kind. Prints the medians with
+their spread and the ratio peer / restart (target <= 0.25). ``--steady N`` also runs a job of N
+steps without a fault in each mode (alternating) and prints samples/s peer / restart (the
+commit vote's cost; target >= 0.98).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.service_job import events_of, rate
+from benchmarks.service_job import spec as base_spec
+from tests.integration.worker.test_service_e2e import Service, until
+from tests.integration.worker.test_service_peer import workers
+
+
+def spec(mode: str, spares: int, **over: Any) -> dict[str, Any]:
+    # One thread per process, as torchrun gives the processes of a node with several: with one
+    # process per node torchrun sets none, and two 2-thread ranks on 2 cores step 10x slower.
+    body = base_spec(
+        nodes="2", nproc_per_node=1, recovery={"mode": mode}, env={"OMP_NUM_THREADS": "1"}, **over
+    )
+    return body | ({"spares": spares} if mode == "peer" else {})
+
+
+def one_recovery(svc: Service, mode: str, spares: int) -> dict[str, Any]:
+    """SIGKILL node 1's worker (a member: never the spare) a little past the first checkpoint."""
+    body = spec(
+        mode, spares, max_steps=1500, checkpoint={"interval_steps": 100, "retention": {"keep_latest": 50}}
+    )
+    job_id = svc.submit(body)
+    until(lambda: (svc.job(job_id)["last_published_step"] or 0) >= 100, "a checkpoint", 600)
+    time.sleep(0.5)  # steps past the checkpoint: the restart path trains them again
+    (victim,) = until(lambda: workers(f"{job_id}-n1-a0"), "node 1's worker", 60)
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    job = svc.finished(job_id, timeout=900)
+    assert job["state"] == "SUCCEEDED", job
+    recoveries = [r for r in job.get("recoveries", []) if r.get("first_step_at")]
+    assert recoveries, f"{mode}: no completed recovery in the job record: {job.get('recoveries')}"
+    rec = recoveries[0]
+    events = events_of(Path(job["checkpoint_dir"]) / "events.jsonl")
+    before = max(e["step"] for e in events if e["event"] == "progress" and e["time"] < killed)
+    resumed = rec.get("resumed_step")
+    return {
+        "kind": rec.get("kind"),
+        "seconds": float(rec["first_step_at"]) - killed,
+        "lost_steps": max(0, before - int(resumed)) if resumed is not None else None,
+        "bytes_from_storage": rec.get("bytes_from_storage"),
+        "recoveries": len(job.get("recoveries", [])),
+        "restarts": job.get("restarts"),
+    }
+
+
+def steady(svc: Service, mode: str, spares: int, steps: int) -> float:
+    job_id = svc.submit(spec(mode, spares, max_steps=steps))
+    job = svc.finished(job_id, timeout=900)
+    assert job["state"] == "SUCCEEDED", job
+    return rate(events_of(Path(job["checkpoint_dir"]) / "events.jsonl"))
+
+
+def spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--spares", type=int, default=1)
+    parser.add_argument("--steady", type=int, default=0, help="steps of a fault-free run per mode (0: skip)")
+    args = parser.parse_args()
+    results: dict[str, list[dict[str, Any]]] = {"restart": [], "peer": []}
+    rates: dict[str, list[float]] = {"restart": [], "peer": []}
+    with tempfile.TemporaryDirectory() as name:
+        svc = Service(Path(name) / "svc", {})
+        svc.data_dir.mkdir()
+        svc.start()
+        try:
+            for i in range(args.rounds):
+                for mode in ("restart", "peer") if i % 2 == 0 else ("peer", "restart"):
+                    got = one_recovery(svc, mode, args.spares)
+                    results[mode].append(got)
+                    print(f"  round {i + 1} {mode}: {got}", flush=True)
+                    if args.steady:
+                        rates[mode].append(steady(svc, mode, args.spares, args.steady))
+        finally:
+            svc.stop()
+    restart = [r["seconds"] for r in results["restart"]]
+    peer = [r["seconds"] for r in results["peer"]]
+    lost = {mode: [r["lost_steps"] for r in results[mode]] for mode in results}
+    print(f"recovery after a worker SIGKILL (W=2, 2 nodes x 1 process; peer with {args.spares} spare(s))")
+    print(
+        f"  restart: kill -> first step s {spread(restart)}; steps trained again (at least) {lost['restart']}"
+    )
+    print(f"  peer:    kill -> first step s {spread(peer)}; steps trained again {lost['peer']}")
+    print(f"  peer recoveries' kinds: {[r['kind'] for r in results['peer']]}")
+    ratio = statistics.median(peer) / statistics.median(restart)
+    print(f"  ratio peer/restart (medians): {ratio:.3f}  (target <= 0.25)")
+    if args.steady:
+        steady_ratio = statistics.median(rates["peer"]) / statistics.median(rates["restart"])
+        print(f"  steady samples/s restart {[round(r) for r in rates['restart']]}")
+        print(f"  steady samples/s peer    {[round(r) for r in rates['peer']]}")
+        print(f"  ratio peer/restart (medians): {steady_ratio:.3f}  (target >= 0.98)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
