@@ -59,8 +59,10 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 300.0) -> Any
     raise SystemExit(f"demo: gave up waiting for {what} after {timeout:.0f}s (logs under {WORKDIR})")
 
 
-def worker_pids(job_id: str) -> list[int]:
-    """Worker processes of this job: `-m worker` with ELASTRAIN_JOB_ID set to it (Linux /proc)."""
+def worker_pids(job_id: str = "", *, launch_id: str | None = None) -> list[int]:
+    """Worker processes of this job: `-m worker` with ELASTRAIN_JOB_ID set to it, or of one of
+    its node apps with ``launch_id`` (ELASTRAIN_LAUNCH_ID); not the torchrun agents (Linux /proc)."""
+    tag = f"ELASTRAIN_LAUNCH_ID={launch_id}" if launch_id else f"ELASTRAIN_JOB_ID={job_id}"
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -70,7 +72,7 @@ def worker_pids(job_id: str) -> list[int]:
             env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        ours = f"ELASTRAIN_JOB_ID={job_id}".encode() in env and b"--config" in cmd
+        ours = tag.encode() in env and b"--config" in cmd
         if ours and b"worker" in cmd and b"torch.distributed.run" not in b" ".join(cmd):
             found.append(int(entry.name))
     return sorted(found)

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from scripts.demo import worker_pids
 from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
 
@@ -37,19 +38,7 @@ def peer_spec(**over: Any) -> dict[str, Any]:
 
 def workers(launch_id: str) -> list[int]:
     """The pids of the worker processes (not the torchrun agent) of one node app."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ours = f"ELASTRAIN_LAUNCH_ID={launch_id}".encode() in environ and b"worker" in cmdline
-        if ours and b"torch.distributed.run" not in cmdline:
-            found.append(int(entry.name))
-    return found
+    return worker_pids(launch_id=launch_id)
 
 
 @pytest.fixture(scope="module")
