@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,21 +19,15 @@ import pytest
 from svc_process import ServiceProcess, job_spec, wait_for
 
 from service.etcd.kv import EtcdStore
-from service.etcd.server import EtcdServer
 from service.jobs import keys
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    workdir = tmp_path_factory.mktemp("peer-service")
-    with EtcdServer(workdir / "etcd") as etcd:
-        proc = ServiceProcess(workdir, etcd=etcd.endpoint).start()
-        try:
-            yield proc
-        finally:
-            proc.stop()
+def svc(module_service: ServiceProcess) -> ServiceProcess:
+    """The module's one service and etcd (conftest.py)."""
+    return module_service
 
 
 class Workers:
