@@ -153,9 +153,12 @@ def run(http: httpx.Client, url: str) -> int:
         for k in ("group_formed_at", "state_loaded_at", "first_step_at")
         if rec.get(k)
     }
+    kind = str(rec.get("kind"))
+    how = {"peer": "from the survivors' memory", "storage": "from the checkpoint, in process",
+           "restart": "by a torchrun restart from the checkpoint"}.get(kind, kind)  # fmt: skip
     say(
-        f"recovered ({rec.get('kind')}: from the peers' memory, the checkpoint, or by a restart): resumed at "
-        f"step {rec.get('resumed_step')}; seconds after the kill: {json.dumps(phases)}"
+        f"recovered {how} (kind {kind}): resumed at step {rec.get('resumed_step')}; "
+        f"seconds after the kill: {json.dumps(phases)}"
     )
     say("scaling to 3 nodes")
     http.post(f"/v1/jobs/{job_id}/scale", json={"nodes": 3}).raise_for_status()
