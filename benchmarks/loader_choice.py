@@ -18,13 +18,13 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.worker_throughput import _torchrun
+
 VARIANTS = ("free", "inline", "thread", "processes")
 
 
@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=2, help="DataLoader worker processes per rank")
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args(argv)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     load = os.getloadavg()[0]
     for kind in ("io", "cpu"):
         child = [
@@ -136,15 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             kind,
             *map(str, (args.steps, args.rounds, args.procs)),
         ]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={args.nproc}",
-            *child,
-        ]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
+        out = _torchrun(args.nproc, *child, timeout=None)
         result = json.loads(out.strip().splitlines()[-1])
         free = statistics.median(result["rates"]["free"])
         print(f"{kind}: batch() costs {result['cost_ms']:.1f} ms (half the free step over 2 micro-batches)")

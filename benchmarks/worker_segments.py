@@ -21,16 +21,14 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.worker_throughput import _torchrun
 from benchmarks.worker_throughput import spec as bench_spec
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _child(spec_path: str, segment: int, modes: list[str]) -> None:
@@ -136,23 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="base")
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args(argv)
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"
-    )
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(bench_spec("fp32", args.steps)))
         child = ["-m", "benchmarks.worker_segments", "--child", str(path), str(args.segment), args.modes]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={args.nproc}",
-            *child,
-        ]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
+        out = _torchrun(args.nproc, *child, timeout=None)
     result = json.loads(out.strip().splitlines()[-1])
     steps = f"fp32, W={args.nproc}, {args.steps} steps each"
     print(f"worker / bare steps alternating every {args.segment} ({steps})")

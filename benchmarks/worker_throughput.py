@@ -35,10 +35,12 @@ def spec(precision: str, steps: int) -> dict[str, object]:
     }
 
 
-def _torchrun(nproc: int, *args: str) -> str:
+def _torchrun(nproc: int, *args: str, timeout: float | None = 900) -> str:
+    """stdout of ``torchrun --standalone`` with ``args``, one thread per process, in the
+    environment users get (:func:`tests.integration.launch.worker_env`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     env = worker_env({"OMP_NUM_THREADS": "1"})
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=900, check=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=timeout, check=True)
     return proc.stdout
 
 
