@@ -195,11 +195,12 @@ class Hub:
         with self.cond:
             return {m for m, c in self.checkins.items() if c.generation == generation}
 
-    def joiners_waiting(self) -> int:
-        """Connected joiners not in the current generation (the leader admits them)."""
+    def waiting(self, role: str) -> int:
+        """Connected newcomers of ``role`` (``joiner``: the leader admits them; ``spare``: standing
+        by) that are not members of the current generation."""
         with self.cond:
             members = set(self.current.members) if self.current else set()
-            return sum(1 for m, c in self.conns.items() if m not in members and c.peer.role == "joiner")
+            return sum(1 for m, c in self.conns.items() if m not in members and c.peer.role == role)
 
 
 def probe(address: str, timeout_s: float = 0.5) -> bool | None:

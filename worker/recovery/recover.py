@@ -118,7 +118,7 @@ class GroupMember:
 
     def _admission_wanted(self) -> bool:
         """The leader asks for a re-formation when joiners wait and the group is below target."""
-        if not self.hub.joiners_waiting():
+        if not self.hub.waiting("joiner"):
             return False
         now = time.time()
         if now - self._desired_at > 2.0 and self.resolver is not None:

@@ -110,6 +110,22 @@ def suicide_during_window(log: Log, seed: int) -> None:
     threading.Thread(target=die, daemon=True).start()
 
 
+def await_spares(args: dict[str, Any], state: State, member: GroupMember, log: Log) -> None:
+    """``spares_by: [window, count]``: the leader holds that window until ``count`` spares stand
+    by, connected to it (the others wait in its first collective), so a test that needs its
+    spares promoted in a set order does not race their connecting under load."""
+    window, count = args.get("spares_by", (None, 0))
+    if state.ver != window or not member.is_leader:
+        return
+    deadline = time.time() + 60.0
+    while member.hub.waiting("spare") < count:
+        if time.time() > deadline:
+            log.emit("fatal", {"error": f"fewer than {count} spares connected within 60 s"})
+            sys.exit(1)
+        time.sleep(0.02)
+    log.emit("spares_connected", {"count": count, "version": state.ver})
+
+
 def train_window(args: dict[str, Any], state: State, member: GroupMember, data: Any, log: Log) -> bool:
     """One window; True when the vote asked for a planned re-formation. Raises on group failure."""
     info = member.info
@@ -117,6 +133,7 @@ def train_window(args: dict[str, Any], state: State, member: GroupMember, data: 
     window = plan_window(state.sampler, dataset_size=len(x_all), world_size=info.world_size,
                          micro_batch=args["micro_batch"], accum_steps=args["accum"])  # fmt: skip
     derive_window_rng(args["seed"], state.ver, info.rank)
+    await_spares(args, state, member, log)
     if args.get("kill_at") == state.ver:
         suicide_during_window(log, args["seed"] + state.ver)
     if args.get("stop_at") == state.ver:

@@ -47,13 +47,15 @@ def test_kill_during_the_state_transfer(
         job.wait_for("the first spare standing by", lambda: len(job.events("spare_standby")) == 1)
         job.start("spare1", role="spare", node=4)
         job.wait_for("two spares standing by", lambda: len(job.events("spare_standby")) == 2)
-        job.start("rank0", node=0, env=armed if who == "sender" else {})
-        job.start("rank1", node=1)
-        job.start("rank2", node=2, kill_at=9)
+        gate = {"spares_by": [8, 2]}  # both spares connected before the kill: spare0 comes first
+        job.start("rank0", node=0, env=armed if who == "sender" else {}, **gate)
+        job.start("rank1", node=1, **gate)
+        job.start("rank2", node=2, kill_at=9, **gate)
         codes = job.wait_exit()
     finally:
         job.kill_all()
-    assert codes[victim] == -9 and codes["rank2"] == -9, codes
+    assert job.events("spares_connected"), codes
+    assert codes[victim] == -9 and codes["rank2"] == -9, (codes, job.events("recovery_decided"))
     alive = {"rank0", "rank1", "spare0", "spare1"} - {victim}
     assert all(codes[name] == 0 for name in alive), codes
     survivor = pid_of(job, "rank1")

@@ -78,16 +78,16 @@ def test_a_follower_turns_check_ins_and_newcomers_away() -> None:
 
 
 def test_announce_tells_members_and_leavers_and_counts_joiners() -> None:
-    b, c, j = FakeConn("b"), FakeConn("c"), FakeConn("j", "joiner")
-    hub = hub_with(b, c, j)
-    assert hub.joiners_waiting() == 1
+    b, c, j, s = FakeConn("b"), FakeConn("c"), FakeConn("j", "joiner"), FakeConn("s", "spare")
+    hub = hub_with(b, c, j, s)
+    assert hub.waiting("joiner") == 1 and hub.waiting("spare") == 1
     record = GenRecord(4, ("a", "b", "j"), ("h:a", "h:b", "h:j"), "a", "h:a", "h:s2", 3)
     missed = hub.announce(record, leaving=("c",))
     assert missed == []
     assert b.sent[-1]["t"] == "form" and j.sent[-1]["record"]["members"] == ["a", "b", "j"]
     assert c.sent[-1] == {"t": "leave"}
-    assert hub.joiners_waiting() == 0
-    assert hub.standby(record) == {"c"}
+    assert hub.waiting("joiner") == 0
+    assert hub.standby(record) == {"c", "s"}  # the spare still stands by
 
 
 def test_a_bad_or_foreign_check_in_closes_the_connection() -> None:
