@@ -2,13 +2,14 @@
 issue14-design.md §3.15), the :class:`worker.trainer.Trainer` driven by :mod:`worker.recovery`.
 
 Every window: the random streams are derived from ``(seed, version, rank)``, the trainer's step
-runs, and its commit point is the group's vote (:meth:`GroupMember.vote`, after the step's
-all-reduce and before any state changes). A failure raised anywhere in the window (a failed or
-timed-out collective, a vote that fenced this member) is classified *inside* the ``except`` block
-and handled *outside* it: the window is voided (gradients dropped, the DDP wrapper let go), the
-group torn down, the recovery run (:meth:`GroupMember.recover`), and the trainer re-seated on the
-new generation (rank, world size, batch plan, checkpointer, feed, the rank-0 reporter). A planned
-re-formation (joiners waiting) takes the same path at a window boundary.
+runs, and its commit point is the group's vote (:meth:`GroupMember.ballot` rides on the step's
+all-reduce, :meth:`GroupMember.verdict` decides before any state changes). A failure raised
+anywhere in the window (a failed or timed-out collective, a vote that fenced this member) is
+classified *inside* the ``except`` block and handled *outside* it: the window is voided
+(gradients dropped, the DDP wrapper let go), the group torn down, the recovery run
+(:meth:`GroupMember.recover`), and the trainer re-seated on the new generation (rank, world
+size, batch plan, checkpointer, feed, the rank-0 reporter). A planned re-formation (joiners
+waiting) takes the same path at a window boundary.
 
 The service hears of each incident from the new generation's rank 0 (the peer contract):
 ``recovery`` ``started`` once the group formed and holds the agreed state, ``done`` at its first
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,13 +132,17 @@ class PeerLoop:
         self.started = False
         self.slots: dict[str, int] = {}  # member id -> node index, for spare_promoted
         self.pending: dict[str, Any] | None = None  # the recovery report awaiting its first step
-        trainer.commit = self._commit
+        trainer.commit = self
         trainer.window_rng = self._derive
         trainer.on_first_step = self._first_step
 
     # -- the step ------------------------------------------------------------------------------
-    def _commit(self, nonfinite: bool) -> bool:
-        verdict = self.member.vote(nonfinite=nonfinite, version=self.state.version())
+    def ballot(self) -> list[float]:
+        """The commit vote's part of the step's all-reduce (worker.step.Commit)."""
+        return self.member.ballot(self.state.version())
+
+    def decide(self, found: bool, summed: Sequence[float]) -> bool:
+        verdict = self.member.verdict(list(summed), nonfinite=found, version=self.state.version())
         self.reform = verdict.reform
         return verdict.nonfinite
 

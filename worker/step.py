@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,19 @@ class StepResult:
     """The gradient statistics, on a step that measured them and was not skipped."""
     votes: tuple[float, ...] = ()
     """The ``votes`` given to :func:`optimizer_step`, summed over the ranks."""
+
+
+class Commit(Protocol):
+    """Peer mode's commit point (:mod:`worker.loop`, :mod:`worker.recovery.vote`)."""
+
+    def ballot(self) -> Sequence[float]:
+        """This rank's part of the commit vote: summed with the step's own all-reduce."""
+        ...
+
+    def decide(self, found: bool, summed: Sequence[float]) -> bool:
+        """The group's non-finite flag from the summed ballots; raises when the group broke or
+        disagrees (then nothing is applied)."""
+        ...
 
 
 def to_host(values: torch.Tensor) -> list[float]:
@@ -92,7 +106,7 @@ def optimizer_step(
     monitor: GradMonitor | None = None,
     measure: bool = False,
     votes: Sequence[float] = (),
-    commit: Callable[[bool], bool] | None = None,
+    commit: Commit | None = None,
 ) -> StepResult:
     """Unscale, agree across ranks on non-finite gradients, clip, step; ``params`` are the
     optimizer's, in the monitor's order.
@@ -103,9 +117,9 @@ def optimizer_step(
     they travel the clipping and the watch run on the device (a skipped step throws that work
     away); then the step's one read (:func:`to_host`) decides. ``votes`` (numbers the ranks must
     agree on, such as a save wanted by a local clock) travel with the flag and come back summed.
-    ``commit`` (peer mode, :mod:`worker.loop`) is the window's commit vote: called with the
-    non-finite flag once every rank's contribution arrived and before any state changes, it
-    returns the group's flag, or raises when the group broke (then nothing was applied).
+    ``commit`` (peer mode, :mod:`worker.loop`) is the window's commit vote: its ballot travels in
+    the same all-reduce, and once every rank's contribution arrived and before any state changes
+    it decides the group's flag, or raises when the group broke (then nothing was applied).
     With ``sharded`` (FSDP) each rank holds a slice of every gradient, so the clipping norm is
     summed over ranks.
     """
@@ -122,8 +136,9 @@ def optimizer_step(
     # the ranks it stays NaN if any rank's was. Two ops, where isfinite/any take six.
     flag = (norms * 0).sum().double()
     shared = torch.stack([flag, loss_sum.detach().double().to(device)])
-    if votes:
-        shared = torch.cat([shared, torch.tensor(list(votes), dtype=torch.float64, device=device)])
+    extra = [*votes, *(commit.ballot() if commit is not None else ())]
+    if extra:
+        shared = torch.cat([shared, torch.tensor(extra, dtype=torch.float64, device=device)])
     work = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         work = dist.all_reduce(shared, op=dist.ReduceOp.SUM, async_op=True)
@@ -142,9 +157,13 @@ def optimizer_step(
         work.wait()
     values = to_host(torch.cat([shared, *local_values]) if local_values else shared)
     found, global_loss = not math.isfinite(values[0]), values[1]
-    summed, values = tuple(values[2 : 2 + len(votes)]), values[2 + len(votes) :]
+    summed, ballots, values = (
+        tuple(values[2 : 2 + len(votes)]),
+        values[2 + len(votes) : 2 + len(extra)],
+        values[2 + len(extra) :],
+    )
     if commit is not None:  # the commit point: no collective from here to the end of the apply
-        found = commit(found)
+        found = commit.decide(found, ballots)
     scaler.update(found)
     if found:
         optimizer.zero_grad(set_to_none=True)

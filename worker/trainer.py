@@ -33,7 +33,7 @@ from worker.setup import (
     spec_hash,
     wrap,
 )
-from worker.step import StepResult, forward_backward, optimizer_step
+from worker.step import Commit, StepResult, forward_backward, optimizer_step
 from worker.trace import LoadRecorder, SampleTrace, rng_fingerprint
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class Trainer:
         self.tokens_per_sample = int(getattr(self.data, "meta", {}).get("seq_len", 0))
         self.last_log = (time.perf_counter(), 0)
         # Peer mode (worker.loop): the window's commit vote, and the per-window random streams.
-        self.commit: Callable[[bool], bool] | None = None
+        self.commit: Commit | None = None
         self.window_rng: Callable[[], None] | None = None
         self.on_first_step: Callable[[], None] | None = None
         if metrics is not None and spec.monitor.time_communication and not self.wrapped.fsdp:

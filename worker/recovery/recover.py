@@ -33,7 +33,7 @@ from worker.recovery.membership import KeyValue, KeyValueUnavailable, Membership
 from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 from worker.recovery.resolve import Order, Refused, Resolver
 from worker.recovery.seam import Outcome, RecoverableState, RecoveryConfig
-from worker.recovery.vote import Verdict, commit_vote
+from worker.recovery.vote import Verdict, check, commit_vote, contribution
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -106,14 +106,30 @@ class GroupMember:
         self.valid = True
 
     # -- the step ------------------------------------------------------------------------------
-    def vote(self, *, nonfinite: bool, version: int) -> Verdict:
-        """The window's commit vote (one all-reduce). Raises :class:`~worker.recovery.vote.Fenced`
-        or the collective's error; apply the window only after it returned."""
-        assert self.record is not None
+    def ballot(self, version: int) -> list[float]:
+        """This member's part of the window's commit vote (:mod:`worker.recovery.vote`), to be
+        summed with the step's own all-reduce; :meth:`verdict` reads the sum."""
+        info = self.info
         reform = self.is_leader and self._admission_wanted()
-        verdict = commit_vote(nonfinite=nonfinite, reform=reform, generation=self.record.generation,
-                              version=version, device=self.cfg.device)  # fmt: skip
+        return contribution(reform=reform, generation=info.generation, version=version, rank=info.rank,
+                            world_size=info.world_size)  # fmt: skip
+
+    def verdict(self, summed: list[float], *, nonfinite: bool, version: int) -> Verdict:
+        """The group's verdict on the window from the summed ballots. Raises
+        :class:`~worker.recovery.vote.Fenced`; apply the window only after it returned."""
+        assert self.record is not None
+        verdict = check(summed, nonfinite=nonfinite, generation=self.record.generation, version=version)
         self.last_generation = self.record.generation
+        return verdict
+
+    def vote(self, *, nonfinite: bool, version: int) -> Verdict:
+        """The commit vote as its own all-reduce, for a loop without a step reduction to ride on.
+        Raises like :meth:`verdict`, or the collective's error when a member is gone."""
+        info = self.info
+        reform = self.is_leader and self._admission_wanted()
+        verdict = commit_vote(nonfinite=nonfinite, reform=reform, generation=info.generation, version=version,
+                              rank=info.rank, world_size=info.world_size, device=self.cfg.device)  # fmt: skip
+        self.last_generation = info.generation
         return verdict
 
     def _admission_wanted(self) -> bool:

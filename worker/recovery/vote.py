@@ -1,20 +1,24 @@
-"""The commit vote: the one all-reduce a window already pays for, packed as two int64.
+"""The commit vote: a few numbers that ride on the all-reduce every window already pays for.
 
-Every window ends with an ``all_reduce(MAX)`` of a non-finite-gradient flag (today's
-:func:`worker.amp.any_rank_non_finite`). Peer recovery makes that reduction the window's commit
-point and widens it, for free (E10: two int64 cost what one float32 costs; three or more elements
-take gloo's full ring at W >= 3), to::
+Every window ends with one SUM all-reduce of a small float64 vector
+(:func:`worker.step.optimizer_step`: the non-finite flag, the loss, the save votes). Peer
+recovery makes that reduction the window's commit point and appends this member's vote::
 
-    [ (STAMP_LIMIT - 1 - stamp) << 2 | flags ,  stamp ]      stamp = generation << 32 | version
+    [ reform,  g_0 + 1, v_0 + 1,  g_1 + 1, v_1 + 1,  ...,  g_{W-1} + 1, v_{W-1} + 1 ]
 
-reduced with MAX. ``flags`` is ``nonfinite << 1 | reform``. Element 1 gives the highest stamp of
-the group, element 0 the lowest (its high bits are the stamp inverted), so *every* member sees a
-member from another generation or at another version, including the one ahead: the design's
-``[flags, stamp]`` let the member ahead apply the window while the others refused it (a deviation
-from issue14-design.md §3.3, same cost). When the stamps agree, element 0's low bits are the
-MAX of every member's flags: ``nonfinite`` (bit 1) is never lost; ``reform`` (bit 0) reads
-``max & 1``, which every member computes from the same value, so a request hidden by a
-non-finite member (2 > 1) is hidden from all alike and the leader asks again next window.
+Member ``r`` fills only its own pair, ``(generation + 1, version + 1)``, and zeros elsewhere, so
+each pair has exactly one contributor and the sum hands every member every member's
+(generation, version), exactly (float64 holds integers to 2**53; generation < 2**29, version
+< 2**32). A pair nobody filled reads ``(-1, -1)``. ``reform`` sums the members asking for a
+planned re-formation (the leader, when joiners wait). The non-finite flag is the step's own: a
+non-finite gradient on any member makes the summed flag NaN (:func:`commit_vote` carries it as
+element 0 when a caller has no step all-reduce to ride on).
+
+Every member computes its verdict from the same summed values, so all agree: any pair different
+from this member's own raises :class:`Fenced` on *every* member (the one ahead included);
+otherwise the verdict is the step's flag and ``reform > 0``. Until issue 14's steady-state
+measurement the vote was its own ``all_reduce(MAX)`` of two int64 after the step's; riding on
+the step's reduction removes that second collective from every window.
 
 The rule the callers keep: no collective between the vote and the end of the apply (scaler
 update, clip, ``optimizer.step``, cursor and version advance). A member applies the window only
@@ -23,13 +27,12 @@ after :func:`check` returned.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-NONFINITE = 2
-REFORM = 1
-GENERATION_BITS = 29  # 2**29 generations; the stamp stays below 2**61 so that << 2 fits an int64
+GENERATION_BITS = 29
 VERSION_BITS = 32
-STAMP_LIMIT = 1 << (GENERATION_BITS + VERSION_BITS)
 
 
 class Fenced(RuntimeError):
@@ -39,13 +42,13 @@ class Fenced(RuntimeError):
     member that holds an older generation than the group's record is fenced out (its state
     invalid)."""
 
-    def __init__(self, mine: int, low: int, high: int) -> None:
-        g, v = split_stamp(mine)
+    def __init__(self, mine: tuple[int, int], seen: Sequence[tuple[int, int]]) -> None:
+        others = sorted({s for s in seen if s != mine})
         super().__init__(
-            f"fenced: this member is at generation {g} version {v}, the group holds stamps "
-            f"{describe_stamp(low)} .. {describe_stamp(high)}"
+            f"fenced: this member is at {describe(mine)}, the group also holds "
+            f"{', '.join(describe(s) for s in others)}"
         )
-        self.mine, self.low, self.high = mine, low, high
+        self.mine, self.seen = mine, tuple(seen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,63 +59,67 @@ class Verdict:
     reform: bool
 
 
-def stamp(generation: int, version: int) -> int:
-    """``generation << 32 | version``; refuses values that do not fit."""
+def describe(stamp: tuple[int, int]) -> str:
+    generation, version = stamp
+    return "no member (an empty slot)" if stamp == (-1, -1) else f"g{generation}/v{version}"
+
+
+def _valid(generation: int, version: int) -> None:
     if not 0 <= generation < 1 << GENERATION_BITS:
         raise ValueError(f"generation {generation} is outside 0 .. 2**{GENERATION_BITS} - 1")
     if not 0 <= version < 1 << VERSION_BITS:
         raise ValueError(f"version {version} is outside 0 .. 2**{VERSION_BITS} - 1")
-    return generation << VERSION_BITS | version
 
 
-def split_stamp(value: int) -> tuple[int, int]:
-    return value >> VERSION_BITS, value & ((1 << VERSION_BITS) - 1)
+def contribution(*, reform: bool, generation: int, version: int, rank: int, world_size: int) -> list[float]:
+    """This member's part of the vote (``1 + 2 * world_size`` numbers, summed over the group)."""
+    _valid(generation, version)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0 .. {world_size - 1}")
+    values = [0.0] * (1 + 2 * world_size)
+    values[0] = 1.0 if reform else 0.0
+    values[1 + 2 * rank], values[2 + 2 * rank] = float(generation + 1), float(version + 1)
+    return values
 
 
-def describe_stamp(value: int) -> str:
-    g, v = split_stamp(value)
-    return f"g{g}/v{v}"
+def stamps(summed: Sequence[float], world_size: int) -> list[tuple[int, int]]:
+    """Every member's (generation, version) from a summed vote, in rank order."""
+    return [(int(summed[1 + 2 * r]) - 1, int(summed[2 + 2 * r]) - 1) for r in range(world_size)]
 
 
-def pack(*, nonfinite: bool, reform: bool, generation: int, version: int) -> tuple[int, int]:
-    """This member's two vote elements."""
-    s = stamp(generation, version)
-    flags = (NONFINITE if nonfinite else 0) | (REFORM if reform else 0)
-    return (STAMP_LIMIT - 1 - s) << 2 | flags, s
+def check(summed: Sequence[float], *, nonfinite: bool, generation: int, version: int) -> Verdict:
+    """The verdict of a summed vote (``nonfinite``: the step's summed flag), or :class:`Fenced`
+    when any member's stamp differs from this member's."""
+    world_size = (len(summed) - 1) // 2
+    seen = stamps(summed, world_size)
+    mine = (generation, version)
+    if any(s != mine for s in seen):
+        raise Fenced(mine, seen)
+    return Verdict(nonfinite=nonfinite, reform=summed[0] > 0)
 
 
-def unpack(reduced: tuple[int, int]) -> tuple[int, int, int]:
-    """``(flags, lowest stamp, highest stamp)`` of a MAX-reduced vote."""
-    first, high = reduced
-    return first & 3, STAMP_LIMIT - 1 - (first >> 2), high
-
-
-def check(reduced: tuple[int, int], mine: tuple[int, int]) -> Verdict:
-    """The verdict of a reduced vote, or :class:`Fenced` when any member's stamp differs."""
-    flags, low, high = unpack(reduced)
-    own = mine[1]
-    if low != own or high != own:
-        raise Fenced(own, low, high)
-    return Verdict(nonfinite=bool(flags & NONFINITE), reform=bool(flags & REFORM))
-
-
-def reduce_max(votes: list[tuple[int, int]]) -> tuple[int, int]:
-    """What ``all_reduce(MAX)`` of these votes gives (for tests and for reasoning)."""
-    return max(v[0] for v in votes), max(v[1] for v in votes)
+def reduce_sum(votes: list[list[float]]) -> list[float]:
+    """What ``all_reduce(SUM)`` of these votes gives (for tests and for reasoning)."""
+    return [math.fsum(column) for column in zip(*votes, strict=True)]
 
 
 def commit_vote(
-    *, nonfinite: bool, reform: bool, generation: int, version: int, device: str = "cpu"
-) -> Verdict:
-    """Reduce this member's vote over the default group and check it (the one tensor helper).
+    *, nonfinite: bool, reform: bool, generation: int, version: int, rank: int, world_size: int,
+    device: str = "cpu",
+) -> Verdict:  # fmt: skip
+    """The vote as its own all-reduce, for a caller without a step reduction to ride on (the
+    recovery tests' driver): the non-finite flag as element 0, then :func:`contribution`.
 
     Raises :class:`Fenced`, or the collective's own error when a member is gone."""
     import torch
     import torch.distributed as dist
 
-    mine = pack(nonfinite=nonfinite, reform=reform, generation=generation, version=version)
-    tensor = torch.tensor(mine, dtype=torch.int64, device=device)
+    ballot = contribution(
+        reform=reform, generation=generation, version=version, rank=rank, world_size=world_size
+    )
+    mine = [1.0 if nonfinite else 0.0, *ballot]
+    tensor = torch.tensor(mine, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    values = tensor.tolist()
-    return check((int(values[0]), int(values[1])), mine)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    values = [float(v) for v in tensor.tolist()]
+    return check(values[1:], nonfinite=values[0] > 0, generation=generation, version=version)

@@ -4,6 +4,8 @@ unscaled before they are clipped (the clip threshold is on the true gradient's s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 from torch import nn
@@ -76,24 +78,37 @@ def test_the_loss_sum_and_votes_come_back_from_the_steps_read() -> None:
     assert result == StepResult(skipped=False, loss_sum=3.25, votes=(1.0, 0.0))
 
 
+class FakeCommit:
+    """A commit vote without a group: its ballot travels with the step's values; ``decide`` gets
+    the (here: this rank's own) summed ballot back."""
+
+    def __init__(self, answer: bool | None) -> None:
+        self.answer, self.asked = answer, []  # type: ignore[var-annotated]
+
+    def ballot(self) -> list[float]:
+        return [4.0, 2.0]
+
+    def decide(self, found: bool, summed: Sequence[float]) -> bool:
+        self.asked.append((found, list(summed)))
+        if self.answer is None:
+            raise RuntimeError("Connection closed by peer")
+        return self.answer
+
+
 def test_the_commit_vote_decides_and_a_refused_vote_changes_nothing() -> None:
-    """Peer mode's commit point (worker.loop): the group's verdict replaces the local flag, and a
-    vote that raises (the group broke) leaves weights, moments and the scaler as they were."""
+    """Peer mode's commit point (worker.loop): the ballot rides on the step's reduction and comes
+    back after the save votes; the group's verdict replaces the local flag, and a vote that raises
+    (the group broke) leaves weights, moments and the scaler as they were."""
     model = model_with_grad([1.0, 2.0])
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    asked: list[bool] = []
     s = scaler(4.0)
-    result = optimizer_step(
-        params(model), opt, s, lr=0.1, clip=None, commit=lambda f: asked.append(f) or True
-    )
-    assert asked == [False] and result.skipped and not opt.state, "the group said non-finite: no update"
+    said_nonfinite = FakeCommit(True)
+    result = optimizer_step(params(model), opt, s, lr=0.1, clip=None, votes=(1.0,), commit=said_nonfinite)
+    assert said_nonfinite.asked == [(False, [4.0, 2.0])] and result.votes == (1.0,)
+    assert result.skipped and not opt.state, "the group said non-finite: no update"
     assert s.state.skipped_total == 1
     model.weight.grad = torch.tensor([[1.0, 2.0]])
     weight = model.weight.detach().clone()
-
-    def broken(found: bool) -> bool:
-        raise RuntimeError("Connection closed by peer")
-
     with pytest.raises(RuntimeError):
-        optimizer_step(params(model), opt, s, lr=0.1, clip=None, commit=broken)
+        optimizer_step(params(model), opt, s, lr=0.1, clip=None, commit=FakeCommit(None))
     assert torch.equal(model.weight, weight) and not opt.state and s.state.skipped_total == 1
