@@ -86,11 +86,28 @@ def spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
 
 
+def report_recoveries(results: dict[str, list[dict[str, Any]]], spares: int) -> None:
+    restart = [r["seconds"] for r in results["restart"]]
+    peer = [r["seconds"] for r in results["peer"]]
+    lost = {mode: [r["lost_steps"] for r in results[mode]] for mode in results}
+    print(f"recovery after a worker SIGKILL (W=2, 2 nodes x 1 process; peer with {spares} spare(s))")
+    print(
+        f"  restart: kill -> first step s {spread(restart)}; steps trained again (at least) {lost['restart']}"
+    )
+    print(f"  peer:    kill -> first step s {spread(peer)}; steps trained again {lost['peer']}")
+    print(f"  peer recoveries' kinds: {[r['kind'] for r in results['peer']]}")
+    ratio = statistics.median(peer) / statistics.median(restart)
+    print(f"  ratio peer/restart (medians): {ratio:.3f}  (target <= 0.25)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spares", type=int, default=1)
     parser.add_argument("--steady", type=int, default=0, help="steps of a fault-free run per mode (0: skip)")
+    parser.add_argument(
+        "--steady-rounds", type=int, default=None, help="fault-free rounds (default: --rounds)"
+    )
     args = parser.parse_args()
     results: dict[str, list[dict[str, Any]]] = {"restart": [], "peer": []}
     rates: dict[str, list[float]] = {"restart": [], "peer": []}
@@ -104,21 +121,18 @@ def main() -> int:
                     got = one_recovery(svc, mode, args.spares)
                     results[mode].append(got)
                     print(f"  round {i + 1} {mode}: {got}", flush=True)
-                    if args.steady:
-                        rates[mode].append(steady(svc, mode, args.spares, args.steady))
+            for i in (
+                range(args.steady_rounds if args.steady_rounds is not None else args.rounds)
+                if args.steady
+                else ()
+            ):
+                for mode in ("restart", "peer") if i % 2 == 0 else ("peer", "restart"):
+                    rates[mode].append(steady(svc, mode, args.spares, args.steady))
+                    print(f"  steady round {i + 1} {mode}: {rates[mode][-1]:.0f} samples/s", flush=True)
         finally:
             svc.stop()
-    restart = [r["seconds"] for r in results["restart"]]
-    peer = [r["seconds"] for r in results["peer"]]
-    lost = {mode: [r["lost_steps"] for r in results[mode]] for mode in results}
-    print(f"recovery after a worker SIGKILL (W=2, 2 nodes x 1 process; peer with {args.spares} spare(s))")
-    print(
-        f"  restart: kill -> first step s {spread(restart)}; steps trained again (at least) {lost['restart']}"
-    )
-    print(f"  peer:    kill -> first step s {spread(peer)}; steps trained again {lost['peer']}")
-    print(f"  peer recoveries' kinds: {[r['kind'] for r in results['peer']]}")
-    ratio = statistics.median(peer) / statistics.median(restart)
-    print(f"  ratio peer/restart (medians): {ratio:.3f}  (target <= 0.25)")
+    if args.rounds:
+        report_recoveries(results, args.spares)
     if args.steady:
         steady_ratio = statistics.median(rates["peer"]) / statistics.median(rates["restart"])
         print(f"  steady samples/s restart {[round(r) for r in rates['restart']]}")

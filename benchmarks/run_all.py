@@ -19,6 +19,11 @@ BENCHMARKS = (
     ("control plane GET/submit load", ["benchmarks.service_api"]),
     ("a job under the service vs bare torchrun; recovery vs its floor", ["benchmarks.service_job"]),
     ("recovery without a restart vs torchrun's restart", ["benchmarks.peer_recovery", "--rounds", "2"]),
+    (
+        "peer mode's steady-state cost",
+        ["benchmarks.peer_recovery", "--rounds", "0", "--steady", "1000", "--steady-rounds", "4"],
+    ),
+    ("joining without stopping: a 2 -> 3 scale-up in peer mode", ["benchmarks.peer_join", "--rounds", "2"]),
 )
 
 

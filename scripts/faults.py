@@ -28,6 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 T = "tests/faults/"
+R = "tests/integration/recovery/"
+W = "tests/integration/worker/"
 ROWS: dict[str, str] = {
     "sigkill-rank": T + "test_worker_faults.py::test_sigkill_random_rank_at_random_step",
     "bare-torchrun": T + "test_bare_torchrun.py::test_bare_torchrun_survives_a_sigkill",
@@ -50,6 +52,13 @@ ROWS: dict[str, str] = {
     "bad-large-bodies": T + "test_bad_input.py::test_large_and_deep_bodies_are_refused",
     "bad-manifest-code": T + "test_bad_input.py::test_crafted_checkpoint_never_executes_code",
     "poison": T + "test_poison.py::test_poison_next_to_a_healthy_job",
+    # Peer recovery (issue 14): each row's cases (W, replacement, who dies) run once per seed.
+    "peer-sigkill-rank": R + "test_peer_recovery.py::test_sigkill_of_a_random_rank",
+    "peer-kill-in-transfer": R + "test_peer_faults.py::test_kill_during_the_state_transfer",
+    "peer-corrupt-transfer": R + "test_peer_faults.py::test_a_corrupt_chunk_is_never_trained_on",
+    "peer-sigstop-fenced": R + "test_peer_faults.py::test_a_stalled_rank_is_fenced_when_it_wakes",
+    "peer-two-ranks": R + "test_peer_faults.py::test_two_ranks_killed_at_once_shrink_to_one",
+    "peer-agent-kill": W + "test_service_peer.py::test_a_killed_agent_is_one_recovery_timed_from_the_kill",
 }
 
 
@@ -74,7 +83,8 @@ def draw_seeds(base: int, trials: int) -> list[int]:
 
 
 def tally(junit: Path, rows: dict[str, str]) -> dict[str, Tally]:
-    """Per-row results from a pytest junit XML file (test ids ``name[seed=N]``)."""
+    """Per-row results from a pytest junit XML file (test ids ``name[seed=N]``, or with other
+    parameters next to the seed: ``name[sender-seed=N]``)."""
     by_func = {node.split("::")[-1]: row for row, node in rows.items()}
     out = {row: Tally() for row in rows}
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -82,7 +92,7 @@ def tally(junit: Path, rows: dict[str, str]) -> dict[str, Tally]:
         row = by_func.get(func)
         if row is None:
             continue
-        seed = param.rstrip("]").removeprefix("seed=")
+        seed = next((p[5:] for p in param.rstrip("]").split("-") if p.startswith("seed=")), "")
         result = out[row]
         skipped = case.find("skipped")
         if skipped is not None and skipped.get("type") == "pytest.xfail":

@@ -10,6 +10,7 @@ next attempt fails the job instead of spending its restarts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.build import build
     from worker.events import Events
     from worker.spec import load_spec
+    from worker.spec_recovery import restart_note
 
     try:
         spec = load_spec(args.config)
@@ -81,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         default_timeout = str(spec.recovery.collective_timeout_s) if peer else "300"
         timeout_s = _collective_timeout(os.environ.get("ELASTRAIN_COLLECTIVE_TIMEOUT_S", default_timeout))
         built = build(spec, info, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume))
+        note = restart_note(spec.recovery.mode, launched_peer=peer)
+        if note is not None:  # the run record says it; rank 0 says it once on stderr
+            built = dataclasses.replace(built, notes=(*built.notes, note))
+            if info.is_main:
+                print(f"elastrain worker: note: {note}", file=sys.stderr, flush=True)
     except SpecError as exc:
         print(f"elastrain worker: error: {exc}", file=sys.stderr)
         _refused(f"error: {exc}")

@@ -50,9 +50,22 @@ class RecoverySpec(Frozen):
 
 
 def effective_mode(mode: str, *, parallelism: str, under_service: bool) -> Literal["peer", "restart"]:
-    """The recovery a job actually runs: ``auto`` is peer only for DDP under the service. Pure."""
-    if mode == "peer":
-        return "peer"
-    if mode == "auto" and parallelism == "ddp" and under_service:
+    """The recovery a job actually runs: peer only under the service (it keeps the group's
+    membership in etcd and starts the replacements), for ``peer``, or ``auto`` with DDP. Pure."""
+    if not under_service:
+        return "restart"
+    if mode == "peer" or (mode == "auto" and parallelism == "ddp"):
         return "peer"
     return "restart"
+
+
+def restart_note(mode: str, *, launched_peer: bool) -> str | None:
+    """What the run record and the worker's stderr say when the spec asks for peer recovery and
+    this launch cannot give it (a bare torchrun: no service started it in peer mode). Pure."""
+    if mode != "peer" or launched_peer:
+        return None
+    return (
+        "recovery.mode is 'peer', but this worker was not started by the service in peer mode (a "
+        "bare torchrun, or a launcher of your own): a lost rank is recovered by torchrun's restart "
+        "from the newest checkpoint; submit the job to `elastrain serve` for peer recovery"
+    )

@@ -5,8 +5,9 @@ notes the indices of each one, as ``batch()`` returned it, when the step takes i
 what was fed to the model, not what the plan said, nor what was loaded ahead and never trained
 on (see :mod:`worker.feed`). After each window the rank appends one JSON line to
 ``DIR/rank-<rank>-pid-<pid>.jsonl``: the generation, the step before the window, the epoch, the
-world size, the indices in load order, and a fingerprint of every generator's state (python,
-numpy, torch CPU, CUDA) taken right before the window's first micro-step. Lines of windows that
+world size, the indices in load order, a fingerprint of every generator's state (python,
+numpy, torch CPU, CUDA) taken right before the window's first micro-step, and the Unix time the
+window ended (``t``: the join benchmark reads step times from it). Lines of windows that
 a failure rolled back stay in the file: readers keep, per step, the newest generation's.
 """
 

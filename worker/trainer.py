@@ -270,7 +270,7 @@ class Trainer:
         assert self.trace is not None and self.recorder is not None
         self.trace.write(
             generation=self.generation, step=self.progress.step, epoch=window.epoch,
-            world_size=self.info.world_size, indices=self.recorder.take(), rng=rng,
+            world_size=self.info.world_size, indices=self.recorder.take(), rng=rng, t=time.time(),
         )  # fmt: skip
 
     def _first_step(self) -> None:

@@ -1,17 +1,14 @@
 """The fault matrix's shared pieces: seeds from the environment, the seed printed on failure,
 and the uninterrupted reference run every worker row compares against.
 
-Seeds: ``ELASTRAIN_FAULT_SEEDS="3,17"`` (what ``python -m scripts.faults`` sets) or
-``ELASTRAIN_FAULT_SEED=3``; default ``1``. Every row is parametrised by them (``[seed=N]``).
+Seeds: tests/seeds.py (every row is parametrised by them, ``seed=N``).
 Every row runs in ``make test`` (one seed) and ``make faults``; a row that cannot run on a
 machine skips with the reason (``make test`` prints it, ``-rs``; the runner's table says NOT RUN).
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -22,32 +19,6 @@ from tests.integration.worker.test_resume import spec
 
 # tests/integration/service has no __init__.py; its helpers import as top-level modules there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "service"))
-
-
-def fault_seeds() -> list[int]:
-    """The seeds every row runs with, from the environment."""
-    raw = os.environ.get("ELASTRAIN_FAULT_SEEDS") or os.environ.get("ELASTRAIN_FAULT_SEED") or "1"
-    return [int(s) for s in raw.split(",") if s.strip()]
-
-
-def seeded(func: Any) -> Any:
-    """Parametrise a row by the fault seeds (ids ``seed=N``)."""
-    return pytest.mark.parametrize("seed", fault_seeds(), ids=lambda s: f"seed={s}")(func)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
-    callspec = getattr(item, "callspec", None)
-    seed = callspec.params.get("seed") if callspec is not None else None
-    if report.failed and seed is not None:
-        report.sections.append(
-            ("fault seed", f"failed with seed={seed}: rerun with ELASTRAIN_FAULT_SEED={seed}")
-        )
-        sys.stderr.write(f"\nFAULT ROW FAILED: {item.nodeid} seed={seed}\n")
-    return report
 
 
 class Reference:

@@ -34,9 +34,10 @@ from hypothesis import strategies as st
 from svc_process import ServiceProcess, job_spec
 
 from service.etcd.server import EtcdServer
-from tests.faults.conftest import Reference, seeded
+from tests.faults.conftest import Reference
 from tests.integration.launch import REPO, run_worker, write_spec
 from tests.integration.worker.test_resume import spec
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 SPEC: dict[str, Any] = job_spec("badinput", "1")

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import Reference, seeded
+from tests.faults.conftest import Reference
 from tests.integration.launch import Run, write_spec
 from tests.integration.worker.test_resume import spec
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 TORCHRUN = Path(sys.executable).with_name("torchrun")  # the venv's console script

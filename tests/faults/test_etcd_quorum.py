@@ -17,8 +17,8 @@ import httpx
 import pytest
 from svc_process import ServiceProcess, job_spec, wait_for
 
-from tests.faults.conftest import seeded
 from tests.faults.etcd_cluster import EtcdCluster
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 SPEC: dict[str, Any] = job_spec("quorum", "1")

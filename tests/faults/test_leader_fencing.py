@@ -28,7 +28,7 @@ import pytest
 from svc_process import ServiceProcess, job_spec, wait_for
 
 from service.etcd.server import EtcdServer
-from tests.faults.conftest import seeded
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 # The restart path on purpose: the failed node is counted as one restart by whichever leader acts.

@@ -31,9 +31,9 @@ import pytest
 from scripts.demo import worker_pids
 from service.etcd.kv import EtcdStore
 from service.jobs import keys
-from tests.faults.conftest import seeded
 from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
+from tests.seeds import seeded
 from worker.etcdclient import Credentials
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]

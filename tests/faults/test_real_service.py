@@ -29,10 +29,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.etcd.server import EtcdServer
-from tests.faults.conftest import seeded
 from tests.faults.etcd_cluster import EtcdCluster
 from tests.faults.test_service_faults import CUT, kill_while_submitting, post, scale
 from tests.integration.worker.test_service_e2e import Service, until
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 SLOW = "after_grad_sync=sleep:0.05"

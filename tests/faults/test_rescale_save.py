@@ -35,12 +35,12 @@ from typing import Any
 import pytest
 
 from service.etcd.server import EtcdServer
-from tests.faults.conftest import seeded
 from tests.faults.test_sigstop import worker_pids
 from tests.integration.launch import REPO, worker_env, write_spec
 from tests.integration.rendezvous.conftest import declared_handler
 from tests.integration.worker.test_resume import spec
 from tests.integration.worker.traces import committed
+from tests.seeds import seeded
 from worker.checkpoint.verify import load_manifest, verify_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]

@@ -14,6 +14,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <skipped type="pytest.skip" message="cannot mount a tmpfs here">no mount</skipped></testcase>
 <testcase classname="tests.faults.test_real_service" name="test_real_etcd_quorum[seed=5]">
 <skipped type="pytest.xfail" message="a job does not come back">x</skipped></testcase>
+<testcase classname="r" name="test_kill_during_the_state_transfer[sender-seed=5]"/>
+<testcase classname="r" name="test_kill_during_the_state_transfer[receiver-seed=5]"><failure/></testcase>
 <testcase classname="tests.faults.test_bad_input" name="test_traversal_paths_are_422[seed=5]">
 <error message="fixture">x</error></testcase>
 </testsuite></testsuites>"""
@@ -33,6 +35,8 @@ def test_junit_becomes_rows_with_failed_seeds(tmp_path: Path) -> None:
     tmpfs = results["enospc-tmpfs"]
     assert tmpfs.not_run and tmpfs.notes == {"not run: cannot mount a tmpfs here"}
     assert results["bad-path-fields"].failed == [5]
+    transfer = results["peer-kill-in-transfer"]  # cases with other parameters next to the seed
+    assert (transfer.trials, transfer.passed, transfer.failed) == (2, 1, [5])
     text = table(results, base=7, seconds=12.0)
     assert "| sigkill-rank | 2 | 1 | 9 |" in text and "Base seed 7" in text
     # a row that could not run is never shown as passed, nor is one absent from the results

@@ -35,7 +35,7 @@ import pytest
 from svc_process import ServiceProcess, job_spec, wait_for
 
 from service.etcd.server import EtcdServer
-from tests.faults.conftest import seeded
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 SPEC: dict[str, Any] = job_spec("faults", "1:3")

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from service.cli import main as elastrain
-from tests.faults.conftest import seeded
 from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, job_spec
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 STEPS = 30

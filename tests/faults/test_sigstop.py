@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import Reference, seeded
+from tests.faults.conftest import Reference
 from tests.integration.launch import REPO, Run, torchrun_cmd, worker_env, write_spec
 from tests.integration.worker.test_resume import spec
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 COLLECTIVE_TIMEOUT_S = 20.0  # ELASTRAIN_COLLECTIVE_TIMEOUT_S for these rows (the default is 300 s)

@@ -25,9 +25,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.cli import main as elastrain
-from tests.faults.conftest import Reference, seeded, train
+from tests.faults.conftest import Reference, train
 from tests.integration.launch import REPO, Run, run_worker, torchrun_cmd, worker_env, write_spec
 from tests.integration.worker.test_resume import FAILPOINTS, spec
+from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 

@@ -13,6 +13,7 @@ job mid-run; the kill itself is a real SIGKILL from outside the worker.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import pytest
 from scripts.demo import worker_pids
 from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
+from tests.seeds import seeded
 
 pytestmark = pytest.mark.integration
 
@@ -100,12 +102,14 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_and_finish(service: Service, job_id: str, *, agent: bool = False) -> tuple[dict[str, Any], float]:
-    """SIGKILL node 1's worker (or, with ``agent``, its torchrun agent) 15 steps in; the survivor
-    (node 0's worker) keeps its process through the recovery, and the victim's worker is gone by
-    the repaired group's first step. Returns the finished job and the time of the kill."""
+def kill_and_finish(
+    service: Service, job_id: str, *, agent: bool = False, at: int = 15
+) -> tuple[dict[str, Any], float]:
+    """SIGKILL node 1's worker (or, with ``agent``, its torchrun agent) ``at`` steps in; the
+    survivor (node 0's worker) keeps its process through the recovery, and the victim's worker is
+    gone by the repaired group's first step. Returns the finished job and the time of the kill."""
     survivor, victim = f"{job_id}-n0-a0", f"{job_id}-n1-a0"
-    until(lambda: (service.job(job_id)["step"] or 0) >= 15, "the job 15 steps in", 300)
+    until(lambda: (service.job(job_id)["step"] or 0) >= at, f"the job {at} steps in", 300)
     (survivor_pid,) = until(lambda: workers(survivor), "the survivor's worker", 30)
     (victim_pid,) = until(lambda: workers(victim), "the victim's worker", 30)
     target = parent_of(victim_pid) if agent else victim_pid
@@ -143,13 +147,17 @@ def test_a_killed_worker_is_replaced_from_peer_memory(
     assert digest(Path(final["checkpoint_dir"])) == expected
 
 
-def test_a_killed_agent_is_one_recovery_timed_from_the_kill(service: Service, uninterrupted: str) -> None:
+@seeded
+def test_a_killed_agent_is_one_recovery_timed_from_the_kill(
+    service: Service, uninterrupted: str, seed: int
+) -> None:
     """Node 1's torchrun agent is SIGKILLed, not its worker: the orphaned worker stops (it must
     not train on with the survivor), the spare takes its place from the survivor's memory, and
     the job record holds one recovery whose time agrees (within 10%, or 0.1 s) with the time this
     test measures from its kill to the repaired group's first step."""
     job_id = service.submit(peer_spec(spares=1))
-    final, killed_at = kill_and_finish(service, job_id, agent=True)
+    at = random.Random(f"{seed}-agent").randrange(10, 60)  # the kill's step, from the fault seed
+    final, killed_at = kill_and_finish(service, job_id, agent=True, at=at)
     (recovery,) = final["recoveries"]
     assert recovery["kind"] == "peer" and recovery["steps_lost"] == 0, recovery
     measured = recovery["first_step_at"] - killed_at

@@ -103,14 +103,18 @@ def test_tiny_gpt_learns_in_low_precision_on_fp32_master_state(tmp_path: Path, p
 
 
 def test_run_record_says_how_it_computed(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path, mlp_spec(max_steps=2, checkpoint={"dir": str(tmp_path / "ck")}))
-    run = run_worker(spec)
+    """Also: the spec asks for peer recovery, which a bare torchrun cannot give; the run says so
+    (stderr, once, and the record's notes) instead of silently recovering by restart."""
+    body = mlp_spec(max_steps=2, checkpoint={"dir": str(tmp_path / "ck")}, recovery={"mode": "peer"})
+    run = run_worker(write_spec(tmp_path, body))
     assert run.code == 0, run.stderr[-2000:]
     record = json.loads((tmp_path / "ck" / "run-record.json").read_text())
     assert record["world_size"] == 1 and record["backend"] == "gloo"
     assert record["determinism"]["use_deterministic_algorithms"] is True
     assert record["batch"]["accum_steps"] == 2 and record["spec"]["seed"] == 3
     assert {"python", "torch", "numpy"} <= record["versions"].keys()
+    (note,) = [n for n in record["notes"] if n.startswith("recovery.mode is 'peer'")]
+    assert run.stderr.count(f"elastrain worker: note: {note}") == 1
 
 
 @pytest.mark.parametrize(

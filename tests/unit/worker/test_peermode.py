@@ -13,7 +13,7 @@ from worker.dist import DistInfo
 from worker.errors import SpecError
 from worker.service_client import EventForwarder
 from worker.spec import parse_spec
-from worker.spec_recovery import effective_mode
+from worker.spec_recovery import effective_mode, restart_note
 
 RAW: dict[str, Any] = {
     "name": "peer",
@@ -64,8 +64,16 @@ def test_auto_is_peer_only_for_ddp_under_the_service() -> None:
     assert effective_mode("auto", parallelism="ddp", under_service=True) == "peer"
     assert effective_mode("auto", parallelism="ddp", under_service=False) == "restart"
     assert effective_mode("auto", parallelism="fsdp", under_service=True) == "restart"
-    assert effective_mode("peer", parallelism="ddp", under_service=False) == "peer"
+    assert effective_mode("peer", parallelism="ddp", under_service=True) == "peer"
+    assert effective_mode("peer", parallelism="ddp", under_service=False) == "restart"
     assert effective_mode("restart", parallelism="ddp", under_service=True) == "restart"
+
+
+def test_peer_asked_for_under_a_bare_torchrun_says_the_restart_path_runs() -> None:
+    note = restart_note("peer", launched_peer=False)
+    assert note is not None and "torchrun's restart" in note and "elastrain serve" in note
+    assert restart_note("peer", launched_peer=True) is None
+    assert restart_note("auto", launched_peer=False) is None
 
 
 def test_peer_recovery_with_fsdp_is_refused_naming_the_field() -> None:

@@ -1,0 +1,125 @@
+"""Joining without stopping (issue 14, item 4): a scale-up of a peer-mode job, measured.
+
+A real ``elastrain serve`` runs the benchmark MLP in peer mode on 2 nodes x 1 process
+(``nodes`` "2:3", a global batch of 384 that both world sizes divide); once it is past its
+warm-up the job is scaled to 3 nodes over REST. The service starts the third node (a fresh
+process: torchrun, ``import torch``, the model), which connects to the group's leader; the
+survivors train on meanwhile, and at the next window boundary the leader re-forms the group with
+the newcomer, a survivor sends it the state, and all three go on.
+
+Every window's end time comes from the workers' sample trace (``ELASTRAIN_TRACE_SAMPLES``, its
+``t``). For each survivor: its median step time at W=2 (the 200 windows before the join), the
+longest step across the join (from its last W=2 window's end to its first W=3 window's end:
+re-formation, transfer and one step), and the state transfer measured by the group (rank 0's
+``peer_outcome`` phases, formed -> transferred). Targets: longest <= 2 x median + transfer;
+the newcomer trains within 2 steps of joining (its first window's step against the survivors'
+first W=3 step). Prints each round and the medians with their spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.peer_recovery import spread
+from benchmarks.service_job import events_of
+from benchmarks.service_job import spec as base_spec
+from tests.integration.worker.test_service_e2e import Service, until
+
+WARM = 200  # windows before the scale: the survivors' median step comes from these
+
+
+def spec(max_steps: int) -> dict[str, Any]:
+    return base_spec(
+        nodes="2:3", initial_nodes=2, nproc_per_node=1, recovery={"mode": "peer"},
+        env={"OMP_NUM_THREADS": "1"}, grad_accum_steps=None, global_batch_size=384, max_steps=max_steps,
+    )  # fmt: skip
+
+
+def traces(directory: Path, skip: set[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Each worker process's windows (a file per pid; ``skip``: earlier rounds'), in order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in set(directory.glob("rank-*.jsonl")) - skip:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out[path.stem.split("-pid-")[1]] = sorted(rows, key=lambda r: r["t"])
+    return out
+
+
+def one_join(svc: Service, trace: Path, max_steps: int) -> dict[str, Any]:
+    earlier = set(trace.glob("rank-*.jsonl"))
+    job_id = svc.submit(spec(max_steps))
+    until(lambda: (svc.job(job_id)["step"] or 0) >= WARM + 50, "the job past its warm-up", 600)
+    answer = svc.http.post(f"/v1/jobs/{job_id}/scale", json={"nodes": 3})
+    assert answer.status_code == 202, answer.text
+    job = svc.finished(job_id, timeout=900)
+    assert job["state"] == "SUCCEEDED", job["events"][-10:]
+    by_pid = traces(trace, earlier)
+    survivors = {p: rows for p, rows in by_pid.items() if {r["world_size"] for r in rows} == {2, 3}}
+    newcomers = {p: rows for p, rows in by_pid.items() if {r["world_size"] for r in rows} == {3}}
+    sizes = {p: {r["world_size"] for r in rows} for p, rows in by_pid.items()}
+    assert len(survivors) == 2 and len(newcomers) == 1, sizes
+    longest, medians, join_steps = [], [], []
+    for rows in survivors.values():
+        first3 = next(i for i, r in enumerate(rows) if r["world_size"] == 3)
+        ends = [r["t"] for r in rows[max(0, first3 - WARM) : first3]]
+        medians.append(statistics.median(b - a for a, b in itertools.pairwise(ends)))
+        longest.append(rows[first3]["t"] - rows[first3 - 1]["t"])
+        join_steps.append(rows[first3]["step"])
+    (arrived,) = newcomers.values()
+    events = events_of(Path(job["checkpoint_dir"]) / "events.jsonl")
+    joined = [e for e in events if e["event"] == "peer_outcome" and e.get("world_size") == 3]
+    phases = joined[0]["phases"] if joined else {}
+    transfer = (phases["transferred"] - phases["formed"]) if {"formed", "transferred"} <= set(phases) else 0.0
+    median = max(medians)
+    return {
+        "median_step_s": round(median, 4),
+        "longest_step_s": round(max(longest), 4),
+        "transfer_s": round(transfer, 4),
+        "bound_s": round(2 * median + transfer, 4),
+        "ratio": round(max(longest) / (2 * median + transfer), 3),
+        "newcomer_after_steps": arrived[0]["step"] - min(join_steps),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3000, help="steps per job (a join takes ~10 s of them)")
+    args = parser.parse_args()
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as name:
+        trace = Path(name) / "trace"
+        trace.mkdir()
+        svc = Service(Path(name) / "svc", {"ELASTRAIN_TRACE_SAMPLES": str(trace)})
+        svc.data_dir.mkdir()
+        svc.start()
+        try:
+            for i in range(args.rounds):
+                got = one_join(svc, trace, args.steps)
+                results.append(got)
+                print(f"  round {i + 1}: {got}", flush=True)
+        finally:
+            svc.stop()
+    by_key: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        for key, value in r.items():
+            by_key[key].append(value)
+    print("scale-up 2 -> 3 of a peer-mode job (2 nodes x 1 process, the benchmark MLP)")
+    print(f"  survivors' median step s {spread(by_key['median_step_s'])}")
+    print(f"  longest step across the join s {spread(by_key['longest_step_s'])}")
+    print(f"  state transfer s {spread(by_key['transfer_s'])}")
+    print(f"  longest / (2 x median + transfer) {spread(by_key['ratio'])}  (target <= 1)")
+    after = by_key["newcomer_after_steps"]
+    print(f"  newcomer's first step after the join, in steps: {after}  (target <= 2)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
