@@ -31,6 +31,19 @@ def recovery_mode(spec: JobSpec) -> RecoveryMode:
     return "peer" if peer_mode(spec) else "restart"
 
 
+def recovery_why(spec: JobSpec) -> str:
+    """The submitted event's words on the job's recovery, and why (an FSDP job says that its
+    sharded state is what rules peer recovery out). Pure."""
+    if peer_mode(spec):
+        return "recovery peer: survivors keep their processes, a lost rank's state comes from their memory"
+    if spec.recovery.mode == "restart":
+        return "recovery restart (recovery.mode is 'restart'): a lost rank restarts every worker"
+    return (
+        "recovery restart: FSDP state is sharded and no peer holds a lost rank's shard, so a lost "
+        "rank restarts every worker from the newest checkpoint"
+    )
+
+
 def spares(spec: JobSpec) -> int:
     """How many warm spare node apps the job keeps."""
     return spec.spares

@@ -272,7 +272,9 @@ class JobService:
             created_at=now,
             updated_at=now,
         )
-        return record.with_event(now, "submitted", f"submitted with nodes {spec.nodes}")
+        return record.with_event(
+            now, "submitted", f"submitted with nodes {spec.nodes}; {peer.recovery_why(spec)}"
+        )
 
     def update(
         self,

@@ -126,6 +126,22 @@ def test_the_workers_are_told_the_desired_size_at_submit_and_every_scale(world: 
     assert world.desired(job_id) is None  # deleted with the job's rendezvous keys
 
 
+@pytest.mark.parametrize(
+    ("parallelism", "mode", "says"),
+    [
+        ("ddp", "auto", "recovery peer: survivors keep their processes"),
+        ("ddp", "restart", "recovery restart (recovery.mode is 'restart')"),
+        ("fsdp", "auto", "recovery restart: FSDP state is sharded and no peer holds a lost rank's shard"),
+    ],
+)
+def test_the_submitted_event_says_which_recovery_and_why(
+    world: World, parallelism: str, mode: str, says: str
+) -> None:
+    job_id = world.submit(with_recovery(spec(parallelism=parallelism), mode=mode))
+    (submitted,) = [e for e in world.jobs.get(job_id).events if e.kind == "submitted"]
+    assert submitted.message.startswith("submitted with nodes 2; ") and says in submitted.message
+
+
 def test_a_restart_mode_job_has_no_desired_key(world: World) -> None:
     job_id = world.submit(with_recovery(spec(nodes="1:3"), mode="restart"))
     world.jobs.scale(job_id, 2)
