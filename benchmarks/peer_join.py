@@ -78,7 +78,18 @@ def one_join(svc: Service, trace: Path, max_steps: int) -> dict[str, Any]:
     phases = joined[0]["phases"] if joined else {}
     transfer = (phases["transferred"] - phases["formed"]) if {"formed", "transferred"} <= set(phases) else 0.0
     median = max(medians)
+    last2 = max(
+        rows[next(i for i, r in enumerate(rows) if r["world_size"] == 3) - 1]["t"]
+        for rows in survivors.values()
+    )
+    first3 = max(next(r["t"] for r in rows if r["world_size"] == 3) for rows in survivors.values())
+    marks = [("window_end", last2)] + [
+        (k, phases[k]) for k in ("detected", "formed", "transferred", "ready") if k in phases
+    ]
+    marks.append(("first_window_end", first3))
+    split = {f"{a}->{b}": round(tb - ta, 4) for (a, ta), (b, tb) in itertools.pairwise(marks)}
     return {
+        "split_s": split,
         "median_step_s": round(median, 4),
         "longest_step_s": round(max(longest), 4),
         "transfer_s": round(transfer, 4),

@@ -97,7 +97,8 @@ class PeerState:
         if t.recorder is not None:  # the sample trace: what the voided window loaded was not trained
             t.recorder.take()
 
-    def rewrap(self, info: GroupInfo) -> None:
+    def rewrap(self, info: GroupInfo, *, agreed: bool = True) -> None:
+        """``agreed``: see :func:`worker.recovery.rewrap.rewrap` (False after a restore)."""
         t = self.trainer
         t.info = info.dist_info(t.info)
         x, y = self._probe
@@ -105,7 +106,7 @@ class PeerState:
         def forward(module: torch.nn.Module) -> torch.Tensor:
             return t.objective.loss_sum(call_model(module, x), y)
 
-        ddp = rewrap(t.model, t.info, bucket_cap_mb=t.spec.ddp.bucket_cap_mb, forward=forward)
+        ddp = rewrap(t.model, t.info, bucket_cap_mb=t.spec.ddp.bucket_cap_mb, forward=forward, agreed=agreed)
         t.wrapped = Wrapped(ddp, fsdp=False)
         if t.metrics is not None and t.spec.monitor.time_communication:
             ddp.register_comm_hook(None, t.metrics.comm.hook)
@@ -244,7 +245,7 @@ class PeerLoop:
             self.started = True
         else:
             t._resume()
-        self.state.rewrap(info)
+        self.state.rewrap(info, agreed=False)
         self.member.mark_valid()
         return (t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0) - before
 

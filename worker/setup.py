@@ -52,13 +52,18 @@ def set_determinism(enabled: bool) -> dict[str, Any]:
     }
 
 
-def wrap_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: float) -> DistributedDataParallel:
+def wrap_ddp(
+    model: nn.Module, info: DistInfo, *, bucket_cap_mb: float, init_sync: bool = True
+) -> DistributedDataParallel:
+    """``init_sync=False`` skips DDP's broadcast of rank 0's parameters and buffers at
+    construction: for a group whose members already agreed on the state by digest (peer mode)."""
     device_ids = [torch.device(info.device).index] if info.device.startswith("cuda") else None
     return DistributedDataParallel(
         model,
         device_ids=device_ids,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,
+        init_sync=init_sync,
     )
 
 

@@ -45,11 +45,14 @@ def settle(ddp: DistributedDataParallel, forward: Forward) -> None:
 
 
 def rewrap(
-    model: nn.Module, info: DistInfo, *, bucket_cap_mb: float, forward: Forward | None
+    model: nn.Module, info: DistInfo, *, bucket_cap_mb: float, forward: Forward | None, agreed: bool = True
 ) -> DistributedDataParallel:
     """DDP around ``model`` on the current default group (the trainer's own
-    :func:`worker.setup.wrap_ddp`), settled when ``forward`` is given."""
-    ddp = wrap_ddp(model, info, bucket_cap_mb=bucket_cap_mb)
+    :func:`worker.setup.wrap_ddp`), settled when ``forward`` is given. ``agreed``: the members
+    hold a state they agreed on by digest (:mod:`worker.recovery.handover`), so DDP's broadcast
+    of rank 0's parameters at construction is skipped (its buffers go before every forward
+    anyway); a state each member loaded itself (``agreed=False``) keeps that broadcast."""
+    ddp = wrap_ddp(model, info, bucket_cap_mb=bucket_cap_mb, init_sync=not agreed)
     if forward is not None:
         settle(ddp, forward)
     return ddp
