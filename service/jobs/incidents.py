@@ -215,6 +215,8 @@ def _claim(job: JobRecord, recovery: Recovery, report: Report, now: float) -> tu
     if report.failed_at is not None:
         failed_at = report.failed_at if first else min(failed_at, report.failed_at)
     detected = [t for t in (recovery.detected_at, report.detected_at) if t is not None]
+    if detected:  # a failure is never later than its detection (a lost member's EOF can come late)
+        failed_at = min(failed_at, *detected)
     lost_ranks = tuple(dict.fromkeys((*recovery.lost_ranks, *report.lost_ranks)))[:MAX_LOST_RANKS]
     update: dict[str, object] = {
         "incident": report.incident,

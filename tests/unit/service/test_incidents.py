@@ -219,6 +219,20 @@ def test_a_peer_recovery_with_a_spare_is_one_incident_in_any_order(order: str) -
     assert len(launched) == 1  # one new node app: a new spare, or a replacement that became one
 
 
+def test_a_failure_is_never_recorded_after_its_detection() -> None:
+    """A report whose lost member's end came late (its connection closed after the survivors'
+    collectives had already failed): the incident starts at the detection, not after it."""
+    late = worker(
+        200.60, "recovery", phase="started", incident=INCIDENT, recovery_kind="peer", lost=("j-n1-a0",),
+        lost_ranks=(1,), failed_at=200.55, detected_at=200.06, formed_at=200.58, step=40,
+    )  # fmt: skip
+    record = run(running_job("peer", nodes=(2, 2, 2), spares=1), [late, PROMOTED, DONE])
+    (recovery,) = record.recoveries
+    assert recovery.failed_at == 200.01 and recovery.detected_at == 200.06  # DONE's earlier failure
+    record = run(running_job("peer", nodes=(2, 2, 2), spares=1), [late])
+    assert record.recoveries[0].failed_at == 200.06
+
+
 def test_a_peer_incident_without_spares_waits_for_a_replacement_in_the_slot() -> None:
     record = run(running_job("peer", nodes=(2, 2, 2)), [NODE])
     assert record.state == S.RECOVERING and record.restarts == 0
