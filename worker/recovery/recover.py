@@ -33,7 +33,7 @@ from worker.recovery.membership import KeyValue, KeyValueUnavailable, Membership
 from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 from worker.recovery.resolve import Order, Refused, Resolver
 from worker.recovery.seam import Outcome, RecoverableState, RecoveryConfig
-from worker.recovery.vote import Verdict, check, commit_vote, contribution
+from worker.recovery.vote import Verdict, check, contribution, reduce_alone
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -125,12 +125,8 @@ class GroupMember:
     def vote(self, *, nonfinite: bool, version: int) -> Verdict:
         """The commit vote as its own all-reduce, for a loop without a step reduction to ride on.
         Raises like :meth:`verdict`, or the collective's error when a member is gone."""
-        info = self.info
-        reform = self.is_leader and self._admission_wanted()
-        verdict = commit_vote(nonfinite=nonfinite, reform=reform, generation=info.generation, version=version,
-                              rank=info.rank, world_size=info.world_size, device=self.cfg.device)  # fmt: skip
-        self.last_generation = info.generation
-        return verdict
+        found, summed = reduce_alone(nonfinite=nonfinite, ballot=self.ballot(version), device=self.cfg.device)
+        return self.verdict(summed, nonfinite=found, version=version)
 
     def _admission_wanted(self) -> bool:
         """The leader asks for a re-formation when joiners wait and the group is below target."""

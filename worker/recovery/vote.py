@@ -11,7 +11,7 @@ each pair has exactly one contributor and the sum hands every member every membe
 (generation, version), exactly (float64 holds integers to 2**53; generation < 2**29, version
 < 2**32). A pair nobody filled reads ``(-1, -1)``. ``reform`` sums the members asking for a
 planned re-formation (the leader, when joiners wait). The non-finite flag is the step's own: a
-non-finite gradient on any member makes the summed flag NaN (:func:`commit_vote` carries it as
+non-finite gradient on any member makes the summed flag NaN (:func:`reduce_alone` carries it as
 element 0 when a caller has no step all-reduce to ride on).
 
 Every member computes its verdict from the same summed values, so all agree: any pair different
@@ -103,23 +103,18 @@ def reduce_sum(votes: list[list[float]]) -> list[float]:
     return [math.fsum(column) for column in zip(*votes, strict=True)]
 
 
-def commit_vote(
-    *, nonfinite: bool, reform: bool, generation: int, version: int, rank: int, world_size: int,
-    device: str = "cpu",
-) -> Verdict:  # fmt: skip
-    """The vote as its own all-reduce, for a caller without a step reduction to ride on (the
-    recovery tests' driver): the non-finite flag as element 0, then :func:`contribution`.
-
-    Raises :class:`Fenced`, or the collective's own error when a member is gone."""
+def reduce_alone(
+    *, nonfinite: bool, ballot: Sequence[float], device: str = "cpu"
+) -> tuple[bool, list[float]]:
+    """The vote as its own all-reduce over the default group, for a caller without a step
+    reduction to ride on (the recovery tests' driver): the non-finite flag as element 0, then
+    ``ballot`` (:func:`contribution`). Returns the group's flag and the summed ballots; raises the
+    collective's own error when a member is gone."""
     import torch
     import torch.distributed as dist
 
-    ballot = contribution(
-        reform=reform, generation=generation, version=version, rank=rank, world_size=world_size
-    )
-    mine = [1.0 if nonfinite else 0.0, *ballot]
-    tensor = torch.tensor(mine, dtype=torch.float64, device=device)
+    tensor = torch.tensor([1.0 if nonfinite else 0.0, *ballot], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     values = [float(v) for v in tensor.tolist()]
-    return check(values[1:], nonfinite=values[0] > 0, generation=generation, version=version)
+    return values[0] > 0, values[1:]
