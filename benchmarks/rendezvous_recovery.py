@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from scripts.demo import parent_pid
 from service.etcd.server import EtcdServer
 from service.ports import free_port
 
@@ -108,7 +109,7 @@ def node_loss(workdir: Path, *, endpoint: str) -> float:
     try:
         rows = run.wait(lambda r: {e["rank"] for e in r if e["world"] == 2} == {0, 1})
         doomed = run.agents[1]
-        workers = [e["pid"] for e in rows if _parent(e["pid"]) == doomed.pid]
+        workers = [e["pid"] for e in rows if parent_pid(e["pid"]) == doomed.pid]
         lost = time.time()
         os.killpg(doomed.pid, signal.SIGKILL)
         for pid in workers:
@@ -118,13 +119,6 @@ def node_loss(workdir: Path, *, endpoint: str) -> float:
     finally:
         run.agents = [a for a in run.agents if a.poll() is None]
         run.finish()
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def state_latency(endpoint: str, n: int = 200) -> tuple[float, float]:

@@ -78,6 +78,26 @@ def worker_pids(job_id: str = "", *, launch_id: str | None = None) -> list[int]:
     return sorted(found)
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running: the process exists and is not a zombie (Linux /proc)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent's pid (Linux /proc), None when the process is gone."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields is not None else None
+
+
 _last_shown: list[str] = [""]
 
 

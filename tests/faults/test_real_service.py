@@ -28,6 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from scripts.demo import alive
 from service.etcd.server import EtcdServer
 from tests.faults.etcd_cluster import EtcdCluster
 from tests.faults.test_service_faults import CUT, kill_while_submitting, post, scale
@@ -59,14 +60,6 @@ def training(svc: Service, job_id: str, *, world: int) -> bool:
 def agent_pid(node_dir: Path) -> int:
     """The torchrun agent of a node: the child the node wrapper recorded (``node.json``)."""
     return int(json.loads((node_dir / "node.json").read_text())["child_pid"])
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def cancel(svc: Service, job_id: str) -> None:

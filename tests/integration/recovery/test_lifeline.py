@@ -13,20 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from scripts.demo import alive
+
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("lifeline_worker.py")
 pytestmark = pytest.mark.integration
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for this purpose
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 @pytest.mark.parametrize("mode", ["both", "watchdog"])

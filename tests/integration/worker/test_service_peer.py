@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from scripts.demo import worker_pids
+from scripts.demo import alive, parent_pid, worker_pids
 from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
 from tests.seeds import seeded
@@ -91,17 +91,6 @@ def service(tmp_path: Path) -> Iterator[Service]:
     svc.stop()
 
 
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def alive(pid: int) -> bool:
-    try:  # a zombie is dead for this purpose
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def kill_and_finish(
     service: Service, job_id: str, *, agent: bool = False, at: int = 15
 ) -> tuple[dict[str, Any], float, float]:
@@ -113,7 +102,8 @@ def kill_and_finish(
     until(lambda: (service.job(job_id)["step"] or 0) >= at, f"the job {at} steps in", 300)
     (survivor_pid,) = until(lambda: workers(survivor), "the survivor's worker", 30)
     (victim_pid,) = until(lambda: workers(victim), "the victim's worker", 30)
-    target = parent_of(victim_pid) if agent else victim_pid
+    target = parent_pid(victim_pid) if agent else victim_pid
+    assert target is not None, "the victim's worker ended before the kill"
     killed_at = time.time()
     os.kill(target, signal.SIGKILL)
     deadline = killed_at + 60
