@@ -30,15 +30,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.peer_recovery import spread
 from benchmarks.service_job import events_of
 from benchmarks.service_job import spec as base_spec
 from tests.integration.worker.test_service_e2e import Service, until
 
 WARM = 200  # windows before the scale: the survivors' median step comes from these
-
-
-def spread(values: list[float]) -> str:
-    return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
 
 
 def spec(max_steps: int) -> dict[str, Any]:
@@ -70,30 +67,27 @@ def one_join(svc: Service, trace: Path, max_steps: int) -> dict[str, Any]:
     newcomers = {p: rows for p, rows in by_pid.items() if {r["world_size"] for r in rows} == {3}}
     sizes = {p: {r["world_size"] for r in rows} for p, rows in by_pid.items()}
     assert len(survivors) == 2 and len(newcomers) == 1, sizes
-    longest, medians, medians3, join_steps = [], [], [], []
+    longest, medians, medians3, join_steps, last2, first3 = [], [], [], [], [], []
     for rows in survivors.values():
-        first3 = next(i for i, r in enumerate(rows) if r["world_size"] == 3)
-        ends = [r["t"] for r in rows[max(0, first3 - WARM) : first3]]
+        i = next(i for i, r in enumerate(rows) if r["world_size"] == 3)  # the first window at W=3
+        ends = [r["t"] for r in rows[max(0, i - WARM) : i]]
         medians.append(statistics.median(b - a for a, b in itertools.pairwise(ends)))
-        after = [r["t"] for r in rows[first3 + 5 : first3 + 5 + WARM]]
+        after = [r["t"] for r in rows[i + 5 : i + 5 + WARM]]
         medians3.append(statistics.median(b - a for a, b in itertools.pairwise(after)))
-        longest.append(rows[first3]["t"] - rows[first3 - 1]["t"])
-        join_steps.append(rows[first3]["step"])
+        last2.append(rows[i - 1]["t"])
+        first3.append(rows[i]["t"])
+        longest.append(rows[i]["t"] - rows[i - 1]["t"])
+        join_steps.append(rows[i]["step"])
     (arrived,) = newcomers.values()
     events = events_of(Path(job["checkpoint_dir"]) / "events.jsonl")
     joined = [e for e in events if e["event"] == "peer_outcome" and e.get("world_size") == 3]
     phases = joined[0]["phases"] if joined else {}
     transfer = (phases["transferred"] - phases["formed"]) if {"formed", "transferred"} <= set(phases) else 0.0
     median, median3 = max(medians), max(medians3)
-    last2 = max(
-        rows[next(i for i, r in enumerate(rows) if r["world_size"] == 3) - 1]["t"]
-        for rows in survivors.values()
-    )
-    first3 = max(next(r["t"] for r in rows if r["world_size"] == 3) for rows in survivors.values())
-    marks = [("window_end", last2)] + [
+    marks = [("window_end", max(last2))] + [
         (k, phases[k]) for k in ("detected", "formed", "transferred", "ready") if k in phases
     ]
-    marks.append(("first_window_end", first3))
+    marks.append(("first_window_end", max(first3)))
     split = {f"{a}->{b}": round(tb - ta, 4) for (a, ta), (b, tb) in itertools.pairwise(marks)}
     return {
         "split_s": split,
@@ -132,12 +126,12 @@ def main() -> int:
         for key, value in r.items():
             by_key[key].append(value)
     print("scale-up 2 -> 3 of a peer-mode job (2 nodes x 1 process, the benchmark MLP)")
-    print(f"  survivors' median step s {spread(by_key['median_step_s'])} at W=2, "
-          f"{spread(by_key['median_step_w3_s'])} at W=3")  # fmt: skip
-    print(f"  longest step across the join s {spread(by_key['longest_step_s'])}")
-    print(f"  state transfer s {spread(by_key['transfer_s'])}")
-    print(f"  longest / (2 x median + transfer) {spread(by_key['ratio'])}  (target <= 1)")
-    print(f"  the same with the median step at W=3 {spread(by_key['ratio_w3'])}  (3 processes on 2 cores)")
+    print(f"  survivors' median step s {spread(by_key['median_step_s'], 3)} at W=2, "
+          f"{spread(by_key['median_step_w3_s'], 3)} at W=3")  # fmt: skip
+    print(f"  longest step across the join s {spread(by_key['longest_step_s'], 3)}")
+    print(f"  state transfer s {spread(by_key['transfer_s'], 3)}")
+    print(f"  longest / (2 x median + transfer) {spread(by_key['ratio'], 3)}  (target <= 1)")
+    print(f"  the same with the median step at W=3 {spread(by_key['ratio_w3'], 3)}  (3 processes on 2 cores)")
     after = by_key["newcomer_after_steps"]
     print(f"  newcomer's first step after the join, in steps: {after}  (target <= 2)")
     return 0

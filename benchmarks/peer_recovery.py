@@ -82,8 +82,9 @@ def steady(svc: Service, mode: str, spares: int, steps: int) -> float:
     return rate(events_of(Path(job["checkpoint_dir"]) / "events.jsonl"))
 
 
-def spread(values: list[float]) -> str:
-    return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
+def spread(values: list[float], digits: int = 2) -> str:
+    m, lo, hi = statistics.median(values), min(values), max(values)
+    return f"median {m:.{digits}f} (min {lo:.{digits}f}, max {hi:.{digits}f})"
 
 
 def report_recoveries(results: dict[str, list[dict[str, Any]]], spares: int) -> None:
