@@ -15,6 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from worker.recovery.etcdkv import connect
+from worker.recovery.membership import Membership
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -48,6 +51,20 @@ class Job:
         self.procs[proc.pid] = proc
         self.names[proc.pid] = name
         return proc
+
+    def wait_leading(self, proc: subprocess.Popen[bytes]) -> None:
+        """Until ``proc`` holds the job's generation record as its leader. The first generation's
+        leader is whichever process claims it first, and the order processes reach that point is
+        load's choice, not their start order: a test whose faults need a set leader (spares
+        connect to the leader; a gate held by it) starts that process alone and waits here."""
+        member = Membership(connect(self.args["etcd"]), self.args["job"])
+
+        def leading() -> bool:
+            started = self.events("started", proc.pid)
+            record, _ = member.generation()
+            return bool(started) and record is not None and record.leader == started[0]["member"]
+
+        self.wait_for(f"{self.names[proc.pid]} to lead the first generation", leading)
 
     def events(self, event: str | None = None, pid: int | None = None) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []

@@ -53,8 +53,8 @@ def test_kill_during_the_state_transfer(
         job.start("spare1", role="spare", node=4)
         job.wait_for("two spares standing by", lambda: len(job.events("spare_standby")) == 2)
         gate = {"spares_by": [kill_at - 1, 2]}  # both spares connected before the kill: spare0 first
-        job.start("rank0", node=0, env=armed if who == "sender" else {}, **gate)
-        job.start("rank1", node=1, **gate)
+        job.wait_leading(job.start("rank0", node=0, env=armed if who == "sender" else {}, **gate))
+        job.start("rank1", node=1, **gate)  # rank 0 leads: the spares it gated for are the ones it picks
         job.start("rank2", node=2, kill_at=kill_at, **gate)
         codes = job.wait_exit()
     finally:
