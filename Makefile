@@ -33,8 +33,10 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
+# Each test runs once: the installed-distribution subset (the unit tests and a few launches, see
+# scripts/test_installed.py) against the wheel, everything else from the tree.
 test: lint types
-	$(PY) -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -p no:cacheprovider $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS)
 	$(PY) -m scripts.test_installed
 
 # Part of the suite against the distribution users install: a wheel of this tree, installed (not

@@ -1,6 +1,8 @@
 """Run part of the test suite against the installed distribution (``make test-installed``).
 
-``python -m scripts.test_installed [pytest args]``
+``python -m scripts.test_installed [pytest args]``; ``python -m scripts.test_installed --rest``
+prints the pytest arguments of everything else (``make test`` runs that from the tree, then this:
+each test runs once).
 
 What users install is a wheel, not this checkout: a module missing from the wheel, a broken
 ``[project.scripts]`` or ``torchrun.handlers`` entry point, or code that finds its files
@@ -47,6 +49,19 @@ SUBSET = (
     "tests/integration/worker/test_worker_runs.py::test_fp16_non_finite_on_one_rank_skips_the_step_on_all_ranks",
     "tests/integration/worker/test_service_e2e.py::test_cli_talks_to_the_service",
 )
+
+
+def rest(tests: Path) -> list[str]:
+    """pytest arguments for the suite minus :data:`SUBSET` (which runs installed): every top-level
+    directory of ``tests`` but ``unit``, the unit tests that read the source tree, and the
+    integration tests of the subset deselected. Reads only the directory listing."""
+    tops = sorted(
+        f"tests/{d.name}" for d in tests.iterdir() if d.is_dir() and d.name not in ("unit", "__pycache__")
+    )
+    integration = [f"--deselect={node}" for node in SUBSET if not node.startswith("tests/unit")]
+    return [*tops, *SOURCE_TESTS, *integration]
+
+
 CHECK = """
 import json, sys, sysconfig
 from importlib.metadata import distribution, entry_points
@@ -131,6 +146,9 @@ def copy_tree(into: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["--rest"]:
+        print(" ".join(rest(REPO / "tests")))
+        return 0
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
     try:
