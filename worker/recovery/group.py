@@ -7,6 +7,13 @@ is broken), no ``gc.collect()`` (190-410 ms here) and no ``abort()`` on gloo (it
 interrupt a blocked op, E2, and costs 340-550 ms). Tearing down at once is what makes the *other*
 survivors' pending collectives fail in milliseconds instead of at their timeout.
 
+The torch bookkeeping goes at once (the next ``init_process_group`` can follow), but the old
+group's object is released on a background thread: destroying a gloo group (closing its pairs,
+joining its threads) takes ~30 ms here at W=3 and holds no lock the next generation needs, so it
+leaves the critical path of a re-formation (the join's longest step, a recovery's kill -> first
+step) while its sockets still close within those milliseconds. ``atexit`` waits for a release
+in flight (a bounded wait), so a process never exits in the middle of one.
+
 The generation's store is a ``TCPStore`` that its leader hosts on an ephemeral port, used for the
 gloo mesh's rendezvous (keys under ``g<generation>/``) and for sub-groups; it lives until the next
 generation forms.
@@ -14,8 +21,12 @@ generation forms.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +55,42 @@ class GroupInfo:
         )
 
 
+RELEASE_WAIT_AT_EXIT_S = 5.0
+_releases: list[threading.Thread] = []
+
+
 def teardown() -> None:
-    """Destroy the default group now, broken or not (see the module docstring). Idempotent."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the default group now, broken or not, and release its object in the background
+    (see the module docstring). Idempotent."""
+    if not dist.is_initialized():
+        return
+    held = dist.group.WORLD  # the last reference once the caller dropped DDP
+    dist.destroy_process_group()
+    _release(held)
+
+
+def _release(group: object) -> None:
+    """Drop ``group`` (destroyed in torch's books) on a thread, once the caller's references
+    are gone (the caller's frame returns in microseconds; after 1 s the thread lets go anyway
+    and the last holder destroys it, as before)."""
+    thread = threading.Thread(target=_drop_when_alone, args=([group],), name="elastrain-group-release",
+                              daemon=True)  # fmt: skip
+    _releases[:] = [t for t in _releases if t.is_alive()] + [thread]
+    del group
+    thread.start()
+
+
+def _drop_when_alone(held: list[object]) -> None:
+    deadline = time.monotonic() + 1.0
+    while sys.getrefcount(held[0]) > 2 and time.monotonic() < deadline:  # the list's and the argument's
+        time.sleep(0.001)
+    held.clear()
+
+
+@atexit.register
+def _await_releases() -> None:
+    for thread in list(_releases):
+        thread.join(RELEASE_WAIT_AT_EXIT_S)
 
 
 class StoreHost:
@@ -108,5 +151,7 @@ def subgroup(ranks: list[int]) -> dist.ProcessGroup | None:
 
 
 def destroy_subgroup(group: dist.ProcessGroup | None) -> None:
+    """Destroy a sub-group; its object goes on a thread, as the default group's does."""
     if group is not None:
         dist.destroy_process_group(group)
+        _release(group)
