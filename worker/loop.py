@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,6 +113,13 @@ class PeerState:
             ddp.register_comm_hook(None, t.metrics.comm.hook)
 
 
+def merge_slots(known: dict[str, int], found: dict[str, int]) -> dict[str, int]:
+    """Member id -> node slot after a read of etcd's ``members/``: a slot already known wins.
+    A promoted spare's etcd entry keeps the index it was started with; its slot is the lost
+    node's it filled (set at the promotion), which a later read must not undo. Pure."""
+    return found | known
+
+
 class PeerLoop:
     """The trainer in the group (see the module docstring). ``checkpointer(info, generation)``
     builds the checkpointer of a generation; ``forwarder`` is the service reporter (None without
@@ -132,6 +140,8 @@ class PeerLoop:
         self.reform = False
         self.started = False
         self.slots: dict[str, int] = {}  # member id -> node index, for spare_promoted
+        self.slots_lock = threading.Lock()
+        self.slots_reader: threading.Thread | None = None
         self.pending: dict[str, Any] | None = None  # the recovery report awaiting its first step
         trainer.commit = self
         trainer.window_rng = self._derive
@@ -213,7 +223,6 @@ class PeerLoop:
         read = 0
         if outcome.kind == "storage":
             read = self._restore(info)
-        self._remember_slots()
         if failure is not None and old is not None and (failure.kind != "planned" or outcome.lost):
             self._report_started(outcome, old, failure, read)
 
@@ -251,11 +260,36 @@ class PeerLoop:
 
     def _remember_slots(self) -> None:
         """Every member's node index (etcd ``members/``), read once per generation by rank 0: a
-        lost member's slot is what a promoted spare fills."""
+        lost member's slot is what a promoted spare fills. Read after the generation's first
+        step, on a thread: 5-10 ms of etcd (and the thread's first hold of the GIL) that were
+        in the first window after a join; the next incident's report (the only reader) waits
+        for it (:meth:`_known_slots`)."""
         if self.trainer.info.rank != 0:
             return
+        self._known_slots()  # one read at a time, in generation order
+        self.slots_reader = threading.Thread(
+            target=self._read_slots, name="elastrain-member-slots", daemon=True
+        )
+        self.slots_reader.start()
+
+    def _read_slots(self) -> None:
         with contextlib.suppress(ElastrainError, ValueError):  # etcd away, or a record it cannot read
-            self.slots |= {m: i.node_index for m, i in self.member.membership.members().items()}
+            found = {m: i.node_index for m, i in self.member.membership.members().items()}
+            with self.slots_lock:
+                self.slots = merge_slots(self.slots, found)
+
+    def _known_slots(self, *, needed: Sequence[str] = ()) -> dict[str, int]:
+        """The slots read so far, after the read in flight (if any) ended (10 s at most: an etcd
+        call's own timeout is shorter); read again now when one of ``needed`` is missing (a
+        member lost before its generation's first step: its entry outlives it by its lease)."""
+        if self.slots_reader is not None:
+            self.slots_reader.join(10.0)
+        with self.slots_lock:
+            missing = any(m not in self.slots for m in needed)
+        if missing:
+            self._read_slots()
+        with self.slots_lock:
+            return dict(self.slots)
 
     def _report_started(self, outcome: Outcome, old: GenRecord, failure: Failure, read: int) -> None:
         info = outcome.info
@@ -286,8 +320,9 @@ class PeerLoop:
         assert record is not None
         lost = [m for m in old.members if m in outcome.lost]
         fresh = [m for m in record.members if m not in old.members]
+        slots = self._known_slots(needed=lost)
         for spare, gone in zip(fresh, lost, strict=False):
-            slot = self.slots.get(gone)
+            slot = slots.get(gone)
             rank = record.members.index(spare)
             launch = record.launch_ids[rank] if rank < len(record.launch_ids) else ""
             if launch and launch in old.launch_ids:  # the lost node's own agent respawned it: no spare
@@ -296,12 +331,14 @@ class PeerLoop:
                 self.trainer.events.emit("spare_slot_unknown", member=spare, lost=gone)
                 continue
             self.trainer.events.emit("spare_promoted", launch_id=launch, node_index=slot, rank=rank)
-            self.slots[spare] = slot
+            with self.slots_lock:
+                self.slots[spare] = slot
 
     def _first_step(self) -> None:
         report, self.pending = self.pending, None
         if report is not None and self.trainer.info.rank == 0:
             self.trainer.events.emit("recovery", **(report | {"phase": "done", "first_step_at": time.time()}))
+        self._remember_slots()  # after the generation's first step: not on a join's or recovery's path
 
 
 def _describe(outcome: Outcome) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import pytest
 from worker import peermode
 from worker.dist import DistInfo
 from worker.errors import SpecError
+from worker.loop import merge_slots
 from worker.service_client import EventForwarder
 from worker.spec import parse_spec
 from worker.spec_recovery import effective_mode, restart_note
@@ -105,3 +106,11 @@ def test_only_the_groups_rank_0_reports_and_the_seat_follows_the_group() -> None
     forward("spare_promoted", {"launch_id": "job-1-n2-a0", "node_index": 1, "rank": 1})
     assert client.sent[0][1]["world_size"] == 3
     assert client.sent[1] == ("spare_promoted", {"launch_id": "job-1-n2-a0", "node_index": 1, "rank": 1})
+
+
+def test_a_promoted_spare_keeps_the_slot_it_filled_across_later_reads() -> None:
+    first = merge_slots({}, {"a": 0, "b": 1, "spare": 7})  # the spare registered as node 7
+    assert first == {"a": 0, "b": 1, "spare": 7}
+    promoted = first | {"spare": 1}  # b was lost; the spare took slot 1
+    later = merge_slots(promoted, {"a": 0, "spare": 7, "new": 8})  # the next generation's read
+    assert later == {"a": 0, "b": 1, "spare": 1, "new": 8}
