@@ -57,6 +57,15 @@ class Hub:
                 self.closed[conn.peer.member_id] = when
                 self.cond.notify_all()
 
+    def lost_link(self, member_id: str, when: float) -> None:
+        """This process's own connection to ``member_id`` (the old leader) ended at ``when``:
+        the leader's last sign of life, as :meth:`on_close` records a member's. Kept only for a
+        member that is not connected here now."""
+        with self.cond:
+            if member_id not in self.conns:
+                self.closed.setdefault(member_id, when)
+                self.cond.notify_all()
+
     def on_message(self, conn: Conn, msg: Message) -> None:
         if msg["t"] == "ping":
             conn.send({"t": "pong"})
@@ -136,8 +145,10 @@ class Hub:
             return self.infos.get(member_id)
 
     def failed_at(self, lost: tuple[str, ...], old: GenRecord | None, since: float) -> float | None:
-        """The lost members' last sign of life: the EOF of their connection to this process, else
-        (it was connected elsewhere) the first failure a survivor saw. None without a failure."""
+        """The lost members' last sign of life: the EOF of their connection to this process (a
+        member's to this leader, or this process's own to the old leader: :meth:`lost_link`),
+        else (it was connected elsewhere) the first failure a survivor saw. None without a
+        failure."""
         with self.cond:
             times = [self.closed[m] for m in lost if m in self.closed]
         if times:

@@ -102,3 +102,13 @@ def test_a_bad_or_foreign_check_in_closes_the_connection() -> None:
     assert other.closed and hub.checked_in(3) == set()
     hub.on_message(cast(Conn, other), {"t": "ping"})
     assert other.sent[-1] == {"t": "pong"}
+
+
+def test_a_lost_leaders_last_sign_of_life_is_when_this_members_link_to_it_ended() -> None:
+    hub = Hub(MemberInfo("b", "member", "h:b"))  # b, not the leader: a led generation 3
+    hub.formed(RECORD, leading=False)
+    assert hub.failed_at(("a",), RECORD, 20.0) == 20.0  # nothing seen: this member's own detection
+    hub.lost_link("a", 12.5)  # b's connection to a ended at 12.5, before b's collective failed at 20
+    hub.lost_link("a", 19.0)  # the first end counts
+    assert hub.failed_at(("a",), RECORD, 20.0) == 12.5
+    assert hub.view(RECORD, dead=set(), since=20.0, desired_world=None).dead == frozenset({"a"})
