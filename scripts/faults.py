@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     junit = out.with_suffix(".junit.xml")
-    env = dict(os.environ, ELASTRAIN_FAULT_SEEDS=",".join(map(str, seeds)))
+    env = dict(os.environ, ELASTRAIN_FAULT_SEEDS=",".join(map(str, seeds)), ELASTRAIN_FAULT_SWEEP="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     print(f"faults: base seed {base}, seeds {seeds}, rows {', '.join(rows)}", flush=True)
     started = time.monotonic()

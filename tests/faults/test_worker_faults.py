@@ -2,8 +2,9 @@
 
 * SIGKILL of a random rank at a random step: resumes from the newest published checkpoint and
   ends with the uninterrupted run's digest.
-* Kill at a random checkpoint failpoint on rank 0 or another rank: nothing staged is loaded,
-  ``latest`` names a verified checkpoint, orphaned staging is collected, same digest.
+* Kill at a checkpoint failpoint on rank 0 or another rank (one drawn from the seed; every one
+  under ``make faults``): nothing staged is loaded, ``latest`` names a verified checkpoint,
+  orphaned staging is collected, same digest.
 * Truncate / flip a byte / delete a shard of the newest checkpoint: refused (a
   ``checkpoint_refused`` event, and ``elastrain_checkpoint_verification_failures_total`` on the
   worker's live Prometheus endpoint counts it), the previous one is used, same digest.
@@ -28,7 +29,7 @@ from service.cli import main as elastrain
 from tests.faults.conftest import Reference, train
 from tests.integration.launch import REPO, Run, run_worker, torchrun_cmd, worker_env, write_spec
 from tests.integration.worker.test_resume import FAILPOINTS, spec
-from tests.seeds import seeded
+from tests.seeds import seeded, swept
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -50,12 +51,16 @@ def test_sigkill_random_rank_at_random_step(tmp_path: Path, reference: Reference
     assert verify(tmp_path / "ck"), f"seed={seed}"
 
 
+# Every failpoint on rank 0 (the in-job coordinator), and the per-rank ones on another rank too.
+FAILPOINT_CASES = [(name, 0) for name in FAILPOINTS] + [("after_shard_write", 1), ("before_report", 1)]
+
+
 @seeded
-def test_kill_at_a_checkpoint_failpoint(tmp_path: Path, reference: Reference, seed: int) -> None:
-    rng = random.Random(seed)
-    name = rng.choice(FAILPOINTS)
-    per_rank = name in ("after_shard_write", "before_report")
-    rank = rng.choice([0, 1]) if per_rank else 0
+@pytest.mark.parametrize("case", swept(FAILPOINT_CASES), ids=lambda c: f"{c[0]}@{c[1]}" if c else "drawn")
+def test_kill_at_a_checkpoint_failpoint(
+    tmp_path: Path, reference: Reference, seed: int, case: tuple[str, int] | None
+) -> None:
+    name, rank = case or random.Random(seed).choice(FAILPOINT_CASES)  # every case under make faults
     arm = f"{name}=kill@{rank}#2^0"
     run = train(tmp_path, "ck", env={"ELASTRAIN_FAILPOINTS": arm})
     resumed = run.last("resumed")
