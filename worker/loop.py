@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -140,8 +139,6 @@ class PeerLoop:
         self.reform = False
         self.started = False
         self.slots: dict[str, int] = {}  # member id -> node index, for spare_promoted
-        self.slots_lock = threading.Lock()
-        self.slots_reader: threading.Thread | None = None
         self.pending: dict[str, Any] | None = None  # the recovery report awaiting its first step
         trainer.commit = self
         trainer.window_rng = self._derive
@@ -259,37 +256,16 @@ class PeerLoop:
         return (t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0) - before
 
     def _remember_slots(self) -> None:
-        """Every member's node index (etcd ``members/``), read once per generation by rank 0: a
-        lost member's slot is what a promoted spare fills. Read after the generation's first
-        step, on a thread: 5-10 ms of etcd (and the thread's first hold of the GIL) that were
-        in the first window after a join; the next incident's report (the only reader) waits
-        for it (:meth:`_known_slots`)."""
+        """Every member's node index (etcd ``members/``), read by rank 0 once per generation,
+        after its first step (5-10 ms of etcd that were in the first window after a join), and
+        again when a lost member's slot is unknown (it was lost before its generation's first
+        step: its entry outlives it by its lease). A lost member's slot is what a promoted spare
+        fills."""
         if self.trainer.info.rank != 0:
             return
-        self._known_slots()  # one read at a time, in generation order
-        self.slots_reader = threading.Thread(
-            target=self._read_slots, name="elastrain-member-slots", daemon=True
-        )
-        self.slots_reader.start()
-
-    def _read_slots(self) -> None:
         with contextlib.suppress(ElastrainError, ValueError):  # etcd away, or a record it cannot read
             found = {m: i.node_index for m, i in self.member.membership.members().items()}
-            with self.slots_lock:
-                self.slots = merge_slots(self.slots, found)
-
-    def _known_slots(self, *, needed: Sequence[str] = ()) -> dict[str, int]:
-        """The slots read so far, after the read in flight (if any) ended (10 s at most: an etcd
-        call's own timeout is shorter); read again now when one of ``needed`` is missing (a
-        member lost before its generation's first step: its entry outlives it by its lease)."""
-        if self.slots_reader is not None:
-            self.slots_reader.join(10.0)
-        with self.slots_lock:
-            missing = any(m not in self.slots for m in needed)
-        if missing:
-            self._read_slots()
-        with self.slots_lock:
-            return dict(self.slots)
+            self.slots = merge_slots(self.slots, found)
 
     def _report_started(self, outcome: Outcome, old: GenRecord, failure: Failure, read: int) -> None:
         info = outcome.info
@@ -320,9 +296,10 @@ class PeerLoop:
         assert record is not None
         lost = [m for m in old.members if m in outcome.lost]
         fresh = [m for m in record.members if m not in old.members]
-        slots = self._known_slots(needed=lost)
+        if any(gone not in self.slots for gone in lost):
+            self._remember_slots()
         for spare, gone in zip(fresh, lost, strict=False):
-            slot = slots.get(gone)
+            slot = self.slots.get(gone)
             rank = record.members.index(spare)
             launch = record.launch_ids[rank] if rank < len(record.launch_ids) else ""
             if launch and launch in old.launch_ids:  # the lost node's own agent respawned it: no spare
@@ -331,8 +308,7 @@ class PeerLoop:
                 self.trainer.events.emit("spare_slot_unknown", member=spare, lost=gone)
                 continue
             self.trainer.events.emit("spare_promoted", launch_id=launch, node_index=slot, rank=rank)
-            with self.slots_lock:
-                self.slots[spare] = slot
+            self.slots[spare] = slot
 
     def _first_step(self) -> None:
         report, self.pending = self.pending, None
