@@ -181,8 +181,13 @@ def test_real_leader_fencing(tmp_path: Path, seed: int) -> None:
             assert got.status_code == 503 and "etcd refused" in got.text, (
                 f"{what}: {got.status_code} {got.text}"
             )
-            assert refused_writes(a) == 1, f"{what}: the one stale write, refused once"
+            # the scale's write was refused (above); whatever else a had in flight when it woke (a
+            # reconciler pass, a worker's report queued while it was stopped) is refused the same way
+            assert refused_writes(a) >= 1, f"{what}: no stale write was refused"
             until(lambda: not leads(a), f"a steps down; {what}", 60)
+            settled = refused_writes(a)
+            time.sleep(3)  # a few reconciler intervals as a standby: it sends no write to be refused
+            assert refused_writes(a) == settled, f"{what}: a kept writing after it stepped down"
             record = b.job(job_id)
             assert record["restarts"] == 1 and record["desired_nodes"] == 1, f"{what}: {record}"
             launched = a.launches(job_id) + b.launches(job_id)
