@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from svc_process import ServiceProcess, job_spec, wait_for
+from svc_process import QUICK_PASSES, ServiceProcess, job_spec, wait_for
 
 from service.etcd.kv import EtcdStore
 from service.etcd.server import EtcdServer
@@ -41,13 +41,6 @@ def _passes(svc: ServiceProcess) -> float:
     return svc.metric("elastrain_reconciler_passes_total")
 
 
-def _restart(svc: ServiceProcess) -> ServiceProcess:
-    svc.kill9()
-    again = ServiceProcess(svc.workdir, etcd=svc.etcd)
-    again.port, again.url = svc.port, svc.url  # same data dir, port and fake scheduler files
-    return again.start()
-
-
 def _poison(name: str, record: bytes) -> bytes:
     """What ``name`` writes over a job's ``record`` (its own, so that its nodes stay its own)."""
     raw = json.loads(record)
@@ -63,7 +56,7 @@ def _poison(name: str, record: bytes) -> bytes:
 
 
 def test_records_that_cannot_be_read_fail_their_jobs_only(tmp_path: Path, fresh_etcd: EtcdServer) -> None:
-    svc = ServiceProcess(tmp_path, etcd=fresh_etcd.endpoint).start()
+    svc = ServiceProcess(tmp_path, etcd=fresh_etcd.endpoint, env=QUICK_PASSES).start()
     store = EtcdStore(fresh_etcd.endpoint)
     try:
         with svc.client() as client:
@@ -91,7 +84,8 @@ def test_records_that_cannot_be_read_fail_their_jobs_only(tmp_path: Path, fresh_
             cancelled = (svc.nodes_dir / "cancels.log").read_text().split()
             assert {f"{bad['invalid-spec']}-n0-a0", f"{bad['unknown-state']}-n0-a0"} <= set(cancelled)
             assert client.post(f"/v1/jobs/{healthy}/scale", json={"nodes": 1}).status_code == 202
-        svc = _restart(svc)
+        svc.kill9()
+        svc = svc.again()
         before = _passes(svc)
         wait_for(lambda: _passes(svc) >= before + 3, what="passes after the restart")
         assert _state(svc, healthy) in ("RESCALING", "RUNNING")
@@ -107,7 +101,7 @@ def test_records_that_cannot_be_read_fail_their_jobs_only(tmp_path: Path, fresh_
 def test_a_bomb_manifest_in_a_live_and_a_finished_job_stops_nothing(
     tmp_path: Path, fresh_etcd: EtcdServer
 ) -> None:
-    svc = ServiceProcess(tmp_path, etcd=fresh_etcd.endpoint).start()
+    svc = ServiceProcess(tmp_path, etcd=fresh_etcd.endpoint, env=QUICK_PASSES).start()
     try:
         with svc.client() as client:
             live, finished, other = (client.post("/v1/jobs", json=job_spec(n, "1")).json() for n in
@@ -123,7 +117,8 @@ def test_a_bomb_manifest_in_a_live_and_a_finished_job_stops_nothing(
                 (Path(job["checkpoint_dir"]) / "latest").write_text("step-00000010")
             resume = client.get(f"/v1/jobs/{live['id']}/resume?world_size=2")
             assert resume.status_code == 200 and resume.json()["checkpoint"] is None, resume.text
-        svc = _restart(svc)  # adopts every job's storage, the finished one's too
+        svc.kill9()
+        svc = svc.again()  # adopts every job's storage, the finished one's too
         with svc.client() as client:
             before = _passes(svc)
             wait_for(lambda: _passes(svc) >= before + 3, what="passes after the restart")

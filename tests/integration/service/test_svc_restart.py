@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
-from svc_process import ServiceProcess, job_spec, wait_for
+from svc_process import QUICK_PASSES, ServiceProcess, job_spec, wait_for
 
 from service.etcd.kv import EtcdStore, put_if
 from service.etcd.server import EtcdServer
@@ -25,28 +24,15 @@ def _states(svc: ServiceProcess, ids: list[str]) -> dict[str, str]:
 
 
 def _passes(svc: ServiceProcess) -> float:
-    for line in httpx.get(f"{svc.url}/metrics").text.splitlines():
-        if line.startswith("elastrain_reconciler_passes_total "):
-            return float(line.split()[1])
-    return 0.0
-
-
-def _kill_and_restart(svc: ServiceProcess) -> ServiceProcess:
-    svc.kill9()
-    return _kill_and_restart_dead(svc)
-
-
-def _kill_and_restart_dead(svc: ServiceProcess) -> ServiceProcess:
-    """Start a service again on the same port, data dir and fake scheduler files."""
-    again = ServiceProcess(svc.workdir, etcd=svc.etcd)
-    again.port, again.url = svc.port, svc.url  # same data dir, port and fake scheduler files
-    return again.start()
+    return svc.metric("elastrain_reconciler_passes_total")
 
 
 @pytest.mark.parametrize("embedded", [False, True], ids=["external-etcd", "embedded-etcd"])
 def test_kill9_restart_keeps_jobs_and_launches_nothing_twice(tmp_path: Path, embedded: bool) -> None:
     etcd = None if embedded else EtcdServer(tmp_path / "etcd").start()
-    svc = ServiceProcess(tmp_path, etcd="" if embedded else etcd.endpoint if etcd else "").start()
+    svc = ServiceProcess(
+        tmp_path, etcd="" if embedded else etcd.endpoint if etcd else "", env=QUICK_PASSES
+    ).start()
     try:
         with svc.client() as client:
             ids = [client.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(3)]
@@ -57,7 +43,8 @@ def test_kill9_restart_keeps_jobs_and_launches_nothing_twice(tmp_path: Path, emb
         assert len(launched) == 6
         token = svc.token
 
-        svc = _kill_and_restart(svc)
+        svc.kill9()
+        svc = svc.again()
         assert svc.token == token  # the generated token survives
         assert _states(svc, ids) == dict.fromkeys(ids, "RUNNING")
         wait_for(lambda: _passes(svc) >= 5, timeout_s=60, what="five reconciler passes after the restart")
@@ -90,7 +77,7 @@ def test_kill9_between_launch_and_recording_the_handle(tmp_path: Path, fresh_etc
         crashed = record.model_copy(update={"nodes": (node,), "state": JobState.LAUNCHING})
         assert put_if(store, keys.job(job_id), crashed.to_json(), found.mod_revision)
 
-        svc = _kill_and_restart_dead(svc)
+        svc = svc.again()
         wait_for(lambda: _states(svc, [job_id])[job_id] == "RUNNING", what="RUNNING again")
         with svc.client() as client:
             nodes = client.get(f"/v1/jobs/{job_id}").json()["nodes"]
