@@ -68,11 +68,17 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digest(tmp / "ck")
 
 
-def reference(service: Service, variant: str, bare: str) -> str:
-    """What an uninterrupted run of ``variant`` ends with (see FP16_DROPOUT)."""
-    if not VARIANTS[variant]:
+def reference(service: Service, variant: str) -> str | None:
+    """Submit an uninterrupted run of ``variant`` when its reference is not the bare run (see
+    FP16_DROPOUT); it trains next to the job under test. Returns its job id."""
+    return service.submit(peer_spec() | VARIANTS[variant]) if VARIANTS[variant] else None
+
+
+def reference_digest(service: Service, job_id: str | None, bare: str) -> str:
+    """What an uninterrupted run ends with: the reference job's final checkpoint, or the bare run's."""
+    if job_id is None:
         return bare
-    final = service.finished(service.submit(peer_spec() | VARIANTS[variant]))
+    final = service.finished(job_id)
     assert final["state"] == "SUCCEEDED" and not final["recoveries"], final["events"][-12:]
     return digest(Path(final["checkpoint_dir"]))
 
@@ -130,9 +136,10 @@ def test_a_killed_worker_is_replaced_from_peer_memory(
 ) -> None:
     """With a spare, the spare takes the lost slot; without, the lost node's own torchrun agent
     starts its worker again and the group waits for it (a fixed size: ``nodes`` "2")."""
-    expected = reference(service, variant, uninterrupted)
+    reference_id = reference(service, variant)
     job_id = service.submit(peer_spec(spares=spares) | VARIANTS[variant])
     final, _, _ = kill_and_finish(service, job_id)
+    expected = reference_digest(service, reference_id, uninterrupted)
     (recovery,) = final["recoveries"]
     assert recovery["kind"] == "peer", recovery
     assert recovery["bytes_from_peers"] > 0 and not recovery["bytes_from_storage"], recovery
