@@ -174,6 +174,11 @@ def test_poison_next_to_a_healthy_job(tmp_path: Path, alone: str, seed: int) -> 
         healthy = svc.submit(job_spec(name="healthy", max_steps=STEPS))
         live = svc.submit(small("live", max_steps=100_000, log_every_steps=50, nodes="1:2", initial_nodes=1))
         until(lambda: row.state(live) == "RUNNING" and row.state(healthy) == "RUNNING", "both RUNNING", 120)
+        # Live: its worker trains (a step reported), so its start, and its look for a checkpoint
+        # to resume from, are behind it. A worker still starting when the bomb lands finds a
+        # step that does not verify and nothing older, and refuses to start over (by design:
+        # "repair or remove them, or set checkpoint.resume: never"), so the job FAILs.
+        until(lambda: (svc.job(live)["step"] or 0) >= 1, "the live job to train", 120)
         poisoned: list[str] = []
         steps: list[Callable[[], None]] = [
             row.poison_specs,
