@@ -90,6 +90,11 @@ class ServiceProcess:
         again.port, again.url = self.port, self.url
         return again.start()
 
+    def passes(self) -> float:
+        """Reconciler passes so far (``elastrain_reconciler_passes_total``): what the restart rows
+        count (see ``QUICK_PASSES``)."""
+        return self.metric("elastrain_reconciler_passes_total")
+
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0

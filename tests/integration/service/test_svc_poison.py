@@ -37,10 +37,6 @@ def _state(svc: ServiceProcess, job_id: str) -> str:
         return state
 
 
-def _passes(svc: ServiceProcess) -> float:
-    return svc.metric("elastrain_reconciler_passes_total")
-
-
 def _poison(name: str, record: bytes) -> bytes:
     """What ``name`` writes over a job's ``record`` (its own, so that its nodes stay its own)."""
     raw = json.loads(record)
@@ -86,8 +82,8 @@ def test_records_that_cannot_be_read_fail_their_jobs_only(tmp_path: Path, fresh_
             assert client.post(f"/v1/jobs/{healthy}/scale", json={"nodes": 1}).status_code == 202
         svc.kill9()
         svc = svc.again()
-        before = _passes(svc)
-        wait_for(lambda: _passes(svc) >= before + 3, what="passes after the restart")
+        before = svc.passes()
+        wait_for(lambda: svc.passes() >= before + 3, what="passes after the restart")
         assert _state(svc, healthy) in ("RESCALING", "RUNNING")
         for launch_id in svc.launches():
             svc.set_status(launch_id, "succeeded", 0)
@@ -120,8 +116,8 @@ def test_a_bomb_manifest_in_a_live_and_a_finished_job_stops_nothing(
         svc.kill9()
         svc = svc.again()  # adopts every job's storage, the finished one's too
         with svc.client() as client:
-            before = _passes(svc)
-            wait_for(lambda: _passes(svc) >= before + 3, what="passes after the restart")
+            before = svc.passes()
+            wait_for(lambda: svc.passes() >= before + 3, what="passes after the restart")
             assert client.delete(f"/v1/jobs/{other['id']}").status_code == 202
             wait_for(lambda: _state(svc, other["id"]) == "CANCELLED", what="the cancel")
             svc.set_status(f"{live['id']}-n0-a0", "failed", 1)  # a crashed node

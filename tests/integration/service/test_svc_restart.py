@@ -23,10 +23,6 @@ def _states(svc: ServiceProcess, ids: list[str]) -> dict[str, str]:
         return {i: client.get(f"/v1/jobs/{i}").json()["state"] for i in ids}
 
 
-def _passes(svc: ServiceProcess) -> float:
-    return svc.metric("elastrain_reconciler_passes_total")
-
-
 @pytest.mark.parametrize("embedded", [False, True], ids=["external-etcd", "embedded-etcd"])
 def test_kill9_restart_keeps_jobs_and_launches_nothing_twice(tmp_path: Path, embedded: bool) -> None:
     etcd = None if embedded else EtcdServer(tmp_path / "etcd").start()
@@ -47,7 +43,7 @@ def test_kill9_restart_keeps_jobs_and_launches_nothing_twice(tmp_path: Path, emb
         svc = svc.again()
         assert svc.token == token  # the generated token survives
         assert _states(svc, ids) == dict.fromkeys(ids, "RUNNING")
-        wait_for(lambda: _passes(svc) >= 5, timeout_s=60, what="five reconciler passes after the restart")
+        wait_for(lambda: svc.passes() >= 5, timeout_s=60, what="five reconciler passes after the restart")
         assert sorted(svc.launches()) == sorted(launched)
 
         for launch_id in launched:
