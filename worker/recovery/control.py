@@ -65,6 +65,19 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+BYE_MAX_AGE_S = 60.0
+
+
+def bye_time(msg: Message, now: float) -> float | None:
+    """The time a ``bye`` message gives (its sender's node died then: its torchrun agent, seen by
+    :mod:`worker.lifeline`), or None when it is not a number in ``[now - BYE_MAX_AGE_S, now]`` --
+    a later time than its arrival means nothing, a far older one is a broken clock."""
+    at = msg.get("at")
+    if isinstance(at, bool) or not isinstance(at, (int, float)):
+        return None
+    return float(at) if now - BYE_MAX_AGE_S <= at <= now else None
+
+
 class Conn:
     """One authenticated connection. ``send`` is thread-safe; a failed send closes it."""
 
@@ -208,12 +221,17 @@ class ControlServer:
 
 
 class Link:
-    """This member's connection to a leader: messages arrive on a queue, EOF as ``None``."""
+    """This member's connection to a leader: messages arrive on a queue, EOF as ``None``.
+    ``closed_at``: when the connection ended (either end closed it); :attr:`lost_at`: the
+    leader's last sign of life, once known -- the time its ``bye`` gave (its node died then;
+    :func:`bye_time`), else its end of the connection closing (not this member's own close)."""
 
     def __init__(self, conn: Conn, address: str) -> None:
         self.conn, self.address = conn, address
         self.messages: queue.Queue[Message | None] = queue.Queue()
         self.closed_at: float | None = None
+        self.bye_at: float | None = None
+        self.eof_at: float | None = None
         threading.Thread(target=self._read, name="elastrain-control-link", daemon=True).start()
 
     def _read(self) -> None:
@@ -222,12 +240,23 @@ class Link:
                 msg = self.conn.read()
                 if msg is None:
                     break
+                if msg["t"] == "bye":
+                    self.bye_at = bye_time(msg, time.time())
+                    continue
                 self.messages.put(msg)
         except OSError:
             pass
-        self.closed_at = time.time()
+        now = time.time()
+        if not self.conn.closed.is_set():  # the other end went, not this member's close()
+            self.eof_at = now
+        self.closed_at = now
         self.conn.close()
         self.messages.put(None)
+
+    @property
+    def lost_at(self) -> float | None:
+        known = [t for t in (self.bye_at, self.eof_at) if t is not None]
+        return min(known) if known else None
 
     @property
     def alive(self) -> bool:

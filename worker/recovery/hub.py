@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any
+import time
+from typing import Any, Protocol
 
-from worker.recovery.control import Conn, Message, split_address
+from worker.recovery.control import Conn, Message, bye_time, split_address
 from worker.recovery.plan import Newcomer, View
 from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 
 IDLE, LEADING, FOLLOWING = "idle", "leading", "following"
+
+
+class Ended(Protocol):
+    """A connection whose other end's last sign of life may become known (a Link)."""
+
+    @property
+    def lost_at(self) -> float | None: ...
 
 
 class Hub:
@@ -30,7 +38,9 @@ class Hub:
         self.me = me
         self.cond = threading.Condition()
         self.conns: dict[str, Conn] = {}
-        self.closed: dict[str, float] = {}  # member id -> when its connection closed
+        self.closed: dict[str, float] = {}  # member id -> its last sign of life, once its connection closed
+        self.byes: dict[str, float] = {}  # member id -> when its node died, as it said before its EOF
+        self.links: dict[str, Ended] = {}  # old leader -> this process's connection to it
         self.checkins: dict[str, Checkin] = {}
         self.infos: dict[str, MemberInfo] = {}  # every process that said hello, as it did
         self.current: GenRecord | None = None  # the formed generation this process belongs to
@@ -43,6 +53,7 @@ class Hub:
             self.conns[conn.peer.member_id] = conn
             self.infos[conn.peer.member_id] = conn.peer
             self.closed.pop(conn.peer.member_id, None)
+            self.byes.pop(conn.peer.member_id, None)
             self.cond.notify_all()
             turned_away = self.mode == FOLLOWING and conn.peer.role in ("spare", "joiner")
         if old is not None and old is not conn:
@@ -51,24 +62,42 @@ class Hub:
             conn.send({"t": "not_leader"})
 
     def on_close(self, conn: Conn, when: float) -> None:
+        member = conn.peer.member_id
         with self.cond:
-            if self.conns.get(conn.peer.member_id) is conn:
-                del self.conns[conn.peer.member_id]
-                self.closed[conn.peer.member_id] = when
+            if self.conns.get(member) is conn:
+                del self.conns[member]
+                self.closed[member] = min(when, self.byes.pop(member, when))
                 self.cond.notify_all()
 
-    def lost_link(self, member_id: str, when: float) -> None:
-        """This process's own connection to ``member_id`` (the old leader) ended at ``when``:
-        the leader's last sign of life, as :meth:`on_close` records a member's. Kept only for a
-        member that is not connected here now."""
+    def lost_link(self, member_id: str, link: Ended) -> None:
+        """This process's own connection to ``member_id`` (the old leader): its end is the
+        leader's last sign of life, as :meth:`on_close` records a member's. Read now and again
+        whenever a failure is timed (:meth:`last_sign`): a member's collective can fail before its
+        connection's reader has seen the EOF. Kept only for a member not connected here now."""
         with self.cond:
             if member_id not in self.conns:
-                self.closed.setdefault(member_id, when)
+                self.links.setdefault(member_id, link)
+                if link.lost_at is not None:
+                    self.closed.setdefault(member_id, link.lost_at)
                 self.cond.notify_all()
+
+    def last_sign(self, lost: tuple[str, ...]) -> float | None:
+        """The earliest last sign of life this process knows of the ``lost`` members (their
+        connections' ends, their byes), or None."""
+        with self.cond:
+            times = [self.closed[m] for m in lost if m in self.closed]
+            times += [t for m in lost if m in self.links and (t := self.links[m].lost_at) is not None]
+        return min(times) if times else None
 
     def on_message(self, conn: Conn, msg: Message) -> None:
         if msg["t"] == "ping":
             conn.send({"t": "pong"})
+            return
+        if msg["t"] == "bye":  # the member's node died at "at" (its agent); its EOF follows
+            at = bye_time(msg, time.time())
+            if at is not None:
+                with self.cond:
+                    self.byes[conn.peer.member_id] = at
             return
         if msg["t"] != "checkin" or not isinstance(msg.get("checkin"), dict):
             return
@@ -149,10 +178,9 @@ class Hub:
         member's to this leader, or this process's own to the old leader: :meth:`lost_link`),
         else (it was connected elsewhere) the first failure a survivor saw. None without a
         failure."""
-        with self.cond:
-            times = [self.closed[m] for m in lost if m in self.closed]
-        if times:
-            return min(times)
+        known = self.last_sign(lost)
+        if known is not None:
+            return known
         return self.detected_at(old, since) if lost else None
 
     def detected_at(self, old: GenRecord | None, since: float) -> float | None:
@@ -190,6 +218,13 @@ class Hub:
             self.current = record
             self.mode = LEADING if leading else IDLE
             self.checkins = {m: c for m, c in self.checkins.items() if c.generation >= record.generation}
+
+    def say_to_all(self, msg: Message) -> None:
+        """Send ``msg`` on every connection to this process (members, spares, joiners)."""
+        with self.cond:
+            conns = list(self.conns.values())
+        for conn in conns:
+            conn.send(msg)
 
     def tell(self, members: set[str], msg: Message) -> None:
         with self.cond:

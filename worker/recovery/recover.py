@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from worker import lifeline
 from worker.recovery.control import ControlServer, Link
 from worker.recovery.failure import Failure, classify
 from worker.recovery.group import Group, GroupInfo, StoreHost, form, teardown
@@ -68,6 +69,7 @@ class GroupMember:
         self.valid = False
         self.last_generation = -1
         self._desired_at, self._desired = 0.0, cfg.desired_world
+        self._forget_last_words: Callable[[], None] = lambda: None
 
     @property
     def member_id(self) -> str:
@@ -80,6 +82,7 @@ class GroupMember:
             on_hello=self.hub.on_hello, on_message=self.hub.on_message, on_close=self.hub.on_close,
         )  # fmt: skip
         self.me = dataclasses.replace(self.me, control=self.server.address, pid=os.getpid())
+        self._forget_last_words = lifeline.on_last_words(self.last_words)
         self.hub.me = self.me
         self.membership.register(self.me)
         self.resolver = Resolver(
@@ -270,7 +273,7 @@ class GroupMember:
             "generation": outcome.info.generation if outcome.info else None,
             "lost": list(outcome.lost), "promoted": list(outcome.promoted),
             "lost_launch_ids": sorted({lid for d in decided for lid in d["lost_launch_ids"] if lid}),
-            "failed_at": decided[0]["failed_at"] if decided else None,
+            "failed_at": self._failed_at(decided[0]["failed_at"] if decided else None, outcome.lost),
             "detected_at": decided[0]["detected_at"] if decided else None, "source_rank": outcome.source_rank,
             "bytes_from_peers": outcome.bytes_from_peers, "voided_windows": outcome.voided_windows,
             "world_before": outcome.world_before,
@@ -287,6 +290,24 @@ class GroupMember:
         threading.Thread(target=write, name="elastrain-incident", daemon=True).start()
         self.emit("recovery_incident", record)
 
+    def _failed_at(self, decided: float | None, lost: tuple[str, ...]) -> float | None:
+        """The incident's start: as decided, or earlier when a lost member's last sign of life
+        reached this process after the decision (its connection's reader lagged the collective
+        that failed first)."""
+        known = self.hub.last_sign(lost)
+        if decided is None or known is None:
+            return decided
+        return min(decided, known)
+
+    def last_words(self, when: float) -> None:
+        """This process's node died at ``when`` (its torchrun agent, seen by :mod:`worker.lifeline`;
+        this process stops right after): tell the leader and whoever is connected here, so that the
+        incident is timed from then and not from this process's own end."""
+        bye = {"t": "bye", "at": when}
+        if self.link is not None:
+            self.link.send(bye)
+        self.hub.say_to_all(bye)
+
     def release_standby(self) -> None:
         """The job is over (the leader calls it): connected spares and joiners are told to leave."""
         if self.is_leader and self.record is not None:
@@ -295,6 +316,7 @@ class GroupMember:
     def close(self) -> None:
         """Stop listening, drop the lease and the leader connection. Idempotent; the caller
         shuts the process group down itself."""
+        self._forget_last_words()
         if self.link is not None:
             self.link.close()
         if self.server is not None:

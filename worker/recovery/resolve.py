@@ -77,10 +77,11 @@ class Resolver:
     # -- members of the broken generation ------------------------------------------------------
     def reform(self, old: GenRecord, link: Link | None, checkin: Checkin) -> Order | Refused:
         dead = set(checkin.dead)
-        if link is not None and link.closed_at is not None and link.address == old.leader_addr:
-            # The old leader's last sign of life is when its connection ended, not when this member
-            # next ran a collective (a save can hold it for a while): the incident starts there.
-            self.hub.lost_link(old.leader, link.closed_at)
+        if link is not None and link.address == old.leader_addr:
+            # The old leader's last sign of life is when its connection ended (or its bye), not
+            # when this member next ran a collective (a save can hold it for a while): the
+            # incident starts there. The hub reads the link again when it times the failure.
+            self.hub.lost_link(old.leader, link)
         deadline = checkin.failed_at + self.policy.join_window_s + self.policy.replacement_timeout_s + 30.0
         while time.time() < deadline:
             for member_id, address in old.candidates():

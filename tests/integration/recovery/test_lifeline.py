@@ -35,7 +35,7 @@ def test_the_orphan_is_gone_soon_after_its_agent(tmp_path: Path, mode: str) -> N
         assert report.exists(), "the worker never started"
         worker = int(report.read_text())
         assert alive(worker)
-        killed = time.monotonic()
+        killed, killed_at = time.monotonic(), time.time()
         agent.send_signal(signal.SIGKILL)
         agent.wait()
         deadline = time.monotonic() + 30  # generous: the rule is "within a heartbeat", not a speed
@@ -43,7 +43,11 @@ def test_the_orphan_is_gone_soon_after_its_agent(tmp_path: Path, mode: str) -> N
             time.sleep(0.01)
         assert not alive(worker), "the orphaned worker kept running after its agent was killed"
         gone_ms = 1e3 * (time.monotonic() - killed)
-        print(f"{mode}: the worker was gone {gone_ms:.0f} ms after the agent's SIGKILL")
+        # its last words came before its end, with a time after the kill (wall clock, both)
+        said = float(Path(f"{report}.bye").read_text())
+        assert killed_at <= said <= time.time(), (killed_at, said)
+        print(f"{mode}: the worker was gone {gone_ms:.0f} ms after the agent's SIGKILL, "
+              f"and said the agent ended {1e3 * (said - killed_at):.1f} ms after it")  # fmt: skip
     finally:
         if agent.poll() is None:
             agent.kill()

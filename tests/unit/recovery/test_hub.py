@@ -4,9 +4,12 @@ sent to the right members."""
 
 from __future__ import annotations
 
+import socket
+import time
+from dataclasses import dataclass
 from typing import Any, cast
 
-from worker.recovery.control import Conn
+from worker.recovery.control import Conn, Link
 from worker.recovery.hub import Hub
 from worker.recovery.records import Checkin, GenRecord, MemberInfo
 
@@ -23,6 +26,11 @@ class FakeConn:
 
     def close(self) -> None:
         self.closed = True
+
+
+@dataclass
+class Ended:
+    lost_at: float | None
 
 
 RECORD = GenRecord(3, ("a", "b", "c"), ("h:a", "h:b", "h:c"), "a", "h:a", "h:s", 3)
@@ -108,7 +116,58 @@ def test_a_lost_leaders_last_sign_of_life_is_when_this_members_link_to_it_ended(
     hub = Hub(MemberInfo("b", "member", "h:b"))  # b, not the leader: a led generation 3
     hub.formed(RECORD, leading=False)
     assert hub.failed_at(("a",), RECORD, 20.0) == 20.0  # nothing seen: this member's own detection
-    hub.lost_link("a", 12.5)  # b's connection to a ended at 12.5, before b's collective failed at 20
-    hub.lost_link("a", 19.0)  # the first end counts
+    hub.lost_link("a", Ended(12.5))  # b's connection to a ended at 12.5, before b's collective failed at 20
+    hub.lost_link("a", Ended(19.0))  # the first link counts
     assert hub.failed_at(("a",), RECORD, 20.0) == 12.5
     assert hub.view(RECORD, dead=set(), since=20.0, desired_world=None).dead == frozenset({"a"})
+
+
+def test_a_member_whose_node_died_is_timed_from_its_bye_not_its_eof() -> None:
+    """A worker whose torchrun agent died says so (``bye`` with the agent's end) before its own
+    end; the incident starts at the agent's end. A bye from the future, from long ago, or not a
+    number is ignored: the EOF counts."""
+    b, c, d = FakeConn("b"), FakeConn("c"), FakeConn("d")
+    hub = hub_with(b, c, d)
+    now = time.time()
+    hub.on_message(cast(Conn, b), {"t": "bye", "at": now - 0.03})
+    hub.on_close(cast(Conn, b), now)
+    assert hub.failed_at(("b",), RECORD, now + 1) == now - 0.03
+    for junk in (now + 5, now - 3600, "soon", True, None):
+        hub.on_message(cast(Conn, c), {"t": "bye", "at": junk})
+    hub.on_close(cast(Conn, c), now)
+    assert hub.failed_at(("c",), RECORD, now + 1) == now
+    hub.say_to_all({"t": "bye", "at": now})
+    assert d.sent == [{"t": "bye", "at": now}] and c.sent == [] and b.sent == []
+
+
+def test_a_leaders_bye_is_its_links_end() -> None:
+    """A member's link to a leader whose node died: ``closed_at`` is the time the bye gave, and
+    the bye is not handed to the training thread as a message."""
+    left, right = socket.socketpair()
+    link = Link(Conn(left, MemberInfo("a", "member", "h:a")), "h:a")
+    at = time.time() - 0.05
+    right.sendall(b'{"t":"bye","at":%r}\n{"t":"pong"}\n' % at)
+    right.close()
+    assert link.recv(5) == {"t": "pong"} and link.recv(5) is None
+    assert link.lost_at == at and link.closed_at is not None and link.closed_at >= at
+
+
+def test_a_leaders_end_seen_after_the_decision_still_times_the_failure() -> None:
+    """b's collective failed (20.0) before its link's reader saw the leader's EOF: the link is
+    read again when the failure is timed, so the EOF (12.5) counts once it is known."""
+    hub = Hub(MemberInfo("b", "member", "h:b"))
+    hub.formed(RECORD, leading=False)
+    link = Ended(None)
+    hub.lost_link("a", link)
+    assert hub.failed_at(("a",), RECORD, 20.0) == 20.0 and hub.last_sign(("a",)) is None
+    link.lost_at = 12.5
+    assert hub.failed_at(("a",), RECORD, 20.0) == 12.5 and hub.last_sign(("a",)) == 12.5
+
+
+def test_a_link_closed_by_this_member_is_no_sign_of_the_leaders_death() -> None:
+    left, right = socket.socketpair()
+    link = Link(Conn(left, MemberInfo("a", "member", "h:a")), "h:a")
+    link.close()
+    assert link.recv(5) is None
+    assert link.closed_at is not None and link.lost_at is None
+    right.close()
