@@ -7,8 +7,10 @@ How they reach Prometheus (the choice, one design for one machine and for Kubern
   ``ELASTRAIN_METRICS_PORT`` (default 9400; ``0``/``off`` turns the exporter off, ``auto`` binds
   a free port). The other local ranks write their numbers, at most once a second, as JSON into a
   node-local directory (``<tmp>/elastrain-metrics/<job>-agent<torchrun agent pid>/``); local rank
-  0 serves its own and its peers' series of the current attempt. So the port count does not
-  grow with ``--nproc-per-node`` and a pod needs one declared port.
+  0 serves its own and its peers' series of the current attempt, and removes the directory
+  when it closes (and, when it starts, those of agents that are gone: a run killed before its
+  close). So the port count does not grow with ``--nproc-per-node`` and a pod needs one
+  declared port.
 * **Kubernetes**: the scheduler declares the port, sets ``ELASTRAIN_METRICS_PORT`` and the
   ``prometheus.io/scrape``/``prometheus.io/port`` annotations; the chart's PodMonitor, or the
   ``kubernetes_sd`` pod job in ``deploy/prometheus/prometheus-kubernetes.yml``, scrapes it. A port

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -63,11 +64,25 @@ def export_plan(env: Mapping[str, str], *, job: str, ppid: int, tmp: str = "/tmp
     )
 
 
-def _write_json(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _write_json(path: Path, payload: Any, *, create: bool = True) -> None:
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, path)
+
+
+def stale_peer_dirs(root: Path, *, keep: Path, alive: Callable[[int], bool]) -> list[Path]:
+    """The local ranks' hand-over directories under ``root`` (``<job>-agent<pid>``) whose torchrun
+    agent is gone, ``keep`` aside: what a run that ended without its serving rank's close left."""
+    if not root.is_dir():
+        return []
+    stale = []
+    for path in sorted(root.iterdir()):
+        pid = path.name.rpartition("-agent")[2]
+        if path != keep and "-agent" in path.name and pid.isdigit() and not alive(int(pid)):
+            stale.append(path)
+    return stale
 
 
 def _pid_alive(pid: int) -> bool:
@@ -103,6 +118,11 @@ class WorkerMetrics:
         self._set(elastrain_worker_start_timestamp_seconds=now)
         if plan.port is not None:
             self._serve(plan.port)
+        elif plan.peers_dir is not None:
+            try:  # created once: after the serving rank removed it at its close, nothing is handed over
+                plan.peers_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                log.warning("metrics: cannot create %s: %s", plan.peers_dir, exc)
 
     @classmethod
     def from_env(
@@ -187,6 +207,11 @@ class WorkerMetrics:
         if self._target is not None:
             self._target.unlink(missing_ok=True)
             self._target = None
+        if self.plan.port is not None and self.plan.peers_dir is not None:  # the local ranks' hand-over
+            for _ in range(3):  # again if a peer's last write landed during the removal
+                shutil.rmtree(self.plan.peers_dir, ignore_errors=True)
+                if not self.plan.peers_dir.exists():
+                    break
 
     # ------------------------------------------------------------ internals
 
@@ -222,7 +247,9 @@ class WorkerMetrics:
         with self._lock:
             snap = {**self.rank.snapshot(), "restart_count": self.plan.restart_count, "pid": os.getpid()}
         try:
-            _write_json(self.plan.peers_dir / f"rank-{self.plan.local_rank}.json", snap)
+            _write_json(self.plan.peers_dir / f"rank-{self.plan.local_rank}.json", snap, create=False)
+        except FileNotFoundError:
+            pass  # the serving rank closed (training is over) and took the directory with it
         except OSError as exc:
             log.warning("metrics: cannot write %s: %s", self.plan.peers_dir, exc)
 
@@ -243,6 +270,10 @@ class WorkerMetrics:
             self._server, _ = start_http_server(0, addr=self.plan.addr, registry=registry)
         self.port = int(self._server.server_port)
         log.info("metrics: serving /metrics on %s:%d", self.plan.addr, self.port)
+        mine = self.plan.peers_dir
+        if mine is not None:
+            for stale in stale_peer_dirs(mine.parent, keep=mine, alive=_pid_alive):
+                shutil.rmtree(stale, ignore_errors=True)
         if self.plan.targets_dir is not None:
             self._register_target(self.plan.targets_dir)
 

@@ -21,6 +21,7 @@ from worker.metrics import (
     export_plan,
     families,
 )
+from worker.metrics.exporter import stale_peer_dirs
 
 LABELS = {"job_id": "j", "rank": "0", "local_rank": "0", "node": "n1"}
 
@@ -225,3 +226,14 @@ def test_a_reseated_rank_is_exported_with_its_new_rank_and_world_size(tmp_path: 
     assert value(text, "elastrain_worker_world_size", rank="2") == 3
     assert not [lab for n, lab in samples(text) if n == "elastrain_worker_step" and dict(lab)["rank"] == "0"]
     m.close()
+
+
+def test_hand_over_directories_of_agents_that_are_gone_are_found(tmp_path: Path) -> None:
+    """Local rank 0 removes its own directory at its close; a run killed before that leaves one,
+    which the next serving rank on the machine finds by its agent's pid being gone."""
+    for name in ("a-agent10", "b_job-agent11", "mine-agent12", "a-agent13", "notes", "x-agentz"):
+        (tmp_path / name).mkdir()
+    alive = {11, 12}.__contains__  # 10 and 13 are gone
+    stale = stale_peer_dirs(tmp_path, keep=tmp_path / "mine-agent12", alive=alive)
+    assert [p.name for p in stale] == ["a-agent10", "a-agent13"]
+    assert stale_peer_dirs(tmp_path / "missing", keep=tmp_path, alive=alive) == []
