@@ -16,10 +16,12 @@ restarts, the service's recovery (its histogram, phases and rollback), and skipp
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ from service.jobs.recovery import PHASES
 from tests.integration.launch import REPO, worker_env
 from tests.integration.observability.promql import exempt_reason, expressions, signals
 from tests.integration.service.svc_process import ServiceProcess, wait_for
+from worker.metrics import export_plan
 
 pytestmark = pytest.mark.integration
 RUNNER = Path(__file__).with_name("instrumented_worker.py")
@@ -114,7 +117,11 @@ def launch_node(svc: ServiceProcess, job: str, tmp: Path) -> subprocess.Popen[by
 
 
 @pytest.fixture(scope="module")
-def observed(prom_tools: PrometheusTools, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+def observed(
+    prom_tools: PrometheusTools, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Observed]:
+    marks = [("start", time.monotonic())]
+    mark = lambda what: marks.append((what, time.monotonic()))  # noqa: E731
     tmp = tmp_path_factory.mktemp("observed")
     for sub in ("svc", "prom", "targets"):
         (tmp / sub).mkdir()
@@ -122,29 +129,42 @@ def observed(prom_tools: PrometheusTools, tmp_path_factory: pytest.TempPathFacto
     svc = ServiceProcess(tmp / "svc", etcd=etcd.endpoint).start()
     prom = PrometheusServer(prom_tools, tmp / "prom", prometheus_config(svc.port, tmp / "targets")).start()
     proc: subprocess.Popen[bytes] | None = None
+    mark("etcd, service, prometheus")
     try:
         with svc.client() as client:
             job: str = client.post("/v1/jobs", json=SPEC).json()["id"]
             wait_for(lambda: f"{job}-n0-a0" in svc.launches(), what="the service to launch the node")
             run_dir = Path(client.get(f"/v1/jobs/{job}").json()["checkpoint_dir"])
+            mark("submit and launch")
             proc = launch_node(svc, job, tmp)
             finished = lambda: '"event": "finished"' in (tmp / "worker.stdout").read_text()  # noqa: E731
             wait_for(
                 lambda: finished() or proc.poll() is not None, timeout_s=300, what="the worker to finish"
             )
             assert finished(), (tmp / "worker.stderr").read_text()[-3000:]
+            mark("worker run")
             wait_for(lambda: client.get(f"/v1/jobs/{job}").json()["restarts"] == 1, what="the recovery")
+        mark("recovery recorded")
         wait_for(
             lambda: value(prom, "max(elastrain_worker_step)") == MAX_STEPS, timeout_s=60, what="final scrape"
         )
+        mark("final scrape")
         # rate() needs two samples of the live attempt's series in its window: give it five.
         samples = f'min(count_over_time(elastrain_worker_samples_total{{job_id="{job}"}}[1m]))'
         wait_for(
             lambda: (value(prom, samples) or 0) >= 5, timeout_s=60, what="five scrapes of the last attempt"
         )
+        mark("five scrapes")
         wait_for(
             lambda: value(prom, "elastrain_job_recovery_seconds_count") == 1, timeout_s=30, what="service"
         )
+        mark("service histogram")
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is not None and capture is not None:  # where a slow setup spends its time, shown
+            spent = ", ".join(f"{b} {tb - ta:.1f}" for (_, ta), (b, tb) in itertools.pairwise(marks))
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(f"[observability] setup (s): {spent}")
         yield Observed(prom, svc, run_dir, tmp / "targets", job)
     finally:
         (tmp / "release").touch()
@@ -157,6 +177,9 @@ def observed(prom_tools: PrometheusTools, tmp_path_factory: pytest.TempPathFacto
         prom.stop()
         svc.stop()
         etcd.stop()
+    if proc is not None and proc.returncode == 0:  # a clean end leaves nothing in /tmp
+        handover = export_plan({"LOCAL_WORLD_SIZE": "2"}, job=job, ppid=proc.pid).peers_dir
+        assert handover is not None and not handover.exists(), f"the metrics hand-over {handover} was left"
 
 
 # ------------------------------------------------------------------ Prometheus
