@@ -54,9 +54,15 @@ SHAPES = {
 }
 
 
+def world_sizes(shape: str) -> tuple[int, int]:
+    """The world sizes before and after the join, from ``"2:3"``."""
+    low, high = shape.split(":")
+    return int(low), int(high)
+
+
 def spec(shape: str, max_steps: int) -> dict[str, Any]:
     return base_spec(
-        nodes=shape, initial_nodes=int(shape.split(":")[0]), nproc_per_node=1, recovery={"mode": "peer"},
+        nodes=shape, initial_nodes=world_sizes(shape)[0], nproc_per_node=1, recovery={"mode": "peer"},
         env={"OMP_NUM_THREADS": "1"}, max_steps=max_steps, **SHAPES[shape],
     )  # fmt: skip
 
@@ -71,7 +77,7 @@ def traces(directory: Path, skip: set[Path]) -> dict[str, list[dict[str, Any]]]:
 
 
 def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str, Any]:
-    low, high = (int(n) for n in shape.split(":"))
+    low, high = world_sizes(shape)
     earlier = set(trace.glob("rank-*.jsonl"))
     job_id = svc.submit(spec(shape, max_steps))
     until(lambda: (svc.job(job_id)["step"] or 0) >= WARM + 50, "the job past its warm-up", 600)
@@ -149,7 +155,7 @@ def main() -> int:
     for r in results:
         for key, value in r.items():
             by_key[key].append(value)
-    low, high = args.shape.split(":")
+    low, high = world_sizes(args.shape)
     print(f"scale-up {low} -> {high} of a peer-mode job ({low} node(s) x 1 process, the benchmark MLP)")
     print(f"  survivors' median step s {spread(by_key['median_step_s'], 3)} at W={low}, "
           f"{spread(by_key['median_step_after_s'], 3)} at W={high}")  # fmt: skip

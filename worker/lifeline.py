@@ -133,18 +133,17 @@ def watch(
     if pidfd is not None:
         exits.register(pidfd, select.POLLIN)
     while not stop.is_set():
+        reason = None
         if pidfd is not None:
             if exits.poll(poll_s * 1000.0):
-                when = time.time()
-                say_last_words(when)
-                on_orphan(f"its agent (pid {parent}) exited")
-                return
+                reason = f"its agent (pid {parent}) exited"
         elif stop.wait(poll_s):
             return
-        now = getppid()
-        if now != parent:
+        if reason is None and (now := getppid()) != parent:
+            reason = f"its agent (pid {parent}) is gone (parent now {now})"
+        if reason is not None:
             say_last_words(time.time())
-            on_orphan(f"its agent (pid {parent}) is gone (parent now {now})")
+            on_orphan(reason)
             return
 
 

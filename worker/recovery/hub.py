@@ -219,16 +219,11 @@ class Hub:
             self.mode = LEADING if leading else IDLE
             self.checkins = {m: c for m, c in self.checkins.items() if c.generation >= record.generation}
 
-    def say_to_all(self, msg: Message) -> None:
-        """Send ``msg`` on every connection to this process (members, spares, joiners)."""
+    def tell(self, members: set[str] | None, msg: Message) -> None:
+        """Send ``msg`` to ``members`` connected here; None: on every connection (members,
+        spares, joiners)."""
         with self.cond:
-            conns = list(self.conns.values())
-        for conn in conns:
-            conn.send(msg)
-
-    def tell(self, members: set[str], msg: Message) -> None:
-        with self.cond:
-            conns = [c for m, c in self.conns.items() if m in members]
+            conns = [c for m, c in self.conns.items() if members is None or m in members]
         for conn in conns:
             conn.send(msg)
 

@@ -306,7 +306,7 @@ class GroupMember:
         bye = {"t": "bye", "at": when}
         if self.link is not None:
             self.link.send(bye)
-        self.hub.say_to_all(bye)
+        self.hub.tell(None, bye)
 
     def release_standby(self) -> None:
         """The job is over (the leader calls it): connected spares and joiners are told to leave."""

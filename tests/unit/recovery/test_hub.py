@@ -136,7 +136,7 @@ def test_a_member_whose_node_died_is_timed_from_its_bye_not_its_eof() -> None:
         hub.on_message(cast(Conn, c), {"t": "bye", "at": junk})
     hub.on_close(cast(Conn, c), now)
     assert hub.failed_at(("c",), RECORD, now + 1) == now
-    hub.say_to_all({"t": "bye", "at": now})
+    hub.tell(None, {"t": "bye", "at": now})
     assert d.sent == [{"t": "bye", "at": now}] and c.sent == [] and b.sent == []
 
 
