@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from worker.checkpoint import Checkpointer
 from worker.dist import DistInfo
@@ -37,7 +38,7 @@ from worker.recovery.failure import Failure, classify
 from worker.recovery.group import GroupInfo, teardown
 from worker.recovery.records import GenRecord
 from worker.recovery.recover import GroupMember, Outcome
-from worker.recovery.rewrap import rewrap
+from worker.recovery.rewrap import carry_over, layout_digest, prepare, rewrap
 from worker.recovery.rng import derive_window_rng
 from worker.schedule import plan_batch
 from worker.service_client import EventForwarder
@@ -90,23 +91,47 @@ class PeerState:
         t.scaler.load_state_dict(blob["loss_scaler"])
         t.monitor.load_state_dict(blob["monitor"])
 
-    def void_window(self) -> None:
+    def void_window(self, *, keep_ddp: bool = False) -> None:
+        """``keep_ddp``: a planned re-formation at a window boundary (nothing in flight): the
+        settled DDP wrapper stays, for :meth:`rewrap` to carry over if every member can."""
         t = self.trainer
         t.optimizer.zero_grad(set_to_none=True)
-        t.wrapped = Wrapped(t.model, fsdp=False)  # no reference to DDP or its group
+        if not keep_ddp:
+            t.wrapped = Wrapped(t.model, fsdp=False)  # no reference to DDP or its group
         if t.recorder is not None:  # the sample trace: what the voided window loaded was not trained
             t.recorder.take()
 
-    def rewrap(self, info: GroupInfo, *, agreed: bool = True) -> None:
-        """``agreed``: see :func:`worker.recovery.rewrap.rewrap` (False after a restore)."""
+    def _ddp(self) -> DistributedDataParallel | None:
+        module = self.trainer.wrapped.module
+        return module if isinstance(module, DistributedDataParallel) else None
+
+    def _forward(self, module: torch.nn.Module) -> torch.Tensor:
+        x, y = self._probe
+        return self.trainer.objective.loss_sum(call_model(module, x), y)
+
+    def prepare(self) -> None:
+        """A newcomer, in its private world of one: settle the DDP wrapper the trainer built, so
+        that a planned join can carry it over (:func:`worker.recovery.rewrap.prepare`)."""
+        ddp = self._ddp()
+        if ddp is not None:
+            prepare(ddp, self._forward)
+
+    def layout(self) -> bytes:
+        return layout_digest(self._ddp())
+
+    def rewrap(self, info: GroupInfo, *, agreed: bool = True, keep: bool = False) -> None:
+        """``agreed``: see :func:`worker.recovery.rewrap.rewrap` (False after a restore); ``keep``:
+        carry the held DDP over (:func:`worker.recovery.rewrap.carry_over`)."""
         t = self.trainer
         t.info = info.dist_info(t.info)
-        x, y = self._probe
-
-        def forward(module: torch.nn.Module) -> torch.Tensor:
-            return t.objective.loss_sum(call_model(module, x), y)
-
-        ddp = rewrap(t.model, t.info, bucket_cap_mb=t.spec.ddp.bucket_cap_mb, forward=forward, agreed=agreed)
+        held = self._ddp()
+        if keep and held is not None:
+            carry_over(held)
+            return
+        del held
+        t.wrapped = Wrapped(t.model, fsdp=False)  # a wrapper still held must not hook the new one's backward
+        cap = t.spec.ddp.bucket_cap_mb
+        ddp = rewrap(t.model, t.info, bucket_cap_mb=cap, forward=self._forward, agreed=agreed)
         t.wrapped = Wrapped(ddp, fsdp=False)
         if t.metrics is not None and t.spec.monitor.time_communication:
             ddp.register_comm_hook(None, t.metrics.comm.hook)
@@ -159,7 +184,11 @@ class PeerLoop:
 
     # -- the loop ------------------------------------------------------------------------------
     def join(self) -> None:
-        """Be called into a generation (a spare waits until promoted) and take its state."""
+        """Be called into a generation (a spare waits until promoted) and take its state. The
+        trainer was built in a private world of one: its DDP is settled there first, then that
+        world ends."""
+        self.state.prepare()
+        teardown()
         self._settle(self.member.join(self.state), None, None)
 
     def run(self) -> dict[str, Any]:
@@ -172,7 +201,9 @@ class PeerLoop:
             if not failure.recoverable:
                 raise ElastrainError(f"this rank failed ({failure.message}); torchrun starts it again")
             old = self.member.record
-            self.state.void_window()  # outside the except block: DDP, its group and sockets go now
+            # outside the except block: DDP, its group and sockets go now (a planned re-formation
+            # keeps the settled DDP: nothing is in flight, and every member may carry it over)
+            self.state.void_window(keep_ddp=failure.kind == "planned")
             teardown()
             self._settle(self.member.recover(self.state, failure), old, failure)
         fields = trainer._finish()

@@ -62,8 +62,6 @@ def run_peer(
             built, info, events=events, checkpointer=None, generation=0,
             metrics=WorkerMetrics.from_env(job=job, rank=info.rank, world_size=info.world_size),
         )  # fmt: skip
-        trainer.wrapped = Wrapped(trainer.model, fsdp=False)  # let the private group's DDP go
-        teardown()
         member = peermode.member(cfg, info, os.environ, on_event=on_event)
         loop = PeerLoop(trainer, member, checkpointer=checkpointer, forwarder=forwarder, job_id=cfg.job_id)
         if role == "spare":

@@ -77,11 +77,24 @@ def gather_summaries(mine: Summary, *, device: str = "cpu") -> list[Summary]:
     return [decode_summary(rank, [int(v) for v in t.tolist()]) for rank, t in enumerate(out)]
 
 
-def agree_digests(ok: bool, digest: bytes, *, device: str = "cpu") -> bool:
-    """True on every member iff every member is ``ok`` and holds ``digest`` (one all_gather)."""
-    words = [int(ok)] + [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
+def agree_digests(
+    ok: bool, digest: bytes, *, layout: bytes = bytes(16), device: str = "cpu"
+) -> tuple[bool, bool]:
+    """One all_gather of ``(ok, digest, layout)``: whether every member is ``ok`` and holds
+    ``digest``, and whether every member reports the same real DDP bucket ``layout`` (a digest;
+    zeros: none); the same two answers on every member."""
+    words = [int(ok)] + [
+        int.from_bytes(b[i : i + 8], "little", signed=True) for b in (digest, layout) for i in (0, 8)
+    ]
     local = torch.tensor(words, dtype=torch.int64, device=device)
-    out = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    out = [torch.zeros(len(words), dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(out, local)
-    rows = [tuple(int(v) for v in t.tolist()) for t in out]
-    return all(r[0] == 1 for r in rows) and len(set(rows)) == 1
+    return read_agreement([tuple(int(v) for v in t.tolist()) for t in out])
+
+
+def read_agreement(rows: list[tuple[int, ...]]) -> tuple[bool, bool]:
+    """:func:`agree_digests`'s two answers from the gathered rows ``(ok, digest x2, layout x2)``.
+    Pure."""
+    agreed = all(r[0] == 1 for r in rows) and len({r[:3] for r in rows}) == 1
+    layouts = {r[3:] for r in rows}
+    return agreed, agreed and len(layouts) == 1 and layouts != {(0, 0)}

@@ -56,7 +56,8 @@ class GroupInfo:
 
 
 RELEASE_WAIT_AT_EXIT_S = 5.0
-_releases: list[threading.Thread] = []
+RELEASE_POLL_MAX_S = 0.01
+_releases: list[tuple[threading.Thread, list[object]]] = []
 
 
 def teardown() -> None:
@@ -66,30 +67,41 @@ def teardown() -> None:
         return
     held = dist.group.WORLD  # the last reference once the caller dropped DDP
     dist.destroy_process_group()
-    _release(held)
+    release(held)
 
 
-def _release(group: object) -> None:
+def release(group: object) -> None:
     """Drop ``group`` (destroyed in torch's books) on a thread, once the caller's references
     are gone (the caller's frame returns in microseconds; after 1 s the thread lets go anyway
-    and the last holder destroys it, as before)."""
-    thread = threading.Thread(target=_drop_when_alone, args=([group],), name="elastrain-group-release",
+    and the last holder destroys it, as before). A group a thread already waits for is left to
+    that thread (a DDP wrapper carried over to the next group lets go of a group that its
+    teardown handed to a thread): two waiting threads would each see the other's reference."""
+    alive = [(t, h) for t, h in _releases if t.is_alive()]
+    if any(h and h[0] is group for _, h in alive):
+        _releases[:] = alive
+        return
+    held = [group]
+    thread = threading.Thread(target=_drop_when_alone, args=(held,), name="elastrain-group-release",
                               daemon=True)  # fmt: skip
-    _releases[:] = [t for t in _releases if t.is_alive()] + [thread]
+    _releases[:] = [*alive, (thread, held)]
     del group
     thread.start()
 
 
 def _drop_when_alone(held: list[object]) -> None:
-    deadline = time.monotonic() + 1.0
+    """Poll every 1 ms at first (a broken group's sockets should close within milliseconds: the
+    other survivors' collectives fail on that), then back off to 10 ms (a carried-over wrapper
+    lets go only after the state transfer, and a 1 kHz poller competes for the GIL meanwhile)."""
+    deadline, pause = time.monotonic() + 1.0, 0.001
     while sys.getrefcount(held[0]) > 2 and time.monotonic() < deadline:  # the list's and the argument's
-        time.sleep(0.001)
+        time.sleep(pause)
+        pause = min(2 * pause, RELEASE_POLL_MAX_S)
     held.clear()
 
 
 @atexit.register
 def _await_releases() -> None:
-    for thread in list(_releases):
+    for thread, _ in list(_releases):
         thread.join(RELEASE_WAIT_AT_EXIT_S)
 
 
@@ -154,4 +166,4 @@ def destroy_subgroup(group: dist.ProcessGroup | None) -> None:
     """Destroy a sub-group; its object goes on a thread, as the default group's does."""
     if group is not None:
         dist.destroy_process_group(group)
-        _release(group)
+        release(group)

@@ -5,8 +5,10 @@ order on all of them whatever each one holds.
 1. one all_gather of the fixed-size summaries; :func:`worker.recovery.plan.choose_source` picks
    the newest version and its lowest-ranked holder (or says: storage);
 2. the source broadcasts to the receivers (a sub-group when other members already hold the state);
-3. one all_gather of ``(ok, digest of state and progress)``: the state is valid on every member
-   only when all agree — a member never trains on a half-received state.
+3. one all_gather of ``(ok, digest of state and progress, DDP layout)``: the state is valid on
+   every member only when all agree — a member never trains on a half-received state; and the
+   members keep their DDP wrappers (:func:`worker.recovery.rewrap.carry_over`) only when all
+   hold a settled one with the same bucket layout (``Handed.keep_ddp``).
 """
 
 from __future__ import annotations
@@ -38,16 +40,20 @@ class Handed:
     bytes: int = 0
     voided: int = 0
     version: int = 0
+    keep_ddp: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """What this member brings: whether its state is valid, and about its last window."""
+    """What this member brings: whether its state is valid, about its last window, and the
+    digest of its settled DDP's bucket layout (:func:`worker.recovery.rewrap.layout_digest`;
+    zeros: none to keep)."""
 
     valid: bool
     in_window: bool
     last_generation: int
     spec_hash: str
+    layout: bytes = NO_DIGEST
 
 
 def _summary(state: RecoverableState, info: GroupInfo, mine: Holding) -> tuple[Summary, dict[str, Any]]:
@@ -104,10 +110,11 @@ def hand_over(
             state.load_progress(result.progress)
             received = True
     destroy_subgroup(sub)
-    if not agree.agree_digests(ok, _digest(state), device=device):
+    agreed, keep_ddp = agree.agree_digests(ok, _digest(state), layout=mine.layout, device=device)
+    if not agreed:
         emit("peer_transfer_refused", {"generation": info.generation, "source_rank": choice.rank})
         return Handed("storage", "the transferred state could not be verified on every member")
     emit("state_transferred", {"generation": info.generation, "source_rank": choice.rank, "bytes": moved,
                                "received": received, "receivers": list(choice.receivers),
-                               "at": time.time()})  # fmt: skip
-    return Handed("peer", "", choice.rank, moved, choice.voided, choice.version)
+                               "ddp_carried_over": keep_ddp, "at": time.time()})  # fmt: skip
+    return Handed("peer", "", choice.rank, moved, choice.voided, choice.version, keep_ddp)

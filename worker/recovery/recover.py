@@ -225,7 +225,7 @@ class GroupMember:
         self._adopt(order)
         phases = {"detected": since}
         info = self.info
-        mine = Holding(self.valid, in_window, self.last_generation, self.cfg.spec_hash)
+        mine = Holding(self.valid, in_window, self.last_generation, self.cfg.spec_hash, state.layout())
         handed = Handed("storage", "not formed")
         try:
             timeout = self.cfg.collective_timeout_s
@@ -238,7 +238,7 @@ class GroupMember:
             self.valid = handed.kind == "peer"
             phases["transferred"] = time.time()
             if self.valid:
-                state.rewrap(info)
+                state.rewrap(info, keep=handed.keep_ddp)
             phases["ready"] = time.time()
         except Exception as exc:
             return classify(exc, in_window=False), handed, phases

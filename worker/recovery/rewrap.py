@@ -14,6 +14,15 @@ generators (:mod:`worker.recovery.rng`), after the settle.
 :func:`bucket_layout` reads the layout DDP reports (``rebuilt_per_bucket_param_indices``; its
 logging lags an iteration, so read it from the second real step on) for the comparison the
 trainer makes before and after a re-formation (:func:`same_layout`).
+
+A planned re-formation (a scale-up at a window boundary) need not pay the wrap and the settle at
+all: the survivors' reducers are already settled, so each keeps its DDP and only points it at the
+new group (:func:`carry_over`, torch's ``_update_process_group``), and a newcomer settles its own
+DDP beforehand in its private world of one (:func:`prepare`, off the join's critical path). That
+is safe only when every member's buckets hold the same parameters at the same offsets (a bucket
+is all-reduced as one flat tensor): the members compare :func:`layout_digest` in the hand-over's
+last all-gather, and any difference, or a member without a settled DDP, makes every member wrap
+afresh and settle as before.
 """
 
 from __future__ import annotations
@@ -21,10 +30,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+import xxhash
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from worker.dist import DistInfo
+from worker.recovery.group import release
 from worker.setup import wrap_ddp
 
 Forward = Callable[[nn.Module], torch.Tensor]
@@ -71,3 +83,38 @@ def same_layout(before: str | None, after: str | None) -> bool | None:
     if before is None or after is None:
         return None
     return before == after
+
+
+NO_LAYOUT = bytes(16)
+PREPARE_ITERATIONS = 4  # DDP rebuilds at the 2nd iteration and reports it from the 3rd
+
+
+def layout_digest(ddp: DistributedDataParallel | None) -> bytes:
+    """A digest of ``ddp``'s settled bucket layout; :data:`NO_LAYOUT` when there is no DDP or it
+    has not reported a rebuilt layout yet (never equal to a real one)."""
+    layout = bucket_layout(ddp) if ddp is not None else None
+    return xxhash.xxh3_128(layout.encode()).digest() if layout else NO_LAYOUT
+
+
+def prepare(ddp: DistributedDataParallel, forward: Forward) -> bytes:
+    """Settle a newcomer's DDP in its private world of one until it reports its rebuilt layout
+    (zero-loss iterations, see :func:`settle`); returns :func:`layout_digest`."""
+    for _ in range(PREPARE_ITERATIONS):
+        digest = layout_digest(ddp)
+        if digest != NO_LAYOUT:
+            return digest
+        settle(ddp, forward)
+    return layout_digest(ddp)
+
+
+def carry_over(ddp: DistributedDataParallel) -> None:
+    """Point a settled ``ddp`` at the current default group (every member of the new group
+    calls this, or none: see the module docstring). Its buckets stay as they are for the first
+    step; DDP records the ready order again in that step and rebuilds (the same layout, rank 0's
+    broadcast) at the next. The old group is released on a thread, as a teardown's is: ``old``
+    is held here until the reducer let go of it too, so its destruction never falls on this
+    thread."""
+    old = ddp.process_group
+    ddp._update_process_group(dist.distributed_c10d._get_default_group())
+    release(old)
+    del old

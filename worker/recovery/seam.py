@@ -57,8 +57,12 @@ class RecoverableState(Protocol):
     monitor, batch plan, version...): equal on every member at the same version, and
     ``load_progress(p)`` makes ``progress()`` return ``p``. ``version()`` counts committed windows
     (skipped fp16 windows included). ``void_window()`` drops the in-flight window's gradients
-    (``zero_grad(set_to_none=True)``) and every reference to the DDP wrapper. ``rewrap(info)``
-    wraps DDP on the new default group and settles it (:func:`worker.recovery.rewrap.rewrap`)."""
+    (``zero_grad(set_to_none=True)``) and every reference to the DDP wrapper. ``layout()`` is the
+    digest of the DDP wrapper it still holds, settled (:func:`worker.recovery.rewrap.layout_digest`;
+    zeros: none). ``rewrap(info)`` wraps DDP on the new default group and settles it
+    (:func:`worker.recovery.rewrap.rewrap`); ``rewrap(info, keep=True)`` (every member holds a
+    settled DDP of the same layout) points the one it holds at the new group instead
+    (:func:`worker.recovery.rewrap.carry_over`)."""
 
     @property
     def model(self) -> nn.Module: ...
@@ -74,7 +78,9 @@ class RecoverableState(Protocol):
 
     def void_window(self) -> None: ...
 
-    def rewrap(self, info: GroupInfo) -> None: ...
+    def layout(self) -> bytes: ...
+
+    def rewrap(self, info: GroupInfo, *, keep: bool = False) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from worker.recovery.failure import Failure, classify
 from worker.recovery.group import GroupInfo, teardown
 from worker.recovery.plan import Policy
 from worker.recovery.recover import GroupMember, Outcome, RecoveryConfig
-from worker.recovery.rewrap import bucket_layout, rewrap
+from worker.recovery.rewrap import NO_LAYOUT, bucket_layout, rewrap
 from worker.recovery.rng import derive_window_rng
 from worker.recovery.spare import standby, warm_up
 from worker.sampler import SamplerState, indices, plan_window
@@ -88,7 +88,10 @@ class State:
         self.optimizer.zero_grad(set_to_none=True)
         self.ddp = None
 
-    def rewrap(self, info: GroupInfo) -> None:
+    def layout(self) -> bytes:
+        return NO_LAYOUT  # the driver wraps afresh at every re-formation (the trainer may carry over)
+
+    def rewrap(self, info: GroupInfo, *, keep: bool = False) -> None:
         base = DistInfo(info.rank, info.world_size, 0, "gloo", "cpu", 0, True)
         self.ddp = rewrap(self.model, info.dist_info(base), bucket_cap_mb=BUCKET_MB,
                           forward=lambda m: m(torch.zeros(1, DIM)).sum())  # fmt: skip
