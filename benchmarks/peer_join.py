@@ -9,20 +9,21 @@ the newcomer, a survivor sends it the state, and all three go on.
 
 Every window's end time comes from the workers' sample trace (``ELASTRAIN_TRACE_SAMPLES``, its
 ``t``). For each survivor: its median step time at W=2 (the 200 windows before the join), the
-longest step across the join (the longest of: its last W=2 window's end to its first W=3 window's
-end -- re-formation, transfer and one step --, and the two windows after it), and the state transfer measured by the group (rank 0's
-``peer_outcome`` phases, formed -> transferred). Targets: longest <= 2 x median + transfer;
-the newcomer trains within 2 steps of joining (its first window's step against the survivors'
-first W=3 step). On this 2-core machine a third process makes every step slower (3 processes
-share 2 cores), so the ratio is printed against the median step at W=2 and at W=3 (the 200
-windows from the fifth after the join). Prints each round and the medians with their spread.
+longest step across the join (the longest of: its last W=2 window's end to its first W=3
+window's end -- re-formation, transfer and one step --, and the two windows after it), and the
+state transfer measured by the group (rank 0's ``peer_outcome`` phases, formed -> transferred).
+Targets: longest <= 2 x median + transfer; the newcomer trains within 2 steps of joining (its
+first window's step against the survivors' first W=3 step). On this 2-core machine a third
+process makes every step slower (3 processes share 2 cores), so the ratio is printed against the
+median step at W=2 and at W=3 (the 200 windows from the fifth after the join). Prints each round
+and the medians with their spread.
 
 ``--shape 1:2`` joins a second node to a one-node job instead (3 micro-steps a rank at both
 sizes): every process has a core of its own here, but the step at W=1 has no all-reduce, so the
-step after the join is longer by one (about 1.6x here). ``floor_ratio``: a join that costs nothing of its own
-(the transfer, then one median step at the new size) against the same bound -- the ratio's floor
-on this machine; what is above it is the join's own cost (re-formation, DDP wrap and settle,
-a first window slower than the median).
+step after the join is longer by one (about 1.6x here). ``floor_ratio``: a join that costs
+nothing of its own (the transfer, then one median step at the new size) against the same bound
+-- the ratio's floor on this machine; what is above it is the join's own cost (re-formation, DDP
+wrap and settle where it is not carried over, a first window slower than the median).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str,
     joined = [e for e in events if e["event"] == "peer_outcome" and e.get("world_size") == high]
     phases = joined[0]["phases"] if joined else {}
     transfer = (phases["transferred"] - phases["formed"]) if {"formed", "transferred"} <= set(phases) else 0.0
+    moved = [e for e in events if e["event"] == "state_transferred" and e.get("receivers")]
+    carried = [e for e in events if e["event"] == "state_transferred" and "ddp_carried_over" in e]
     median, median3 = max(medians), max(medians3)
     marks = [("window_end", max(last2))] + [
         (k, phases[k]) for k in ("detected", "formed", "transferred", "ready") if k in phases
@@ -124,6 +127,8 @@ def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str,
         "p90_step_after_s": round(max(p90s), 4),
         "longest_step_s": round(max(longest), 4),
         "transfer_s": round(transfer, 4),
+        "transfer_mb": round(moved[-1]["bytes"] / 1e6, 2) if moved else 0.0,
+        "ddp_carried_over": bool(carried and carried[-1]["ddp_carried_over"]),
         "bound_s": round(2 * median + transfer, 4),
         "ratio": round(max(longest) / (2 * median + transfer), 3),
         "ratio_after": round(max(longest) / (2 * median3 + transfer), 3),
@@ -163,7 +168,8 @@ def main() -> int:
     print(f"  survivors' median step s {spread(by_key['median_step_s'], 3)} at W={low}, "
           f"{spread(by_key['median_step_after_s'], 3)} at W={high}")  # fmt: skip
     print(f"  longest step across the join s {spread(by_key['longest_step_s'], 3)}")
-    print(f"  state transfer s {spread(by_key['transfer_s'], 3)}")
+    print(f"  state transfer s {spread(by_key['transfer_s'], 3)} of MB {by_key['transfer_mb']}; "
+          f"DDP carried over: {by_key['ddp_carried_over']}")  # fmt: skip
     print(f"  longest / (2 x median + transfer) {spread(by_key['ratio'], 3)}  (target <= 1)")
     print(f"  the same with the median step at W={high} {spread(by_key['ratio_after'], 3)}")
     print(f"  floor: (transfer + the median step at W={high}) / the same bound "

@@ -139,6 +139,10 @@ def main() -> int:
         print(f"  steady samples/s restart {[round(r) for r in rates['restart']]}")
         print(f"  steady samples/s peer    {[round(r) for r in rates['peer']]}")
         print(f"  ratio peer/restart (medians): {steady_ratio:.3f}  (target >= 0.98)")
+        # each round's peer run against the restart run next to it (the rounds drift together)
+        paired = [p / r for p, r in zip(rates["peer"], rates["restart"], strict=True)]
+        shown = [round(x, 3) for x in paired]
+        print(f"  per round, peer / the restart run beside it: {spread(paired, 3)} {shown}")
     return 0
 
 
