@@ -23,6 +23,7 @@ import xxhash
 from worker.recovery import agree
 from worker.recovery.group import GroupInfo, destroy_subgroup, subgroup
 from worker.recovery.plan import Source, Summary, choose_source
+from worker.recovery.rewrap import NO_LAYOUT
 from worker.recovery.seam import RecoverableState
 from worker.recovery.transfer import transfer
 
@@ -53,7 +54,7 @@ class Holding:
     in_window: bool
     last_generation: int
     spec_hash: str
-    layout: bytes = NO_DIGEST
+    layout: bytes = NO_LAYOUT
 
 
 def _summary(state: RecoverableState, info: GroupInfo, mine: Holding) -> tuple[Summary, dict[str, Any]]:
