@@ -77,9 +77,7 @@ def gather_summaries(mine: Summary, *, device: str = "cpu") -> list[Summary]:
     return [decode_summary(rank, [int(v) for v in t.tolist()]) for rank, t in enumerate(out)]
 
 
-def agree_digests(
-    ok: bool, digest: bytes, *, layout: bytes = bytes(16), device: str = "cpu"
-) -> tuple[bool, bool]:
+def agree_digests(ok: bool, digest: bytes, *, layout: bytes, device: str = "cpu") -> tuple[bool, bool]:
     """One all_gather of ``(ok, digest, layout)``: whether every member is ``ok`` and holds
     ``digest``, and whether every member reports the same real DDP bucket ``layout`` (a digest;
     zeros: none); the same two answers on every member."""

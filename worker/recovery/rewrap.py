@@ -96,15 +96,13 @@ def layout_digest(ddp: DistributedDataParallel | None) -> bytes:
     return xxhash.xxh3_128(layout.encode()).digest() if layout else NO_LAYOUT
 
 
-def prepare(ddp: DistributedDataParallel, forward: Forward) -> bytes:
+def prepare(ddp: DistributedDataParallel, forward: Forward) -> None:
     """Settle a newcomer's DDP in its private world of one until it reports its rebuilt layout
-    (zero-loss iterations, see :func:`settle`); returns :func:`layout_digest`."""
+    (zero-loss iterations, see :func:`settle`; at most :data:`PREPARE_ITERATIONS`)."""
     for _ in range(PREPARE_ITERATIONS):
-        digest = layout_digest(ddp)
-        if digest != NO_LAYOUT:
-            return digest
+        if bucket_layout(ddp):
+            return
         settle(ddp, forward)
-    return layout_digest(ddp)
 
 
 def carry_over(ddp: DistributedDataParallel) -> None:

@@ -26,7 +26,6 @@ def _member(rank: int, path: str, port: int, out: Any) -> None:
 
     import torch
     import torch.distributed as dist
-    import xxhash
     from torch import nn
 
     from worker.dist import DistInfo
@@ -76,8 +75,7 @@ def _member(rank: int, path: str, port: int, out: Any) -> None:
     with torch.no_grad():
         for p in model.parameters():
             dist.broadcast(p, 0)
-    digest = xxhash.xxh3_128(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).digest()
-    agreed, keep = agree.agree_digests(True, digest, layout=layout_digest(ddp))
+    agreed, keep = agree.agree_digests(True, agree.state_digest(model, optimizer), layout=layout_digest(ddp))
     assert agreed
     if path == "carry":
         assert keep, "the survivors and the prepared newcomer report the same bucket layout"
@@ -87,8 +85,7 @@ def _member(rank: int, path: str, port: int, out: Any) -> None:
         ddp = rewrap(model, info(rank, 3), bucket_cap_mb=BUCKET_MB, forward=probe)
     for index in range(4, 10):
         step(ddp, index, 3)
-    final = xxhash.xxh3_128(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    out.put((rank, final, keep))
+    out.put((rank, agree.state_digest(model, optimizer).hex(), keep))
     del ddp
     teardown()
 
