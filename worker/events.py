@@ -28,8 +28,17 @@ class Events:
     def emit(self, event: str, **fields: Any) -> None:
         for sink in self.sinks:
             sink(event, fields)
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._write(event, fields)
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Like :meth:`emit`, but said whatever this rank: what only this process knows (in peer
+        mode, a recovery as its leader decided and timed it; the leader is not always rank 0)."""
+        for sink in self.sinks:
+            sink(event, fields)
+        self._write(event, fields)
+
+    def _write(self, event: str, fields: dict[str, Any]) -> None:
         record = {"event": event, "job": self.job, "time": round(time.time(), 3), **fields}
         line = json.dumps(record, sort_keys=False, default=str) + "\n"
         sys.stdout.write(line)

@@ -11,9 +11,11 @@ classified *inside* the ``except`` block and handled *outside* it: the window is
 size, batch plan, checkpointer, feed, the rank-0 reporter). A planned re-formation (joiners
 waiting) takes the same path at a window boundary.
 
-The service hears of each incident from the new generation's rank 0 (the peer contract):
-``recovery`` ``started`` once the group formed and holds the agreed state, ``done`` at its first
-committed step, and ``spare_promoted`` for a spare that took a lost member's slot.
+The service hears of each incident from the recovery's leader (the peer contract; the leader
+decided and timed it, and is not always rank 0: a replacement takes the lost rank, rank 0
+included): ``recovery`` ``started`` once the group formed and holds the agreed state, ``done``
+at its first committed step, and ``spare_promoted`` for a spare that took a lost member's slot.
+The leader writes them to the run's event log whatever its rank (:meth:`Events.record`).
 """
 
 from __future__ import annotations
@@ -287,12 +289,12 @@ class PeerLoop:
         return (t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0) - before
 
     def _remember_slots(self) -> None:
-        """Every member's node index (etcd ``members/``), read by rank 0 once per generation,
+        """Every member's node index (etcd ``members/``), read by the leader once per generation,
         after its first step (5-10 ms of etcd that were in the first window after a join), and
         again when a lost member's slot is unknown (it was lost before its generation's first
         step: its entry outlives it by its lease). A lost member's slot is what a promoted spare
         fills."""
-        if self.trainer.info.rank != 0:
+        if not self.member.is_leader:
             return
         with contextlib.suppress(ElastrainError, ValueError):  # etcd away, or a record it cannot read
             found = {m: i.node_index for m, i in self.member.membership.members().items()}
@@ -301,7 +303,7 @@ class PeerLoop:
     def _report_started(self, outcome: Outcome, old: GenRecord, failure: Failure, read: int) -> None:
         info = outcome.info
         assert info is not None
-        if info.rank != 0:
+        if not self.member.is_leader:
             return
         decided = self.member.resolver.decisions if self.member.resolver is not None else []
         lost_ranks = [old.members.index(m) for m in outcome.lost if m in old.members]
@@ -316,9 +318,9 @@ class PeerLoop:
             "transferred_at": phases.get("transferred"), "source_rank": outcome.source_rank,
             "bytes_from_peers": outcome.bytes_from_peers, "bytes_from_storage": max(read, 0),
             "voided_windows": outcome.voided_windows, "world_before": max(len(old.members), 1),
-            "world_after": info.world_size, "step": self.trainer.progress.step, "rank": 0,
+            "world_after": info.world_size, "step": self.trainer.progress.step, "rank": info.rank,
         }  # fmt: skip
-        self.trainer.events.emit("recovery", phase="started", **report)
+        self.trainer.events.record("recovery", phase="started", **report)
         self.pending = report
         self._report_promoted(outcome, old, info)
 
@@ -336,15 +338,17 @@ class PeerLoop:
             if launch and launch in old.launch_ids:  # the lost node's own agent respawned it: no spare
                 continue
             if slot is None or not launch:
-                self.trainer.events.emit("spare_slot_unknown", member=spare, lost=gone)
+                self.trainer.events.record("spare_slot_unknown", member=spare, lost=gone)
                 continue
-            self.trainer.events.emit("spare_promoted", launch_id=launch, node_index=slot, rank=rank)
+            self.trainer.events.record("spare_promoted", launch_id=launch, node_index=slot, rank=rank)
             self.slots[spare] = slot
 
     def _first_step(self) -> None:
         report, self.pending = self.pending, None
-        if report is not None and self.trainer.info.rank == 0:
-            self.trainer.events.emit("recovery", **(report | {"phase": "done", "first_step_at": time.time()}))
+        if report is not None:  # the leader's (see _report_started)
+            self.trainer.events.record(
+                "recovery", **(report | {"phase": "done", "first_step_at": time.time()})
+            )
         self._remember_slots()  # after the generation's first step: not on a join's or recovery's path
 
 

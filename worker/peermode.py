@@ -85,7 +85,7 @@ def config(
 
 
 def member(
-    cfg: RecoveryConfig, info: DistInfo, env: Mapping[str, str], *, on_event: EventSink
+    cfg: RecoveryConfig, info: DistInfo, env: Mapping[str, str], *, on_event: EventSink, on_record: EventSink
 ) -> GroupMember:
     """This process in the group, registered and listening (etcd from the launch environment)."""
     from worker.recovery.etcdkv import from_env
@@ -94,7 +94,7 @@ def member(
     node_index = int(raw_index) if raw_index.isdigit() else 0
     group_member = GroupMember(
         cfg, kv=from_env(env), role=role(env), launch_id=env.get("ELASTRAIN_LAUNCH_ID", ""),
-        node_index=node_index, local_rank=info.local_rank, on_event=on_event,
+        node_index=node_index, local_rank=info.local_rank, on_event=on_event, on_record=on_record,
     )  # fmt: skip
     group_member.start()
     return group_member

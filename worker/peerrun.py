@@ -50,6 +50,9 @@ def run_peer(
     def on_event(name: str, fields: dict[str, object]) -> None:
         events.emit(name, **fields)
 
+    def on_record(name: str, fields: dict[str, object]) -> None:
+        events.record(name, **fields)
+
     def checkpointer(seat: DistInfo, generation: int) -> Checkpointer | None:
         return _checkpointer(spec, seat, events, client, generation, timeout_s)
 
@@ -62,7 +65,7 @@ def run_peer(
             built, info, events=events, checkpointer=None, generation=0,
             metrics=WorkerMetrics.from_env(job=job, rank=info.rank, world_size=info.world_size),
         )  # fmt: skip
-        member = peermode.member(cfg, info, os.environ, on_event=on_event)
+        member = peermode.member(cfg, info, os.environ, on_event=on_event, on_record=on_record)
         loop = PeerLoop(trainer, member, checkpointer=checkpointer, forwarder=forwarder, job_id=cfg.job_id)
         if role == "spare":
             events.emit("spare_standby", member_id=member.member_id, control=member.me.control)

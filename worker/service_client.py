@@ -270,8 +270,9 @@ def from_env(env: Mapping[str, str] | None = None) -> ServiceClient | None:
 
 class EventForwarder:
     """An Events sink that turns the worker's own events into the service's callbacks. ``rank``
-    and ``world_size`` follow the group: peer mode re-seats them at every re-formation (only the
-    group's rank 0 reports)."""
+    and ``world_size`` follow the group: peer mode re-seats them at every re-formation. The
+    group's rank 0 reports, except a peer-mode recovery (``recovery``, ``spare_promoted``), which
+    its leader reports whatever its rank: only the leader knows it, and one process says it."""
 
     def __init__(self, client: ServiceClient, *, rank: int, world_size: int, env: Mapping[str, str]) -> None:
         self.client, self.rank, self.world_size = client, rank, world_size
@@ -283,6 +284,9 @@ class EventForwarder:
         client = self.client
         if event == "progress" and "step" in fields:
             client.set_step(int(fields["step"]))
+        if event in ("recovery", "spare_promoted"):  # peer mode: from the recovery's leader, any rank
+            client.event(event, **fields)
+            return
         if self.rank != 0:
             return
         if event == "run_record":
@@ -307,8 +311,6 @@ class EventForwarder:
             client.event("first_step", rank=0, step=int(fields["step"]))
         elif event == "finished":
             client.event("finished", rank=0, step=int(fields["step"]), message="training finished")
-        elif event in ("recovery", "spare_promoted"):  # peer mode: already in the contract's words
-            client.event(event, **fields)
 
 
 def forward_events(

@@ -53,9 +53,14 @@ class GroupMember:
         node_index: int = 0,
         local_rank: int = 0,
         on_event: EventSink | None = None,
+        on_record: EventSink | None = None,
     ) -> None:
+        """``on_event``: this process's events (the caller may say only rank 0's); ``on_record``:
+        the incident this process recorded as the leader, to be said whatever its rank (default:
+        ``on_event``)."""
         self.cfg = cfg
         self.emit: EventSink = on_event or (lambda name, fields: None)
+        self.emit_record: EventSink = on_record or self.emit
         hello_role = "spare" if role == "spare" else "joiner"
         self.me = MemberInfo(uuid.uuid4().hex, hello_role, "", launch_id, node_index, local_rank, 0)
         self.membership = Membership(kv, cfg.job_id)
@@ -162,6 +167,7 @@ class GroupMember:
     def _reform(self, state: RecoverableState, failure: Failure | None) -> Outcome:
         since = failure.at if failure is not None else time.time()
         in_window = failure is not None and failure.in_window
+        planned = failure is not None and failure.kind == "planned"
         old = self.record if self.record is not None and self.member_id in self.record.members else None
         first = old
         if self.resolver is not None:
@@ -175,7 +181,8 @@ class GroupMember:
             fault, handed, phases = self._run(state, order, since, in_window)
             if fault is None:
                 outcome = self._outcome(handed, order.record, first, phases, attempt)
-                if first is not None and order.record.leader == self.member_id:
+                incident = not planned or bool(outcome.lost)  # a join that lost nobody is no incident
+                if incident and first is not None and order.record.leader == self.member_id:
                     self._record_incident(outcome, first)
                 return outcome
             self.emit("recovery_retry", {"attempt": attempt, "kind": fault.kind, "error": fault.message})
@@ -288,7 +295,7 @@ class GroupMember:
                 self.emit("incident_not_recorded", {"incident": incident, "error": str(exc)[:300]})
 
         threading.Thread(target=write, name="elastrain-incident", daemon=True).start()
-        self.emit("recovery_incident", record)
+        self.emit_record("recovery_incident", record)
 
     def _failed_at(self, decided: float | None, lost: tuple[str, ...]) -> float | None:
         """The incident's start: as decided, or earlier when a lost member's last sign of life

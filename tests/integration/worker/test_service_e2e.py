@@ -254,6 +254,11 @@ def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
     seen = committed(trace)
     assert set(seen.values()) == {1}, "a sample was trained on twice in one epoch"
     assert {i for (e, i) in seen if e == 0} == set(range(1536)) and {e for e, _ in seen} == {0, 1, 2}
+    # Peer mode (auto under the service): the 2 -> 3 join is no incident in the run's report, as
+    # it is none in the job record.
+    grown = [i for i in events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "recovery_incident")
+             if i["world_after"] > i["world_before"]]  # fmt: skip
+    assert not grown and not final["recoveries"], (grown, final["recoveries"])
 
 
 def check_recovery_metrics(svc: Service, job_id: str) -> None:
@@ -273,6 +278,12 @@ def check_recovery_metrics(svc: Service, job_id: str) -> None:
     assert len(values("elastrain_job_rollback_steps_total", job_id=job_id)) == 1
     check = ensure_tools().promtool_run("check", "metrics", stdin=page.encode())
     assert check.returncode == 0 and not check.stdout.strip(), check.stdout + check.stderr
+
+
+def events_of(path: Path, name: str) -> list[dict[str, Any]]:
+    """The run's events called ``name`` (its ``events.jsonl``, what ``elastrain report`` reads)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["event"] == name]
 
 
 def svc_checkpoints(final: dict[str, Any]) -> list[dict[str, Any]]:

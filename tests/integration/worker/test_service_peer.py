@@ -24,7 +24,7 @@ import pytest
 
 from scripts.demo import alive, parent_pid, worker_pids
 from tests.integration.launch import run_worker, write_spec
-from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
+from tests.integration.worker.test_service_e2e import Service, digest, events_of, job_spec, until
 from tests.seeds import seeded
 
 pytestmark = pytest.mark.integration
@@ -98,13 +98,15 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
 
 def kill_and_finish(
-    service: Service, job_id: str, *, agent: bool = False, at: int = 15
+    service: Service, job_id: str, *, agent: bool = False, at: int = 15, node: int = 1
 ) -> tuple[dict[str, Any], float, float]:
-    """SIGKILL node 1's worker (or, with ``agent``, its torchrun agent) ``at`` steps in; the
-    survivor (node 0's worker) keeps its process through the recovery, and the victim's worker is
-    gone by the repaired group's first step. Returns the finished job, the time of the kill and
-    the time this test saw the victim's worker gone."""
-    survivor, victim = f"{job_id}-n0-a0", f"{job_id}-n1-a0"
+    """SIGKILL node ``node``'s worker (or, with ``agent``, its torchrun agent) ``at`` steps in;
+    the survivor (the other node's worker) keeps its process through the recovery, and the
+    victim's worker is gone by the repaired group's first step. The run's event log (what
+    ``elastrain report`` reads) holds that one incident, whichever rank led the recovery.
+    Returns the finished job, the time of the kill and the time this test saw the victim's
+    worker gone."""
+    survivor, victim = f"{job_id}-n{1 - node}-a0", f"{job_id}-n{node}-a0"
     until(lambda: (service.job(job_id)["step"] or 0) >= at, f"the job {at} steps in", 300)
     (survivor_pid,) = until(lambda: workers(survivor), "the survivor's worker", 30)
     (victim_pid,) = until(lambda: workers(victim), "the victim's worker", 30)
@@ -125,26 +127,32 @@ def kill_and_finish(
     (recovery,) = final["recoveries"]
     assert victim in recovery["lost"] and recovery["failed_at"] >= killed_at - 1, recovery
     assert final["restarts"] == 0, final["events"][-12:]
+    incidents = events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "recovery_incident")
+    assert [i["lost_launch_ids"] for i in incidents] == [[victim]], incidents
     return final, killed_at, gone_at
 
 
 @pytest.mark.parametrize(
-    ("spares", "variant"), [(0, "fp32"), (1, "fp16-dropout")], ids=["respawned", "spare-fp16-dropout"]
+    ("spares", "variant", "node"),
+    [(0, "fp32", 0), (1, "fp16-dropout", 1)],
+    ids=["respawned", "spare-fp16-dropout"],
 )  # fp32 with a spare: the agent-kill test below (its worker dies with its agent)
 def test_a_killed_worker_is_replaced_from_peer_memory(
-    service: Service, uninterrupted: str, spares: int, variant: str
+    service: Service, uninterrupted: str, spares: int, variant: str, node: int
 ) -> None:
     """With a spare, the spare takes the lost slot; without, the lost node's own torchrun agent
-    starts its worker again and the group waits for it (a fixed size: ``nodes`` "2")."""
+    starts its worker again and the group waits for it (a fixed size: ``nodes`` "2"). Without a
+    spare the victim is rank 0: its replacement takes rank 0 again (the numerics contract), so
+    the recovery's leader -- the survivor, which reports it -- is rank 1."""
     reference_id = reference(service, variant)
     job_id = service.submit(peer_spec(spares=spares) | VARIANTS[variant])
-    final, _, _ = kill_and_finish(service, job_id)
+    final, _, _ = kill_and_finish(service, job_id, node=node)
     expected = reference_digest(service, reference_id, uninterrupted)
     (recovery,) = final["recoveries"]
     assert recovery["kind"] == "peer", recovery
     assert recovery["bytes_from_peers"] > 0 and not recovery["bytes_from_storage"], recovery
     members = {n["index"]: n["launch_id"] for n in final["nodes"] if n["role"] == "member"}
-    assert members[1] == f"{job_id}-n{2 if spares else 1}-a0", final["nodes"]
+    assert members[node] == f"{job_id}-n{2 if spares else node}-a0", final["nodes"]
     assert digest(Path(final["checkpoint_dir"])) == expected
 
 

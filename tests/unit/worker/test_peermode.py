@@ -1,9 +1,11 @@
 """Peer mode's start from the service's launch environment (worker.peermode), the reporter that
-follows the group's rank 0 (worker.service_client.EventForwarder), and the spec fields that
-choose the mode (worker.spec_recovery)."""
+follows the group's rank 0 and its recoveries' leader (worker.service_client.EventForwarder,
+worker.events.Events.record), and the spec fields that choose the mode (worker.spec_recovery)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from worker import peermode
 from worker.dist import DistInfo
 from worker.errors import SpecError
+from worker.events import Events
 from worker.loop import merge_slots
 from worker.service_client import EventForwarder
 from worker.spec import parse_spec
@@ -106,6 +109,31 @@ def test_only_the_groups_rank_0_reports_and_the_seat_follows_the_group() -> None
     forward("spare_promoted", {"launch_id": "job-1-n2-a0", "node_index": 1, "rank": 1})
     assert client.sent[0][1]["world_size"] == 3
     assert client.sent[1] == ("spare_promoted", {"launch_id": "job-1-n2-a0", "node_index": 1, "rank": 1})
+
+
+def test_a_recovery_is_reported_by_its_leader_whatever_its_rank() -> None:
+    """Rank 0 was lost and its replacement took rank 0 again: the survivor that led the recovery
+    is rank 1, and its report reaches the service (the other events stay rank 0's)."""
+    client = Client()
+    forward = EventForwarder(client, rank=1, world_size=2, env={})  # type: ignore[arg-type]
+    forward("first_step", {"step": 3})
+    forward("recovery", {"phase": "started", "incident": "job-1/g0", "rank": 1})
+    forward("spare_promoted", {"launch_id": "job-1-n2-a0", "node_index": 0, "rank": 0})
+    assert [kind for kind, _ in client.sent] == ["recovery", "spare_promoted"]
+
+
+def test_a_record_is_written_whatever_the_rank(tmp_path: Path) -> None:
+    """Events.record writes what only this process knows (the leader's incident) to the run's
+    event log even where this rank says nothing else."""
+    events = Events(enabled=False, job="job", rank=1)
+    events.log_path = tmp_path / "events.jsonl"
+    seen: list[str] = []
+    events.sinks.append(lambda name, fields: seen.append(name))
+    events.emit("progress", step=1)
+    events.record("recovery_incident", incident="g0", lost_launch_ids=["job-n0-a0"])
+    rows = [json.loads(line) for line in events.log_path.read_text().splitlines()]
+    assert [r["event"] for r in rows] == ["recovery_incident"] and rows[0]["incident"] == "g0"
+    assert seen == ["progress", "recovery_incident"], "sinks see both"
 
 
 def test_a_promoted_spare_keeps_the_slot_it_filled_across_later_reads() -> None:
