@@ -73,7 +73,6 @@ class GroupMember:
         self.host: StoreHost | None = None
         self.valid = False
         self.last_generation = -1
-        self._desired_at, self._desired = 0.0, cfg.desired_world
         self._forget_last_words: Callable[[], None] = lambda: None
 
     @property
@@ -137,14 +136,16 @@ class GroupMember:
         return self.verdict(summed, nonfinite=found, version=version)
 
     def _admission_wanted(self) -> bool:
-        """The leader asks for a re-formation when joiners wait and the group is below target."""
-        if not self.hub.waiting("joiner"):
+        """The leader asks for a re-formation when joiners wait and the group is below target,
+        once the re-formation's reads are done ahead (:meth:`Resolver.ahead`: a window or two
+        later, off this thread)."""
+        if not self.hub.waiting("joiner") or self.resolver is None:
             return False
-        now = time.time()
-        if now - self._desired_at > 2.0 and self.resolver is not None:
-            self._desired_at, self._desired = now, self.resolver.desired_world_now()
+        ahead = self.resolver.ahead()
+        if ahead is None:
+            return False
         assert self.record is not None
-        target = self.cfg.policy.fit(self._desired or self.cfg.policy.max_world)
+        target = self.cfg.policy.fit(ahead.desired or self.cfg.policy.max_world)
         return target > self.record.world_size
 
     # -- joining and recovering ----------------------------------------------------------------
@@ -208,7 +209,8 @@ class GroupMember:
             version = state.version() if self.valid else 0
             error = failure.message if failure is not None else ""
             checkin = Checkin(self.member_id, old.generation, version, self.valid, since, error, in_window)
-            return self.resolver.reform(old, self.link, checkin)
+            planned = failure is not None and failure.kind == "planned"
+            return self.resolver.reform(old, self.link, checkin, planned=planned)
         except (KeyValueUnavailable, RecordError) as exc:  # etcd away (or a record this worker cannot read)
             return Refused("fallback", f"the group's keys in etcd cannot be used: {exc}")
 
@@ -330,4 +332,6 @@ class GroupMember:
             self.server.close()
         if self.host is not None:
             self.host.close()
+        if self.resolver is not None:
+            self.resolver.close()
         self.membership.close()
