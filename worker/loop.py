@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -166,6 +167,7 @@ class PeerLoop:
         self.reform = False
         self.started = False
         self.slots: dict[str, int] = {}  # member id -> node index, for spare_promoted
+        self._slots_lock = threading.Lock()  # the read after a first step runs on a thread
         self.pending: dict[str, Any] | None = None  # the recovery report awaiting its first step
         trainer.commit = self
         trainer.window_rng = self._derive
@@ -289,16 +291,16 @@ class PeerLoop:
         return (t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0) - before
 
     def _remember_slots(self) -> None:
-        """Every member's node index (etcd ``members/``), read by the leader once per generation,
-        after its first step (5-10 ms of etcd that were in the first window after a join), and
-        again when a lost member's slot is unknown (it was lost before its generation's first
-        step: its entry outlives it by its lease). A lost member's slot is what a promoted spare
-        fills."""
-        if not self.member.is_leader:
-            return
+        """Every member's node index (etcd ``members/``), read by every member once per
+        generation, on a thread after its first step (3-10 ms of etcd that were in the first
+        windows after a join): whichever member survives the next loss may lead its recovery and
+        report it. Read again when a lost member's slot is unknown (it was lost before its
+        generation's first step: its entry outlives it by its lease). A lost member's slot is what
+        a promoted spare fills."""
         with contextlib.suppress(ElastrainError, ValueError):  # etcd away, or a record it cannot read
             found = {m: i.node_index for m, i in self.member.membership.members().items()}
-            self.slots = merge_slots(self.slots, found)
+            with self._slots_lock:
+                self.slots = merge_slots(self.slots, found)
 
     def _report_started(self, outcome: Outcome, old: GenRecord, failure: Failure, read: int) -> None:
         info = outcome.info
@@ -329,7 +331,9 @@ class PeerLoop:
         assert record is not None
         lost = [m for m in old.members if m in outcome.lost]
         fresh = [m for m in record.members if m not in old.members]
-        if any(gone not in self.slots for gone in lost):
+        with self._slots_lock:
+            unknown = any(gone not in self.slots for gone in lost)
+        if unknown:
             self._remember_slots()
         for spare, gone in zip(fresh, lost, strict=False):
             slot = self.slots.get(gone)
@@ -341,7 +345,8 @@ class PeerLoop:
                 self.trainer.events.record("spare_slot_unknown", member=spare, lost=gone)
                 continue
             self.trainer.events.record("spare_promoted", launch_id=launch, node_index=slot, rank=rank)
-            self.slots[spare] = slot
+            with self._slots_lock:
+                self.slots[spare] = slot
 
     def _first_step(self) -> None:
         report, self.pending = self.pending, None
@@ -349,7 +354,9 @@ class PeerLoop:
             self.trainer.events.record(
                 "recovery", **(report | {"phase": "done", "first_step_at": time.time()})
             )
-        self._remember_slots()  # after the generation's first step: not on a join's or recovery's path
+        # the generation's slots, read after its first step on a thread: not on a join's or a
+        # recovery's path (3-7 ms of etcd in the first window after a join here)
+        threading.Thread(target=self._remember_slots, name="elastrain-slots", daemon=True).start()
 
 
 def _describe(outcome: Outcome) -> dict[str, Any]:
