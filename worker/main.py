@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, NoReturn
 from worker.errors import ElastrainError, SpecError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from worker.build import Built
     from worker.checkpoint import Checkpointer
     from worker.dist import DistInfo
@@ -247,10 +249,12 @@ def _checkpointer(
     client: ServiceClient | None,
     generation: int,
     timeout_s: float,
+    abandon: Callable[[], str | None] | None = None,
 ) -> Checkpointer | None:
     """The job's checkpointer (the service coordinates publishing when it launched us), or None
     when the spec has no checkpoint directory. Its waits for the other ranks (the restore
-    agreement, a save's reports) end after the collective timeout, like a collective's."""
+    agreement, a save's reports) end after the collective timeout, like a collective's, or, for
+    a save's outcome, once ``abandon`` gives a reason (see :class:`HttpCoordinator`)."""
     if spec.checkpoint.dir is None:
         return None
     from worker.checkpoint import Checkpointer
@@ -269,7 +273,7 @@ def _checkpointer(
         parallelism=spec.parallelism,
         seed=spec.seed,
         run_record={},
-        coordinator=HttpCoordinator(client) if client is not None else None,
+        coordinator=HttpCoordinator(client, abandon=abandon) if client is not None else None,
         timeout_s=timeout_s,
         on_event=lambda name, fields: events.emit(name, **fields),
     )

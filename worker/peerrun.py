@@ -54,7 +54,8 @@ def run_peer(
         events.record(name, **fields)
 
     def checkpointer(seat: DistInfo, generation: int) -> Checkpointer | None:
-        return _checkpointer(spec, seat, events, client, generation, timeout_s)
+        lost = member.lost_member if member is not None else None
+        return _checkpointer(spec, seat, events, client, generation, timeout_s, abandon=lost)
 
     trainer: Trainer | None = None
     member = None

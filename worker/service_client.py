@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,9 +195,15 @@ class ServiceClient:
 class HttpCoordinator:
     """The control plane's checkpoint coordinator, seen from a rank (see worker.checkpoint)."""
 
-    def __init__(self, client: ServiceClient, *, retry_s: float = 0.5) -> None:
+    def __init__(
+        self, client: ServiceClient, *, retry_s: float = 0.5, abandon: Callable[[], str | None] | None = None
+    ) -> None:
+        """``abandon``: asked while this rank waits for an outcome; a reason (peer mode: a member
+        of the group is gone, so the round cannot complete before the group re-forms) ends the
+        wait at once as an abort, where it would otherwise last to the collective timeout."""
         self.client = client
         self.retry_s = retry_s
+        self.abandon = abandon
 
     def report(self, report: Report, *, seq: int) -> None:
         """Deliver the phase-1 report, retrying a while: the service may be restarting (5xx, no
@@ -226,24 +232,44 @@ class HttpCoordinator:
     def outcome(self, step: int, generation: int, *, seq: int, timeout: float) -> Outcome:
         """Poll until the service says published or aborted; no answer in time means abort."""
         deadline = time.monotonic() + timeout
-        url = f"{self.client.base}/workers/checkpoints/{step}"
         while time.monotonic() < deadline:
-            try:
-                answer = self.client.http.get(url, params={"generation": generation, "seq": seq})
-                if answer.status_code == 200:
-                    raw = answer.json()
-                    if raw.get("status") in ("published", "aborted"):
-                        return Outcome(
-                            published=raw["status"] == "published",
-                            step=step,
-                            generation=generation,
-                            reason=str(raw.get("reason", "")),
-                            path=raw.get("path"),
-                        )
-            except (httpx.HTTPError, ValueError) as exc:
-                log.warning("checkpoint outcome for step %s unknown yet: %s", step, exc)
-            time.sleep(self.retry_s)
+            answer = self._ask(step, generation, seq)
+            if answer is not None:
+                return answer
+            reason = self._pause(min(self.retry_s, max(deadline - time.monotonic(), 0.0)))
+            if reason is not None:  # the service's answer wins if it has one (a member that saw
+                # "published" may have finished and gone before this rank's next poll)
+                return self._ask(step, generation, seq) or Outcome(False, step, generation, reason)
         return Outcome(False, step, generation, f"no answer from the service within {timeout:.0f}s")
+
+    def _ask(self, step: int, generation: int, seq: int) -> Outcome | None:
+        """The service's final answer for the round, or None (pending, or no answer)."""
+        url = f"{self.client.base}/workers/checkpoints/{step}"
+        try:
+            answer = self.client.http.get(url, params={"generation": generation, "seq": seq})
+            if answer.status_code == 200:
+                raw = answer.json()
+                if raw.get("status") in ("published", "aborted"):
+                    return Outcome(
+                        published=raw["status"] == "published",
+                        step=step,
+                        generation=generation,
+                        reason=str(raw.get("reason", "")),
+                        path=raw.get("path"),
+                    )
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("checkpoint outcome for step %s unknown yet: %s", step, exc)
+        return None
+
+    def _pause(self, seconds: float) -> str | None:
+        """Sleep between polls, asking ``abandon`` every 20 ms; its reason, if it gives one."""
+        end = time.monotonic() + seconds
+        while True:
+            reason = self.abandon() if self.abandon is not None else None
+            left = end - time.monotonic()
+            if reason is not None or left <= 0:
+                return reason
+            time.sleep(min(left, 0.02) if self.abandon is not None else left)
 
 
 def attempt_id(env: Mapping[str, str], generation: int | None) -> str:

@@ -236,6 +236,11 @@ class Hub:
         with self.cond:
             return {m for m, c in self.checkins.items() if c.generation == generation}
 
+    def gone(self, record: GenRecord) -> str | None:
+        """A member of ``record`` (not this process) whose connection here ended, or None."""
+        with self.cond:
+            return next((m for m in record.members if m in self.closed and m not in self.conns), None)
+
     def waiting(self, role: str) -> int:
         """Connected newcomers of ``role`` (``joiner``: the leader admits them; ``spare``: standing
         by) that are not members of the current generation."""

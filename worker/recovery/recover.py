@@ -108,6 +108,20 @@ class GroupMember:
     def is_leader(self) -> bool:
         return self.record is not None and self.record.leader == self.member_id
 
+    def lost_member(self) -> str | None:
+        """Why this generation cannot complete a save any more, or None: a member known gone
+        (the leader's connection ended, or, on the leader, a member's). A save waiting for the
+        service stops waiting then; the next collective fails and the group re-forms. A member
+        that is not the leader learns only of the leader's end this way (it is connected to the
+        leader alone); the leader's own wait ends, and its next collective fails the others'."""
+        record = self.record
+        if record is None:
+            return None
+        if self.link is not None and not self.link.alive:
+            return f"the group lost its leader ({record.leader[:8]}): the save cannot complete"
+        gone = self.hub.gone(record)
+        return f"the group lost member {gone[:8]}: the save cannot complete" if gone is not None else None
+
     def mark_valid(self) -> None:
         """The caller restored its state from storage (after a ``storage`` outcome)."""
         self.valid = True

@@ -199,3 +199,27 @@ def test_a_corrupt_transfer_falls_back_to_the_checkpoint_in_process(
     (recovery,) = final["recoveries"]
     assert recovery["kind"] == "storage" and recovery["bytes_from_storage"] > 0, recovery
     assert digest(Path(final["checkpoint_dir"])) == uninterrupted
+
+
+def test_a_loss_while_a_save_waits_for_the_service_ends_the_wait(tmp_path: Path, uninterrupted: str) -> None:
+    """Node 1's worker is SIGKILLed while both ranks hold their step-20 save's report (failpoint
+    ``before_report``, 3 s, the second save of each process). The survivor then reports and waits
+    for the service's answer, which cannot come (the victim never reports): it stops waiting as
+    soon as it knows the group lost a member (its control connection ended), not after the
+    collective timeout (60 s, when the save's wait was blind to the loss), the save is aborted
+    with that reason, and the spare takes the slot from the survivor's memory."""
+    service = start(tmp_path, f"{SLOW},before_report=sleep:3#2")
+    try:
+        job_id = service.submit(peer_spec(spares=1))
+        paused = lambda: "elastrain failpoint before_report: sleep" in service.node_logs(job_id)  # noqa: E731
+        until(paused, "the step-20 save's reports held", 300)
+        final, _, _ = kill_and_finish(service, job_id, at=0)
+    finally:
+        service.stop()
+    aborted = events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "checkpoint_aborted")
+    reasons = [a["reason"] for a in aborted]
+    assert any(r.startswith("the group lost") for r in reasons), reasons
+    assert not any("no answer from the service" in r for r in reasons), reasons
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "peer", recovery
+    assert digest(Path(final["checkpoint_dir"])) == uninterrupted

@@ -172,3 +172,41 @@ def test_a_report_the_service_throttles_is_sent_again_after_its_retry_after() ->
 def test_finite_replaces_only_non_finite_numbers() -> None:
     value = {"a": [1.0, float("nan"), (float("-inf"), 2)], "b": {"c": float("inf"), "d": "x"}, "e": 3}
     assert finite(value) == {"a": [1.0, None, [None, 2]], "b": {"c": None, "d": "x"}, "e": 3}
+
+
+def outcome_client(statuses: list[str]) -> tuple[ServiceClient, list[str]]:
+    """A client whose service answers the outcome polls with ``statuses`` in turn (then the last)."""
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        status = statuses[min(len(asked), len(statuses) - 1)]
+        asked.append(status)
+        return httpx.Response(200, json={"status": status, "reason": f"service says {status}"})
+
+    return ServiceClient(
+        CFG, heartbeat_s=3600, progress_s=3600, transport=httpx.MockTransport(handler)
+    ), asked
+
+
+def test_a_save_stops_waiting_when_the_group_lost_a_member() -> None:
+    """Peer mode: a member is gone, so the round cannot complete before the group re-forms; the
+    wait ends as an abort with that reason at the next look, not at the timeout."""
+    client, asked = outcome_client(["pending"])
+    lost: list[str | None] = [None, None, "the group lost member ab12cd34: the save cannot complete"]
+    coordinator = HttpCoordinator(
+        client, retry_s=0.01, abandon=lambda: lost.pop(0) if len(lost) > 1 else lost[0]
+    )
+    outcome = coordinator.outcome(20, 3, seq=1, timeout=600.0)
+    client.close()
+    assert not outcome.published and outcome.reason.startswith("the group lost member ab12cd34")
+    assert asked and set(asked) == {"pending"}
+
+
+def test_the_services_answer_wins_over_a_loss_seen_after_it() -> None:
+    """A member that saw "published" finished and went before this rank's next poll: its end is
+    no reason to call a published save aborted."""
+    client, _ = outcome_client(["pending", "published"])
+    coordinator = HttpCoordinator(client, retry_s=0.01, abandon=lambda: "the group lost member x")
+    outcome = coordinator.outcome(20, 3, seq=1, timeout=600.0)
+    client.close()
+    assert outcome.published and outcome.reason == "service says published"
