@@ -59,6 +59,8 @@ ROWS: dict[str, str] = {
     "peer-sigstop-fenced": R + "test_peer_faults.py::test_a_stalled_rank_is_fenced_when_it_wakes",
     "peer-two-ranks": R + "test_peer_faults.py::test_two_ranks_killed_at_once_shrink_to_one",
     "peer-agent-kill": W + "test_service_peer.py::test_a_killed_agent_is_one_recovery_timed_from_the_kill",
+    "peer-kill-in-save-wait": W
+    + "test_service_peer.py::test_a_loss_while_a_save_waits_for_the_service_ends_the_wait",
 }
 
 
