@@ -45,6 +45,7 @@ class Hub:
         self.infos: dict[str, MemberInfo] = {}  # every process that said hello, as it did
         self.current: GenRecord | None = None  # the formed generation this process belongs to
         self.mode = IDLE
+        self.changes = 0  # counts what the leader waits for (hellos, ends, check-ins): see wait()
 
     # -- the control server's callbacks (connection threads) --------------------------------
     def on_hello(self, conn: Conn) -> None:
@@ -54,7 +55,7 @@ class Hub:
             self.infos[conn.peer.member_id] = conn.peer
             self.closed.pop(conn.peer.member_id, None)
             self.byes.pop(conn.peer.member_id, None)
-            self.cond.notify_all()
+            self._changed()
             turned_away = self.mode == FOLLOWING and conn.peer.role in ("spare", "joiner")
         if old is not None and old is not conn:
             old.close()
@@ -67,7 +68,7 @@ class Hub:
             if self.conns.get(member) is conn:
                 del self.conns[member]
                 self.closed[member] = min(when, self.byes.pop(member, when))
-                self.cond.notify_all()
+                self._changed()
 
     def lost_link(self, member_id: str, link: Ended) -> None:
         """This process's own connection to ``member_id`` (the old leader): its end is the
@@ -79,7 +80,7 @@ class Hub:
                 self.links.setdefault(member_id, link)
                 if link.lost_at is not None:
                     self.closed.setdefault(member_id, link.lost_at)
-                self.cond.notify_all()
+                self._changed()
 
     def last_sign(self, lost: tuple[str, ...]) -> float | None:
         """The earliest last sign of life this process knows of the ``lost`` members (their
@@ -125,7 +126,7 @@ class Hub:
             if self.mode == FOLLOWING:
                 return {"t": "not_leader"}
             self.checkins[checkin.member_id] = checkin
-            self.cond.notify_all()
+            self._changed()
             return {"t": "ack"}  # alive; the answer comes when this process has decided
 
     # -- the training thread ---------------------------------------------------------------
@@ -191,9 +192,19 @@ class Hub:
             times = [c.failed_at for c in self.checkins.values() if c.generation == old.generation]
         return min([*times, since])
 
-    def wait(self, timeout: float) -> None:
+    def _changed(self) -> None:
+        """Under ``cond``: something a waiting leader decides on changed."""
+        self.changes += 1
+        self.cond.notify_all()
+
+    def wait(self, timeout: float, *, seen: int) -> bool:
+        """Until something changes after ``seen`` (the :attr:`changes` the caller read before
+        its view), or ``timeout``. A change between the view and this wait ends it at once: the
+        leader no longer sleeps through a check-in that came in meanwhile (it did, up to 0.5 s,
+        once the read-ahead brought it to its decision before the members' check-ins). Whether
+        something changed."""
         with self.cond:
-            self.cond.wait(max(timeout, 0.0))
+            return self.cond.wait_for(lambda: self.changes != seen, max(timeout, 0.0))
 
     def announce(self, record: GenRecord, *, leaving: tuple[str, ...]) -> list[str]:
         """Send ``form`` to the new generation's members and ``leave`` to those left out;

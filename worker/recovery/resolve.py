@@ -280,6 +280,7 @@ class Resolver:
         probed, read = 0.0, time.time()  # probe at the first wait, read etcd after 2 s
         while True:
             now = time.time()
+            seen = self.hub.changes  # before the view: a change after it ends the wait below
             view = self.hub.view(old, dead=dead, since=since, desired_world=desired)
             decision = decide(view, self.policy, now)
             if isinstance(decision, Fallback):
@@ -299,7 +300,7 @@ class Resolver:
                 current, _ = self._read()
                 if current is not None and current.generation > old.generation:
                     return self._stale(current)
-            self.hub.wait(min(decision.until, now + 0.5) - now)
+            self.hub.wait(min(decision.until, now + 0.5) - now, seen=seen)
 
     def _commit(
         self, decision: Form, old: GenRecord | None, current: GenRecord | None, revision: int, since: float

@@ -171,3 +171,16 @@ def test_a_link_closed_by_this_member_is_no_sign_of_the_leaders_death() -> None:
     assert link.recv(5) is None
     assert link.closed_at is not None and link.lost_at is None
     right.close()
+
+
+def test_a_checkin_between_the_view_and_the_wait_ends_the_wait() -> None:
+    """The leader reads ``changes``, takes its view (b has not checked in: wait), and b's
+    check-in lands before the leader waits: the wait returns at once instead of sleeping through
+    it (without the count it slept its whole timeout, 0.5 s in the resolver; 60 s here)."""
+    b = FakeConn("b")
+    hub = hub_with(b, FakeConn("c"))
+    seen = hub.changes
+    assert "b" not in hub.view(RECORD, dead=set(), since=5.0, desired_world=None).checked_in
+    checkin(hub, b)
+    assert hub.wait(60.0, seen=seen), "the check-in after the view is a change"
+    assert not hub.wait(0.0, seen=hub.changes), "nothing new since: the wait times out"
