@@ -355,7 +355,7 @@ class PeerLoop:
                 "recovery", **(report | {"phase": "done", "first_step_at": time.time()})
             )
         # the generation's slots, read after its first step on a thread: not on a join's or a
-        # recovery's path (3-7 ms of etcd in the first window after a join here)
+        # recovery's path (3-10 ms of etcd in the first windows after a join here)
         threading.Thread(target=self._remember_slots, name="elastrain-slots", daemon=True).start()
 
 

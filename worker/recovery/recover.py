@@ -111,9 +111,10 @@ class GroupMember:
     def lost_member(self) -> str | None:
         """Why this generation cannot complete a save any more, or None: a member known gone
         (the leader's connection ended, or, on the leader, a member's). A save waiting for the
-        service stops waiting then; the next collective fails and the group re-forms. A member
-        that is not the leader learns only of the leader's end this way (it is connected to the
-        leader alone); the leader's own wait ends, and its next collective fails the others'."""
+        service stops waiting then; the next collective fails and the group re-forms. Not
+        covered: a member that is not the leader is connected to the leader alone, so at three
+        members or more it does not learn this way that another such member was lost; its wait
+        still ends at the collective timeout (every two-member group is covered)."""
         record = self.record
         if record is None:
             return None
