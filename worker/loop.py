@@ -37,7 +37,7 @@ from worker.errors import ElastrainError
 from worker.feed import Feed, make_feed
 from worker.objective import call_model
 from worker.progress import Progress
-from worker.recovery.failure import Failure, classify
+from worker.recovery.failure import Failure, classify, is_incident
 from worker.recovery.group import GroupInfo, teardown
 from worker.recovery.records import GenRecord
 from worker.recovery.recover import GroupMember, Outcome
@@ -207,7 +207,7 @@ class PeerLoop:
             old = self.member.record
             # outside the except block: DDP, its group and sockets go now (a planned re-formation
             # keeps the settled DDP: nothing is in flight, and every member may carry it over)
-            self.state.void_window(keep_ddp=failure.kind == "planned")
+            self.state.void_window(keep_ddp=failure.is_planned)
             teardown()
             self._settle(self.member.recover(self.state, failure), old, failure)
         fields = trainer._finish()
@@ -255,7 +255,7 @@ class PeerLoop:
         read = 0
         if outcome.kind == "storage":
             read = self._restore(info)
-        if failure is not None and old is not None and (failure.kind != "planned" or outcome.lost):
+        if failure is not None and old is not None and is_incident(failure, outcome.lost):
             self._report_started(outcome, old, failure, read)
 
     def _seat(self, info: GroupInfo) -> None:

@@ -50,9 +50,20 @@ class Failure:
     def recoverable(self) -> bool:
         return self.kind != "fatal"
 
+    @property
+    def is_planned(self) -> bool:
+        return self.kind == "planned"
+
     @staticmethod
     def planned(*, at: float | None = None) -> Failure:
         return Failure("planned", time.time() if at is None else at, "planned re-formation", in_window=False)
+
+
+def is_incident(failure: Failure, lost: tuple[str, ...]) -> bool:
+    """Whether a re-formation after ``failure`` that lost the members ``lost`` is an incident --
+    recorded by its leader and reported to the service: any failure, and a planned
+    re-formation (a join) only when it lost a member too. Pure."""
+    return not failure.is_planned or bool(lost)
 
 
 def classify(exc: BaseException, *, in_window: bool = True, at: float | None = None) -> Failure:

@@ -154,7 +154,7 @@ class Hub:
         with self.cond:
             checked = {m for m, c in self.checkins.items() if c.generation == generation and m in members}
             checked.add(self.me.member_id)
-            gone = set(dead) | {m for m in members if m in self.closed and m not in self.conns}
+            gone = set(dead) | set(self._ended(members))
             for c in self.checkins.values():
                 if c.generation == generation:
                     gone |= set(c.dead)
@@ -250,7 +250,11 @@ class Hub:
     def gone(self, record: GenRecord) -> str | None:
         """A member of ``record`` (not this process) whose connection here ended, or None."""
         with self.cond:
-            return next((m for m in record.members if m in self.closed and m not in self.conns), None)
+            return next(iter(self._ended(record.members)), None)
+
+    def _ended(self, members: tuple[str, ...]) -> list[str]:
+        """Under ``cond``: the ``members`` whose connection here ended (and did not come back)."""
+        return [m for m in members if m in self.closed and m not in self.conns]
 
     def waiting(self, role: str) -> int:
         """Connected newcomers of ``role`` (``joiner``: the leader admits them; ``spare``: standing

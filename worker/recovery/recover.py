@@ -26,7 +26,7 @@ from typing import Any
 
 from worker import lifeline
 from worker.recovery.control import ControlServer, Link
-from worker.recovery.failure import Failure, classify
+from worker.recovery.failure import Failure, classify, is_incident
 from worker.recovery.group import Group, GroupInfo, StoreHost, form, teardown
 from worker.recovery.handover import Handed, Holding, hand_over
 from worker.recovery.hub import Hub
@@ -183,7 +183,7 @@ class GroupMember:
     def _reform(self, state: RecoverableState, failure: Failure | None) -> Outcome:
         since = failure.at if failure is not None else time.time()
         in_window = failure is not None and failure.in_window
-        planned = failure is not None and failure.kind == "planned"
+        cause = failure  # the retries below replace ``failure``; the incident is the first one's
         old = self.record if self.record is not None and self.member_id in self.record.members else None
         first = old
         if self.resolver is not None:
@@ -197,8 +197,8 @@ class GroupMember:
             fault, handed, phases = self._run(state, order, since, in_window)
             if fault is None:
                 outcome = self._outcome(handed, order.record, first, phases, attempt)
-                incident = not planned or bool(outcome.lost)  # a join that lost nobody is no incident
-                if incident and first is not None and order.record.leader == self.member_id:
+                leading = order.record.leader == self.member_id
+                if first is not None and cause is not None and leading and is_incident(cause, outcome.lost):
                     self._record_incident(outcome, first)
                 return outcome
             self.emit("recovery_retry", {"attempt": attempt, "kind": fault.kind, "error": fault.message})
@@ -224,7 +224,7 @@ class GroupMember:
             version = state.version() if self.valid else 0
             error = failure.message if failure is not None else ""
             checkin = Checkin(self.member_id, old.generation, version, self.valid, since, error, in_window)
-            planned = failure is not None and failure.kind == "planned"
+            planned = failure is not None and failure.is_planned
             return self.resolver.reform(old, self.link, checkin, planned=planned)
         except (KeyValueUnavailable, RecordError) as exc:  # etcd away (or a record this worker cannot read)
             return Refused("fallback", f"the group's keys in etcd cannot be used: {exc}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.recovery.failure import Failure, classify
+from worker.recovery.failure import Failure, classify, is_incident
 
 
 class DistBackendError(RuntimeError):
@@ -45,3 +45,13 @@ def test_the_value_keeps_no_traceback() -> None:
 def test_planned() -> None:
     failure = Failure.planned(at=3.0)
     assert (failure.kind, failure.at, failure.in_window, failure.recoverable) == ("planned", 3.0, False, True)
+
+
+def test_a_join_that_lost_nobody_is_no_incident() -> None:
+    """The one rule for what the leader records and reports: any failure is an incident; a
+    planned re-formation (a join) is one only when a member was lost in it too."""
+    crash = Failure("crash", 1.0, "RuntimeError: Connection closed by peer")
+    assert is_incident(crash, ()) and is_incident(crash, ("b",))
+    assert not is_incident(Failure.planned(at=2.0), ())
+    assert is_incident(Failure.planned(at=2.0), ("b",))
+    assert Failure.planned(at=2.0).is_planned and not crash.is_planned
