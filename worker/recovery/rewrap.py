@@ -12,8 +12,8 @@ on the rebuilt layout. Random draws of the settle do not matter: every window re
 generators (:mod:`worker.recovery.rng`), after the settle.
 
 :func:`bucket_layout` reads the layout DDP reports (``rebuilt_per_bucket_param_indices``; its
-logging lags an iteration, so read it from the second real step on) for the comparison the
-trainer makes before and after a re-formation (:func:`same_layout`).
+logging lags an iteration, so read it from the second real step on); :func:`layout_digest` is
+what the members compare before carrying their wrappers over.
 
 A planned re-formation (a scale-up at a window boundary) need not pay the wrap and the settle at
 all: the survivors' reducers are already settled, so each keeps its DDP and only points it at the
@@ -76,13 +76,6 @@ def bucket_layout(ddp: DistributedDataParallel) -> str | None:
     data = ddp._get_ddp_logging_data()
     layout = data.get("rebuilt_per_bucket_param_indices")
     return str(layout) if layout else None
-
-
-def same_layout(before: str | None, after: str | None) -> bool | None:
-    """Whether two layouts are equal; None when either is unknown."""
-    if before is None or after is None:
-        return None
-    return before == after
 
 
 NO_LAYOUT = bytes(16)
