@@ -37,17 +37,24 @@ def test_the_orphan_is_gone_soon_after_its_agent(tmp_path: Path, mode: str) -> N
         assert alive(worker)
         killed, killed_at = time.monotonic(), time.time()
         agent.send_signal(signal.SIGKILL)
+        sent_at = time.time()
         agent.wait()
         deadline = time.monotonic() + 30  # generous: the rule is "within a heartbeat", not a speed
         while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not alive(worker), "the orphaned worker kept running after its agent was killed"
         gone_ms = 1e3 * (time.monotonic() - killed)
-        # its last words came before its end, with a time after the kill (wall clock, both)
+        # its last words came before its end. With a look at /proc/<agent>/stat (install) they
+        # carry the last look that found the agent alive, so no later than the kill (a pending
+        # SIGKILL shows before kill() returns); the getppid thread alone sees the death only after
+        # it. Wall clock, both.
         said = float(Path(f"{report}.bye").read_text())
-        assert killed_at <= said <= time.time(), (killed_at, said)
+        if mode == "both":
+            assert killed_at - 1.0 <= said <= sent_at, (killed_at, said, sent_at)
+        else:
+            assert killed_at <= said <= time.time(), (killed_at, said)
         print(f"{mode}: the worker was gone {gone_ms:.0f} ms after the agent's SIGKILL, "
-              f"and said the agent ended {1e3 * (said - killed_at):.1f} ms after it")  # fmt: skip
+              f"and said the agent was last alive {1e3 * (said - killed_at):.1f} ms after it")  # fmt: skip
     finally:
         if agent.poll() is None:
             agent.kill()

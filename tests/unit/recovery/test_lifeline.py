@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 
-from worker.lifeline import on_last_words, say_last_words, should_install, watch
+import pytest
+
+from worker import lifeline
+from worker.lifeline import Sight, dying, on_last_words, say_last_words, should_install, watch
 
 
 def test_installed_only_under_a_torchrun_agent() -> None:
@@ -77,5 +81,58 @@ def test_last_words_that_hang_do_not_keep_the_orphan_alive() -> None:
         speaker.start()
         speaker.join(30)
         assert not speaker.is_alive()
+    finally:
+        forget()
+
+
+def test_the_stat_line_says_a_process_is_dying_the_moment_it_is_killed() -> None:
+    """A SIGKILL is pending in the stat line before the killed process has run at all; then its
+    exit sets PF_EXITING (it stays in state R while the kernel frees its memory), then it is a
+    zombie. A command name with spaces and parentheses does not shift the fields."""
+    line = (
+        b"2266 (cat) R 2264 2264 1206 0 -1 4194304 100 0 0 0 0 0 0 0 20 0 1 0 189802 3133440 388 "
+        b"0 0 0 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0 0 0 0 0 0 0 0 0"
+    )
+    assert dying(line) is None  # a real line of a running `cat`
+    assert dying(line.replace(b"(cat)", b"(a) R 1 (b)")) is None
+    fields = line.split()
+    killed = b" ".join([*fields[:30], b"256", *fields[31:]])  # field 31: SIGKILL is bit 9
+    assert dying(killed) == "was sent SIGKILL"
+    assert dying(b" ".join([*fields[:30], b"2", *fields[31:]])) is None  # a pending SIGINT lives on
+    exiting = b" ".join([*fields[:8], str(4194304 | 0x4).encode(), *fields[9:]])
+    assert dying(exiting) == "is exiting"
+    assert dying(line.replace(b") R ", b") Z ")) == "is exiting"
+
+
+def test_the_last_words_carry_the_last_look_that_found_the_agent_alive() -> None:
+    """Looks at t=1, 2, 3 find the agent alive, the look at t=4 finds it killed: the last words
+    say 3 (it lived at least until then), not 4 (when its death was seen)."""
+    looks = iter([None, None, None, "was sent SIGKILL"])
+    clock = iter([0.0, 1.0, 2.0, 3.0, 4.0]).__next__
+    said: list[float] = []
+    seen: list[str] = []
+    forget = on_last_words(said.append)
+    try:
+        sight = Sight(lambda: next(looks), clock=clock)
+        watch(100, poll_s=3600.0, look_s=0.001, getppid=lambda: 100, on_orphan=seen.append, sight=sight)
+    finally:
+        forget()
+    assert said == [3.0] and seen == ["its agent (pid 100) was sent SIGKILL"]
+
+
+def test_asking_for_last_words_wakes_the_thread_to_look_at_the_faster_pace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a listener the thread looks once a second (poll_s); peer mode registers its last
+    words after the lifeline is armed, and the thread, asleep for up to that second, is woken to
+    take up LOOK_S at once."""
+    sight = Sight(lambda: None)
+    monkeypatch.setattr(lifeline, "_sight", sight)
+    woken = select.poll()
+    woken.register(sight.woken, select.POLLIN)
+    assert woken.poll(0) == []
+    forget = on_last_words(lambda when: None)
+    try:
+        assert woken.poll(0) != []
     finally:
         forget()
