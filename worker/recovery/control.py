@@ -224,7 +224,8 @@ class Link:
     """This member's connection to a leader: messages arrive on a queue, EOF as ``None``.
     ``closed_at``: when the connection ended (either end closed it); :attr:`lost_at`: the
     leader's last sign of life, once known -- the time its ``bye`` gave (its node died then;
-    :func:`bye_time`), else its end of the connection closing (not this member's own close)."""
+    :func:`bye_time`), else its end of the connection closing (not this member's own close).
+    ``lost``: the members the leader said it lost, by generation (:meth:`Hub.on_close`)."""
 
     def __init__(self, conn: Conn, address: str) -> None:
         self.conn, self.address = conn, address
@@ -232,6 +233,7 @@ class Link:
         self.closed_at: float | None = None
         self.bye_at: float | None = None
         self.eof_at: float | None = None
+        self.lost: set[tuple[int, str]] = set()  # (generation, member) the leader said it lost
         threading.Thread(target=self._read, name="elastrain-control-link", daemon=True).start()
 
     def _read(self) -> None:
@@ -242,6 +244,11 @@ class Link:
                     break
                 if msg["t"] == "bye":
                     self.bye_at = bye_time(msg, time.time())
+                    continue
+                if msg["t"] == "lost":  # read by the save's wait, not by the training thread
+                    g, m = msg.get("generation"), msg.get("member")
+                    if isinstance(g, int) and isinstance(m, str):
+                        self.lost.add((g, m))
                     continue
                 self.messages.put(msg)
         except OSError:
@@ -261,6 +268,11 @@ class Link:
     @property
     def alive(self) -> bool:
         return self.closed_at is None and not self.conn.closed.is_set()
+
+    def lost_in(self, generation: int, members: tuple[str, ...]) -> str | None:
+        """A member of ``members`` the leader said it lost in ``generation``, or None."""
+        told = sorted(m for g, m in set(self.lost) if g == generation and m in members)
+        return told[0] if told else None
 
     def send(self, msg: Message) -> bool:
         return self.conn.send(msg)

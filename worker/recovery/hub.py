@@ -63,12 +63,23 @@ class Hub:
             conn.send({"t": "not_leader"})
 
     def on_close(self, conn: Conn, when: float) -> None:
+        """A connection ended: its member's last sign of life is recorded, and when it was a
+        member of this process's generation the other members connected here are told (``lost``):
+        a member connected to this leader alone hears of nobody else's end otherwise, and one
+        waiting for a save's answer stops waiting on it (:meth:`GroupMember.lost_member`)."""
         member = conn.peer.member_id
+        notice: Message | None = None
+        others: set[str] = set()
         with self.cond:
             if self.conns.get(member) is conn:
                 del self.conns[member]
                 self.closed[member] = min(when, self.byes.pop(member, when))
                 self._changed()
+                if self.current is not None and member in self.current.members:
+                    notice = {"t": "lost", "member": member, "generation": self.current.generation}
+                    others = set(self.current.members) - {member}
+        if notice is not None:
+            self.tell(others, notice)
 
     def lost_link(self, member_id: str, link: Ended) -> None:
         """This process's own connection to ``member_id`` (the old leader): its end is the

@@ -110,17 +110,17 @@ class GroupMember:
 
     def lost_member(self) -> str | None:
         """Why this generation cannot complete a save any more, or None: a member known gone
-        (the leader's connection ended, or, on the leader, a member's). A save waiting for the
-        service stops waiting then; the next collective fails and the group re-forms. Not
-        covered: a member that is not the leader is connected to the leader alone, so at three
-        members or more it does not learn this way that another such member was lost; its wait
-        still ends at the collective timeout (every two-member group is covered)."""
+        (the leader's connection ended; on the leader, a member's; on a member, one the leader
+        said it lost). A save waiting for the service stops waiting then; the next collective
+        fails and the group re-forms."""
         record = self.record
         if record is None:
             return None
         if self.link is not None and not self.link.alive:
             return f"the group lost its leader ({record.leader[:8]}): the save cannot complete"
         gone = self.hub.gone(record)
+        if gone is None and self.link is not None:
+            gone = self.link.lost_in(record.generation, record.members)
         return f"the group lost member {gone[:8]}: the save cannot complete" if gone is not None else None
 
     def mark_valid(self) -> None:

@@ -54,7 +54,7 @@ def test_eof_is_a_timed_death_and_checkins_are_acknowledged() -> None:
     hub = hub_with(b, c, s)
     hub.on_close(cast(Conn, c), 12.5)
     checkin(hub, b)
-    assert b.sent == [{"t": "ack"}]
+    assert b.sent == [{"t": "lost", "member": "c", "generation": 3}, {"t": "ack"}]
     view = hub.view(RECORD, dead=set(), since=5.0, desired_world=None)
     assert view.checked_in == frozenset({"a", "b"}) and view.dead == frozenset({"c"})
     assert [(n.member_id, n.role) for n in view.newcomers] == [("s", "spare")]
@@ -137,7 +137,8 @@ def test_a_member_whose_node_died_is_timed_from_its_bye_not_its_eof() -> None:
     hub.on_close(cast(Conn, c), now)
     assert hub.failed_at(("c",), RECORD, now + 1) == now
     hub.tell(None, {"t": "bye", "at": now})
-    assert d.sent == [{"t": "bye", "at": now}] and c.sent == [] and b.sent == []
+    assert d.sent == [{"t": "bye", "at": now}] and b.sent == []
+    assert [m for m in c.sent if m["t"] == "bye"] == []
 
 
 def test_a_leaders_bye_is_its_links_end() -> None:
@@ -184,3 +185,34 @@ def test_a_checkin_between_the_view_and_the_wait_ends_the_wait() -> None:
     checkin(hub, b)
     assert hub.wait(60.0, seen=seen), "the check-in after the view is a change"
     assert not hub.wait(0.0, seen=hub.changes), "nothing new since: the wait times out"
+
+
+def test_a_members_end_is_told_to_the_other_members_connected_to_the_leader() -> None:
+    """At three members a member connected to the leader alone hears of another member's end
+    from the leader (``lost``, with the generation), so a save waiting for the service stops
+    waiting; a spare's end is nobody's loss, and spares are not told."""
+    b, c, s = FakeConn("b"), FakeConn("c"), FakeConn("s", "spare", node=7)
+    hub = hub_with(b, c, s)
+    hub.on_close(cast(Conn, s), 10.0)
+    assert b.sent == c.sent == []
+    hub.on_close(cast(Conn, c), 11.0)
+    assert b.sent == [{"t": "lost", "member": "c", "generation": 3}] and s.sent == []
+
+
+def test_a_link_keeps_what_the_leader_said_it_lost_out_of_the_training_threads_way() -> None:
+    """The notice is kept by generation (an older generation's loss does not stop this one's
+    save), for members of the generation asked about; junk is ignored; the training thread's
+    queue never sees it."""
+    left, right = socket.socketpair()
+    link = Link(Conn(left, MemberInfo("b", "member", "h:b")), "h:a")
+    right.sendall(
+        b'{"t":"lost","member":"c","generation":2}\n{"t":"lost","member":7,"generation":3}\n'
+        b'{"t":"lost","member":"z","generation":3}\n{"t":"pong"}\n'
+    )
+    assert link.recv(30) == {"t": "pong"}
+    assert link.lost_in(3, RECORD.members) is None
+    right.sendall(b'{"t":"lost","member":"c","generation":3}\n{"t":"pong"}\n')
+    assert link.recv(30) == {"t": "pong"}
+    assert link.lost_in(3, RECORD.members) == "c" and link.lost_in(4, RECORD.members) is None
+    right.close()
+    assert link.recv(30) is None
