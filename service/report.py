@@ -136,6 +136,7 @@ class Attempt:
     last_step: int = 0
     finished: bool = False
     progress: list[dict[str, Any]] = field(default_factory=list)
+    world_sizes: list[int] = field(default_factory=list)  # in the order the attempt ran at them
 
     @classmethod
     def of(cls, events: list[dict[str, Any]]) -> Attempt:
@@ -143,7 +144,9 @@ class Attempt:
         a.progress = [e for e in events if e["event"] == "progress"]
         for e in events:
             if e.get("world_size") and e["event"] in ("run_record", "progress", "group_formed", "finished"):
-                a.world_size = int(e["world_size"])
+                a.world_size = int(e["world_size"])  # the last one
+                if a.world_size not in a.world_sizes:
+                    a.world_sizes.append(a.world_size)
             if e["event"] == "resumed":
                 a.resumed_step = int(e.get("step", 0))
             if e["event"] in _TRAIN and isinstance(e.get("step"), int):
@@ -154,10 +157,23 @@ class Attempt:
     def first(self, *names: str) -> float | None:
         return next((e["time"] for e in self.events if e["event"] in names), None)
 
+    def segments(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """The progress events in runs at one world size each: a peer-mode attempt (the same
+        processes) re-forms at other sizes without a restart, so one attempt can hold several."""
+        out: list[tuple[int, list[dict[str, Any]]]] = []
+        size = self.world_sizes[0] if self.world_sizes else 0
+        for e in self.progress:
+            size = int(e.get("world_size") or size)
+            if not out or out[-1][0] != size:
+                out.append((size, []))
+            out[-1][1].append(e)
+        return out
+
 
 def _restart(prev: Attempt, nxt: Attempt, t0: float) -> dict[str, Any]:
     kind = "rerun" if prev.finished else "failure"
-    if prev.world_size and nxt.world_size and prev.world_size != nxt.world_size:
+    after = nxt.world_sizes[0] if nxt.world_sizes else None  # prev.world_size: the last it ran at
+    if prev.world_size and after and prev.world_size != after:
         kind = "rescale"
     phases = recovery_phases(
         failed_at=prev.end,
@@ -171,7 +187,7 @@ def _restart(prev: Attempt, nxt: Attempt, t0: float) -> dict[str, Any]:
         "kind": kind,
         "at_seconds": round(prev.end - t0, 3),
         "world_size_before": prev.world_size,
-        "world_size_after": nxt.world_size,
+        "world_size_after": after,
         "last_step_before": prev.last_step,
         "resumed_step": nxt.resumed_step,
         "steps_lost": max(0, prev.last_step - nxt.resumed_step),
@@ -209,17 +225,18 @@ def _step_times(attempts: Sequence[Attempt]) -> tuple[list[float], str]:
 
 
 def _throughput(attempts: Sequence[Attempt]) -> dict[str, Any]:
-    """Samples/s over the progress intervals (start-up excluded), per world size and overall."""
+    """Samples/s over the progress intervals, per world size and overall; the start of each
+    attempt and each re-formation at another size (the interval that holds it) is left out."""
     per: dict[int, list[float]] = {}
-    for a in attempts:
-        if len(a.progress) < 2:
+    for size, progress in (seg for a in attempts for seg in a.segments()):
+        if len(progress) < 2:
             continue
-        first, last = a.progress[0], a.progress[-1]
-        acc = per.setdefault(a.world_size or 0, [0.0, 0.0, 0.0, 0.0])
+        first, last = progress[0], progress[-1]
+        acc = per.setdefault(size, [0.0, 0.0, 0.0, 0.0])
         acc[0] += last["samples_seen"] - first["samples_seen"]
         acc[1] += last["time"] - first["time"]
         acc[2] += last["step"] - first["step"]
-        acc[3] += sum(e.get("tokens") or 0 for e in a.progress[1:])
+        acc[3] += sum(e.get("tokens") or 0 for e in progress[1:])
     rows = {
         w: {
             "samples_per_second": s / t if t > 0 else None,
@@ -294,7 +311,7 @@ def build_report(run: Run, *, target_loss: float | None = None, others: Sequence
         "samples_seen": progress[-1].get("samples_seen"),
         "wall_seconds": round(t_end - t0, 3),
         "goodput": goodput(wall_seconds=t_end - t0, productive_seconds=productive),
-        "world_sizes": sorted({a.world_size for a in attempts if a.world_size}),
+        "world_sizes": sorted({w for a in attempts for w in a.world_sizes}),
         "throughput": tp,
         "step_seconds": _latency(times, source),
         "comm_exposed_seconds": _share(progress, "comm_exposed_seconds", step_total),

@@ -313,3 +313,25 @@ def test_the_service_view_shows_each_incident() -> None:
     assert "incident #1 j/g5: peer, 0.150 s; lost j-n1-a0 (ranks 1); world 2 -> 2" in text
     assert "phases detect 0.020 s, reform 0.030 s, transfer 0.040 s, first_step 0.060 s" in text
     assert "from peers 4.58 MiB, from storage 0.00 MiB; voided windows 1, rolled-back steps 0" in text
+
+
+def test_a_peer_job_that_re_forms_at_other_sizes_reports_each_size() -> None:
+    """Peer mode keeps its processes through a shrink and two joins (one attempt, no restart):
+    the report names every size it ran at and times each on its own steps, not all as the last.
+    Each segment runs 10 steps of 0.1 s; the global batch is 32 a rank (weak scaling)."""
+    events = [ev("run_record", 0.0, world_size=2, restart_count=0)]
+    t, step, seen = 1.0, 0, 0
+    for world, step_s in ((2, 0.1), (1, 0.1), (2, 0.1), (3, 0.2)):
+        events.append(ev("group_formed", t, generation=world, rank=0, world_size=world))
+        for _ in range(10):
+            t, step, seen = t + step_s, step + 1, seen + 32 * world
+            events.append(ev("progress", t, step=step, samples_seen=seen, world_size=world, loss=1.0))
+        t += 5.0  # the re-formation: in no segment's time
+    events.append(ev("finished", t, step=step, world_size=3))
+    report = build_report(Run("r", events))
+    assert report["restarts"] == [] and report["world_sizes"] == [1, 2, 3]
+    rows = report["throughput"]["by_world_size"]
+    assert {w: round(r["samples_per_second"]) for w, r in rows.items()} == {1: 320, 2: 640, 3: 480}
+    assert rows[2]["steps"] == 18  # two segments of 10 progress events, 9 intervals each
+    assert [s["world_size"] for s in report["scaling"]] == [1, 2, 3]
+    assert "world sizes    1, 2, 3" in render_text(report)
