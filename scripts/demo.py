@@ -197,7 +197,8 @@ def run(http: httpx.Client, url: str) -> int:
 
     final = wait_for("the job to finish", finished, timeout=900)
     checkpoints = http.get(f"/v1/jobs/{job_id}/checkpoints").json()
-    say(f"job {job_id} {final['state']}: {final.get('reason') or ''}")
+    reason = final.get("reason")
+    say(f"job {job_id} {final['state']}" + (f": {reason}" if reason else ""))
     for ck in checkpoints.get("checkpoints", []):
         say(f"  checkpoint step {ck.get('step')} world size {ck.get('world_size')} bytes {ck.get('bytes')}")
     say(f"checkpoints: {final['checkpoint_dir']}")
