@@ -270,9 +270,10 @@ class Link:
         return self.closed_at is None and not self.conn.closed.is_set()
 
     def lost_in(self, generation: int, members: tuple[str, ...]) -> str | None:
-        """A member of ``members`` the leader said it lost in ``generation``, or None."""
-        told = sorted(m for g, m in set(self.lost) if g == generation and m in members)
-        return told[0] if told else None
+        """The first of ``members`` the leader said it lost in ``generation``, or None (in the
+        record's order, as :meth:`Hub.gone` answers on the leader)."""
+        told = set(self.lost)  # a copy: the reader thread adds to it
+        return next((m for m in members if (generation, m) in told), None)
 
     def send(self, msg: Message) -> bool:
         return self.conn.send(msg)
