@@ -1,5 +1,6 @@
-"""Peer mode: the training loop of one process in the job's data-parallel group (issue 14,
-issue14-design.md §3.15), the :class:`worker.trainer.Trainer` driven by :mod:`worker.recovery`.
+"""Peer mode: the training loop of one process in the job's data-parallel group (issue 14; the
+README's "Recovery without a restart: the workers' side"), the :class:`worker.trainer.Trainer`
+driven by :mod:`worker.recovery`.
 
 Every window: the random streams are derived from ``(seed, version, rank)``, the trainer's step
 runs, and its commit point is the group's vote (:meth:`GroupMember.ballot` rides on the step's

@@ -1,7 +1,7 @@
 """Peer mode's start: what the service's launch environment says (the peer contract,
 /elastrain's ``ELASTRAIN_RECOVERY=peer``, ``ELASTRAIN_ROLE``, ``ELASTRAIN_NODE_ADDR``), turned into
 this process's :class:`~worker.recovery.recover.GroupMember`; then a member joins the group and a
-spare warms up and stands by until promoted (issue14-design.md §3.1, §3.9).
+spare stands by, its trainer built, until promoted.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The JobSpec's ``recovery`` field (issue 14, issue14-design.md §3.4, §3.12, §3.13): how a job
+"""The JobSpec's ``recovery`` field (issue 14): how a job
 recovers from a lost rank. Torch-free, like :mod:`worker.spec`, which embeds it.
 
 ``mode``: ``peer`` — the survivors keep their processes and the lost rank's state comes from

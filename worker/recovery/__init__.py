@@ -11,5 +11,5 @@ deciding, writing the generation), :mod:`.group` (process groups), :mod:`.agree`
 (per-window streams), :mod:`.spare`; :mod:`.recover` runs the sequence for one process
 (:class:`~worker.recovery.recover.GroupMember`) and :mod:`.seam` is what the trainer provides and
 gets back. :mod:`worker.lifeline` (a worker dies with its agent) serves both recovery modes.
-See issue14-design.md for the why.
+The README's "Recovery without a restart: the workers' side" says why, with the measurements.
 """

@@ -3,7 +3,7 @@
 Every member listens (:class:`ControlServer`, port 0, so that whoever becomes the next leader is
 reachable) and keeps one connection (:class:`Link`) to the current leader. That connection is the
 liveness signal: a process that dies closes it and the other end reads EOF within milliseconds
-(E1, E3); TCP keepalive (idle 2 s, interval 1 s, 3 probes) covers a peer whose host vanished
+(measured here); TCP keepalive (idle 2 s, interval 1 s, 3 probes) covers a peer whose host vanished
 without a reset. A candidate leader that refuses the connection is dead and the next candidate
 is tried (:func:`connect` raises :class:`ConnectionRefusedError`).
 

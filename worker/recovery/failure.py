@@ -3,8 +3,8 @@
 A caller catches the exception of a window, turns it into a :class:`Failure` with
 :func:`classify` inside the ``except`` block, and handles it *after* leaving the block: the
 traceback's frames hold the DDP wrapper, which holds the process group and its sockets, and a
-survivor blocked on this member then waits a whole collective timeout (issue14-design.md E3
-defect 3: 20 s instead of 35-41 ms). Nothing here stores the exception.
+survivor blocked on this member then waits a whole collective timeout (measured:
+20 s instead of 35-41 ms). Nothing here stores the exception.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from worker.recovery.vote import Fenced
 
 # Transport and c10d errors that mean "a member of the group is gone or stalled", as gloo, c10d
-# and NCCL word them (E1, E2: 'Connection reset by peer', 'Connection closed by peer',
+# and NCCL word them (seen here: 'Connection reset by peer', 'Connection closed by peer',
 # 'Timed out waiting 2000ms for recv operation to complete', ...).
 _GROUP_ERRORS = (
     "gloo/transport",

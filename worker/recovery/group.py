@@ -1,10 +1,10 @@
 """The process group of one generation: tear the broken one down, host or reach the new one's
 store, and ``init_process_group`` with the generation's rank and world size.
 
-Tear-down rules (issue14-design.md E3): call :func:`teardown` outside any ``except`` block, after
+Tear-down rules (each measured here): call :func:`teardown` outside any ``except`` block, after
 the caller dropped every reference to DDP (and so to the group's sockets); no barrier (the group
 is broken), no ``gc.collect()`` (190-410 ms here) and no ``abort()`` on gloo (it does not
-interrupt a blocked op, E2, and costs 340-550 ms). Tearing down at once is what makes the *other*
+interrupt a blocked op, and costs 340-550 ms). Tearing down at once is what makes the *other*
 survivors' pending collectives fail in milliseconds instead of at their timeout.
 
 The torch bookkeeping goes at once (the next ``init_process_group`` can follow), but the old

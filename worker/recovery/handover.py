@@ -1,6 +1,6 @@
 """After a generation formed: agree on the newest state and hand it to whoever lacks it
-(issue14-design.md §3.6). Every member calls :func:`hand_over`; the collectives run in the same
-order on all of them whatever each one holds.
+(:func:`worker.recovery.plan.choose_source` decides). Every member calls :func:`hand_over`; the
+collectives run in the same order on all of them whatever each one holds.
 
 1. one all_gather of the fixed-size summaries; :func:`worker.recovery.plan.choose_source` picks
    the newest version and its lowest-ranked holder (or says: storage);

@@ -1,4 +1,4 @@
-"""The group's keys in etcd (issue14-design.md §3.2), behind a small :class:`KeyValue` interface.
+"""The group's keys in etcd, behind a small :class:`KeyValue` interface.
 
 All keys live under ``/elastrain/rdzv/<job id>/group/`` (a job's etcd role is limited to its
 rendezvous prefix ``/elastrain/rdzv/<job id>/``):

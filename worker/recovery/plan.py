@@ -1,9 +1,9 @@
 """The decisions of a re-formation, as pure functions of plain values (torch-free).
 
 * :func:`decide`: who forms the next generation, at which world size and in which rank order,
-  or whether to wait, or to give up (issue14-design.md §3.5 step 4).
-* :func:`choose_source`: which member's state every other member takes (§3.6).
-* :func:`committed_records`: the trace checker's rule for versions a failure superseded (§3.8).
+  or whether to wait, or to give up.
+* :func:`choose_source`: which member's state every other member takes.
+* :func:`committed_records`: the trace checker's rule for versions a failure superseded.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Who forms the next generation: find the leader, check in, and (on the leader) decide, write
-the generation by compare-and-set and tell the members (issue14-design.md §3.5 steps 2-5).
+the generation by compare-and-set and tell the members.
 
 * A member of the broken generation tries its candidates in order (the old leader, then the
   members by rank): a refused connection means that candidate is dead, the next is tried; the

@@ -2,10 +2,10 @@
 
 In torch 2.13 a new DDP reducer's first iteration puts every parameter in one bucket and
 rebuilds ``bucket_cap_mb`` buckets in gradient-ready order from its second iteration on
-(issue14-design.md E11). For W >= 3 gloo's ring adds an element's contributions in an order that
+(torch 2.13's reducer). For W >= 3 gloo's ring adds an element's contributions in an order that
 depends on the element's offset in its bucket, so a first real step on a fresh wrapper gives
-other bits than the uninterrupted run, which has used the rebuilt layout since its second step
-(E3 defect 2). :func:`settle` runs that first iteration on a zero loss: one forward, a backward of
+other bits than the uninterrupted run, which has used the rebuilt layout since its second step.
+:func:`settle` runs that first iteration on a zero loss: one forward, a backward of
 ``0 * loss`` (the buckets' all-reduces of zeros record the ready order), gradients dropped and
 persistent buffers (norm statistics) restored — so the first real step after a re-formation runs
 on the rebuilt layout. Random draws of the settle do not matter: every window re-derives its

@@ -8,8 +8,8 @@ start of each window, before anything draws, and after a re-formation's settle i
 
 It seeds python's ``random``, numpy's global generator, ``torch.default_generator`` and, where
 CUDA is initialised, every CUDA default generator — not through ``torch.manual_seed``, which
-seeds every device type and costs ~106-146 us against ~12-16 us for the three generators here
-(issue14-design.md E5). The seed is :func:`worker.checkpoint.rng.derived_seed`'s, the one formula
+seeds every device type and costs ~106-146 us against ~12-16 us for the three generators here.
+The seed is :func:`worker.checkpoint.rng.derived_seed`'s, the one formula
 for derived streams.
 """
 
