@@ -15,6 +15,7 @@ windows only) in ``<out>/trace-<pid>.jsonl``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from worker.dist import DistInfo
 from worker.recovery.etcdkv import connect
@@ -37,12 +39,27 @@ from worker.recovery.plan import Policy
 from worker.recovery.recover import GroupMember, Outcome, RecoveryConfig
 from worker.recovery.rewrap import NO_LAYOUT, bucket_layout, rewrap
 from worker.recovery.rng import derive_window_rng
-from worker.recovery.spare import standby, warm_up
 from worker.sampler import SamplerState, indices, plan_window
 from worker.setup import params_digest
 
 DIM, HIDDEN, OUT = 32, 128, 8
 BUCKET_MB = 0.02
+
+
+def warm_up(model: nn.Module, step: Any, *, bucket_cap_mb: float) -> None:
+    """A spare's start-up costs paid ahead: one DDP wrap (its first in a process imports
+    ``torch._dynamo``, ~1.8 s here) and one ``step(ddp)`` on a private world-of-one gloo group,
+    torn down after. (The worker's spare builds its trainer in such a world: worker.peerrun.)"""
+    teardown()
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+        step(ddp)
+        del ddp
+    finally:
+        teardown()
 
 
 class Log:
@@ -220,7 +237,8 @@ def run(args: dict[str, Any]) -> None:
         warm_up(state.model, lambda ddp: ddp(torch.zeros(2, DIM)).sum().backward(), bucket_cap_mb=BUCKET_MB)
         state.optimizer.step()  # creates the optimizer's state, as a spare's warm-up step would
         state.optimizer.zero_grad(set_to_none=True)
-        outcome = standby(member, state)
+        log.emit("spare_standby", {"member_id": member.member_id, "control": member.me.control})
+        outcome = member.join(state)
     else:
         outcome = member.join(state)
     settle_outcome(outcome, state, member, log)
