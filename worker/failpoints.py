@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from worker import lifeline
 from worker.errors import ElastrainError
 
 ENV = "ELASTRAIN_FAILPOINTS"
@@ -130,8 +131,8 @@ def _perform(rule: Rule) -> str | None:
         raise OSError(errno.EIO, f"failpoint {rule.name}: injected I/O error")
     if rule.action == "enospc":
         raise OSError(errno.ENOSPC, f"failpoint {rule.name}: No space left on device (injected)")
-    if rule.action.startswith("sleep:"):
-        time.sleep(float(rule.action.split(":", 1)[1]))
+    if rule.action.startswith("sleep:"):  # a slow step's work: the lifeline's glances go on in it
+        lifeline.nap(float(rule.action.split(":", 1)[1]))
         return None
     return rule.action
 

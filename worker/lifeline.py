@@ -2,25 +2,33 @@
 
 torchrun starts its workers in new sessions (``start_new_session=True``), so a SIGKILLed agent
 leaves them running: the issue's orphan kept training with the survivors for 40 steps
-(issue14-design.md E6: still alive after 5 s without protection). Two guards, in both recovery
+(measured: still alive 5 s after its agent's death without these guards). Two guards, in both recovery
 modes:
 
 * Linux: a daemon thread waits on a pidfd of the agent (``os.pidfd_open``), which the kernel
   makes readable once the agent has exited -- the same moment it would send a parent-death
   signal. That is late: the kernel first tears the agent's memory down (measured 44 ms after the
   SIGKILL on a loaded CI machine, 87 ms for a 3 GiB process here). So the agent is also looked
-  at in ``/proc/<agent>/stat`` (one 5 us read of a descriptor kept open): a pending SIGKILL shows
+  at in ``/proc/<agent>/stat`` (one 3 us read of a descriptor kept open): a pending SIGKILL shows
   there the moment ``kill()`` returns, and ``PF_EXITING`` once the agent begins to exit,
-  whatever killed it. The thread looks every ``LOOK_S`` while someone listens for the last
-  words (peer mode), else once a second: a thread's wake-up costs ~70 us of CPU on these VMs,
-  0.7% of a core at one every 10 ms, a third of the worker's overhead budget against a bare loop,
-  paid only where the time is used. The time of the last look that found the agent alive is its
-  last sign of life, which the lifeline gives to its last words (:func:`on_last_words`: peer
-  mode tells the group "my node died at T" over its control connections, so the incident is
-  timed from the failure, not from this process's own end tens of milliseconds later); they get
-  at most ``LAST_WORDS_S``, then the process SIGKILLs itself. Where pidfds are missing
-  (Linux < 5.3): ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` instead -- the kernel kills this process
-  when the thread that forked it exits (torchrun forks from its main thread), without last words.
+  whatever killed it. The time of the last look that found the agent alive is its last sign of
+  life, which the lifeline gives to its last words (:func:`on_last_words`: peer mode tells the
+  group "my node died at T" over its control connections, so the incident is timed from the
+  failure, not from this process's own end tens of milliseconds later); they get at most
+  ``LAST_WORDS_S``, then the process SIGKILLs itself. Where pidfds are missing (Linux < 5.3):
+  ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` instead -- the kernel kills this process when the thread
+  that forked it exits (torchrun forks from its main thread), without last words.
+
+  Who looks, and how often. That sign of life is as stale as the gap between two looks, so while
+  last words are wanted the agent is looked at every ~10 ms -- but a thread's wake-up is dear on
+  these VMs (~160 us of CPU with the GIL under load, measured: 1.6% of a core at 100 a second,
+  and a 2-rank DDP training ran 3.2-4% slower with it, interleaved in one run). So the training
+  thread looks itself, between micro-batches and after each optimizer step (:func:`glance`,
+  ~5 us, no wake-up), and the thread looks every ``LOOK_S`` only while no glance came for
+  ``GLANCED_S``; while they come it sleeps ``GLANCED_S`` (:func:`period`). A glance that finds
+  the agent dying wakes the thread, which does the rest. A failpoint's ``sleep`` stands for a
+  step's work and glances every ``LOOK_S`` (:func:`nap`). Without last words wanted the thread
+  looks once a second.
 * Everywhere: the same thread compares ``getppid()`` with the agent's pid at each wake-up (at
   least once a second) and stops this process when it changed; ``getppid()`` is also checked
   right after arming, since the agent may have died before (measured: gone 8-26 ms after the
@@ -41,12 +49,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
+T = TypeVar("T")
 PR_SET_PDEATHSIG = 1
 LAST_WORDS_S = 0.2  # what the last words may take before the process stops regardless
-LOOK_S = 0.01  # the thread's looks at /proc/<agent>/stat while last words are wanted
+LOOK_S = 0.01  # the gap between looks at /proc/<agent>/stat while last words are wanted
+GLANCED_S = 0.05  # the thread's period while the training thread glances (see the module)
 PF_EXITING = 0x4  # include/linux/sched.h: the task has begun to exit
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in the stat line's bitmap of pending signals
 
@@ -171,6 +182,7 @@ class Sight:
         self._look, self._clock = look, clock
         self._lock = threading.Lock()
         self.alive_at = clock()
+        self.glanced_at = float("-inf")  # the training thread's last look (glance), time.monotonic()
         self.woken, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     def look(self) -> str | None:
@@ -186,23 +198,65 @@ class Sight:
         with contextlib.suppress(OSError):  # a full pipe has woken it already
             os.write(self._wake, b"!")
 
+    def glance(self) -> None:
+        """A look from the training thread: keeps the sign of life fresh; a dying agent wakes the
+        thread, which looks again and says the last words."""
+        if self.look() is None:
+            self.glanced_at = time.monotonic()
+        else:
+            self.wake()
+
+
+def glance() -> None:
+    """The training thread's look at its agent (see the module docstring): nothing unless last
+    words are wanted."""
+    sight = _sight
+    if sight is not None and _last_words:
+        sight.glance()
+
+
+def glancing(items: Iterable[T]) -> Iterator[T]:
+    """``items``, with a :func:`glance` before each (the trainer's micro-batches)."""
+    for item in items:
+        glance()
+        yield item
+
+
+def nap(seconds: float) -> None:
+    """``time.sleep(seconds)`` that glances every ``LOOK_S`` while last words are wanted."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        glance()
+        time.sleep(min(left, LOOK_S) if _last_words else left)
+
+
+def period(
+    *, now: float, glanced_at: float, wanted: bool, look_s: float, glanced_s: float, poll_s: float
+) -> float:
+    """The thread's sleep before its next look: ``poll_s`` when no last words are wanted; else
+    ``glanced_s`` while the training thread glanced within the last ``glanced_s``, ``look_s``
+    when it did not (it is busy elsewhere, or there is none: a spare, a save). Pure."""
+    if not wanted:
+        return poll_s
+    return min(glanced_s if now - glanced_at <= glanced_s else look_s, poll_s)
+
 
 def watch(
     parent: int,
     *,
     poll_s: float,
     look_s: float = LOOK_S,
+    glanced_s: float = GLANCED_S,
     getppid: Callable[[], int] = os.getppid,
     on_orphan: Callable[[str], None] = _die,
     stop: threading.Event | None = None,
     pidfd: int | None = None,
     sight: Sight | None = None,
 ) -> None:
-    """Wait until the parent exits (``pidfd`` readable), is found dying (``sight``: every
-    ``look_s`` while last words are wanted, else every ``poll_s``) or changes (``getppid``, at
-    each wake-up), then say the last words and call ``on_orphan``; or until
-    ``stop`` is set. The last words get the parent's last sign of life (:class:`Sight`), or
-    without a sight the time its death was seen."""
+    """Wait until the parent exits (``pidfd`` readable), is found dying (``sight``: looked at
+    every :func:`period`) or changes (``getppid``, at each wake-up), then say the last words and
+    call ``on_orphan``; or until ``stop`` is set. The last words get the parent's last sign of
+    life (:class:`Sight`), or without a sight the time its death was seen."""
     stop = stop or threading.Event()
     wakes = select.poll()  # not select(): no limit on the descriptor's number
     if pidfd is not None:
@@ -211,15 +265,18 @@ def watch(
         wakes.register(sight.woken, select.POLLIN)
     while not stop.is_set():
         reason = None
-        period = min(look_s, poll_s) if sight is not None and _last_words else poll_s
+        wait = poll_s
+        if sight is not None:
+            wait = period(now=time.monotonic(), glanced_at=sight.glanced_at, wanted=bool(_last_words),
+                          look_s=look_s, glanced_s=glanced_s, poll_s=poll_s)  # fmt: skip
         if pidfd is not None or sight is not None:
-            woke = {fd for fd, _ in wakes.poll(period * 1000.0)}
+            woke = {fd for fd, _ in wakes.poll(wait * 1000.0)}
             if sight is not None and sight.woken in woke:
                 with contextlib.suppress(OSError):
                     os.read(sight.woken, 64)
             if pidfd in woke:
                 reason = f"its agent (pid {parent}) exited"
-        elif stop.wait(period):
+        elif stop.wait(wait):
             return
         if reason is None and sight is not None and (why := sight.look()) is not None:
             reason = f"its agent (pid {parent}) {why}"

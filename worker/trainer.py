@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from worker import lifeline
 from worker.amp import OPTIMIZER_ROW, DynamicLossScaler, optimizer_row, state_dtypes
 from worker.build import Built
 from worker.checkpoint.rng import capture_rng
@@ -220,6 +221,7 @@ class Trainer:
         batches = feed.batches(self.progress.sampler, window)
         if self.recorder is not None:
             batches = self.recorder.record(batches)
+        batches = lifeline.glancing(batches)  # peer mode: the agent's sign of life stays fresh
         local_loss, self.local_samples = forward_backward(
             self.wrapped,
             batches,
@@ -238,7 +240,7 @@ class Trainer:
             schedule=self.spec.lr_schedule,
             total=total,
         )
-        return optimizer_step(
+        result = optimizer_step(
             self.params,
             self.optimizer,
             self.scaler,
@@ -251,6 +253,8 @@ class Trainer:
             votes=self._save_vote(),
             commit=self.commit,
         )
+        lifeline.glance()
+        return result
 
     def _observe_step(self, seconds: float, skipped: bool) -> None:
         """Feed the rank's Prometheus exporter (worker.metrics) after every window."""

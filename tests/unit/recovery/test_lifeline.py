@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 import threading
@@ -136,3 +137,63 @@ def test_asking_for_last_words_wakes_the_thread_to_look_at_the_faster_pace(
         assert woken.poll(0) != []
     finally:
         forget()
+
+
+def test_the_thread_sleeps_longer_while_the_training_thread_glances() -> None:
+    """Without last words wanted: once a second. With them: 10 ms looks while nobody else looks
+    (a spare, a save, a stalled step), 50 ms while the training thread glanced within 50 ms."""
+    rule = {"look_s": 0.01, "glanced_s": 0.05, "poll_s": 1.0}
+    assert lifeline.period(now=10.0, glanced_at=9.99, wanted=False, **rule) == 1.0
+    assert lifeline.period(now=10.0, glanced_at=9.99, wanted=True, **rule) == 0.05
+    assert lifeline.period(now=10.0, glanced_at=9.96, wanted=True, **rule) == 0.05
+    assert lifeline.period(now=10.0, glanced_at=9.93, wanted=True, **rule) == 0.01
+    assert lifeline.period(now=10.0, glanced_at=float("-inf"), wanted=True, **rule) == 0.01
+    assert lifeline.period(now=10.0, glanced_at=9.99, wanted=True, **rule | {"poll_s": 0.02}) == 0.02
+
+
+def test_a_glance_keeps_the_sign_of_life_fresh_and_a_dying_agent_wakes_the_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The training thread's glances stamp the last sign of life as the thread's looks do; one
+    that finds the agent killed leaves the stamp at the last live look and wakes the thread
+    (which looks again and says the last words). Nothing is looked at while no last words are
+    wanted."""
+    looks = iter([None, "was sent SIGKILL"])
+    looked: list[int] = []
+
+    def look() -> str | None:
+        looked.append(1)
+        return next(looks)
+
+    clock = iter([0.0, 1.0, 2.0]).__next__
+    sight = Sight(look, clock=clock)
+    monkeypatch.setattr(lifeline, "_sight", sight)
+    woken = select.poll()
+    woken.register(sight.woken, select.POLLIN)
+    lifeline.glance()
+    assert looked == [] and sight.glanced_at == float("-inf")  # no listener: no look
+    forget = on_last_words(lambda when: None)
+    try:
+        os.read(sight.woken, 64)  # asking for last words woke the thread; start from quiet
+        before = time.monotonic()
+        lifeline.glance()  # looks at t=1: alive
+        glanced = sight.glanced_at
+        assert sight.alive_at == 1.0 and before <= glanced <= time.monotonic() and woken.poll(0) == []
+        lifeline.glance()  # looks at t=2: killed
+        assert sight.alive_at == 1.0 and sight.glanced_at == glanced and woken.poll(0) != []
+    finally:
+        forget()
+
+
+def test_a_failpoint_nap_glances_while_last_words_are_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
+    looked: list[float] = []
+    sight = Sight(lambda: looked.append(time.monotonic()))  # type: ignore[func-returns-value]
+    monkeypatch.setattr(lifeline, "_sight", sight)
+    lifeline.nap(0.05)
+    assert looked == []
+    forget = on_last_words(lambda when: None)
+    try:
+        lifeline.nap(0.05)
+    finally:
+        forget()
+    assert len(looked) >= 3 and max(b - a for a, b in itertools.pairwise(looked)) < 0.03, looked
