@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -52,6 +53,20 @@ def rate(events: list[dict[str, Any]]) -> float:
     progress = [e for e in events if e["event"] == "progress"]
     first, last = progress[0], progress[-1]
     return float((last["samples_seen"] - first["samples_seen"]) / (last["time"] - first["time"]))
+
+
+def interval_rate(events: list[dict[str, Any]]) -> float:
+    """The median of the samples/s between consecutive progress events (every
+    ``log_every_steps``): the steady pace, which a burst of this machine's noise in a minority of
+    the intervals does not move (:func:`rate` spreads such a burst over the whole run)."""
+    progress = [e for e in events if e["event"] == "progress"]
+    return float(
+        statistics.median(
+            (b["samples_seen"] - a["samples_seen"]) / (b["time"] - a["time"])
+            for a, b in itertools.pairwise(progress)
+            if b["time"] > a["time"]
+        )
+    )
 
 
 def events_of(path: Path) -> list[dict[str, Any]]:
