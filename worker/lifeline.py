@@ -21,8 +21,9 @@ modes:
 
   Who looks, and how often. That sign of life is as stale as the gap between two looks, so while
   last words are wanted the agent is looked at every ~10 ms -- but a thread's wake-up is dear on
-  these VMs (~160 us of CPU with the GIL under load, measured: 1.6% of a core at 100 a second,
-  and a 2-rank DDP training ran 3.2-4% slower with it, interleaved in one run). So the training
+  these VMs (~160 us of CPU with the GIL under load, measured: 1.6% of a core at 100 a second;
+  what that takes from a 2-rank DDP training was below the ~3% an interleaved A/B in one run
+  can show here). So the training
   thread looks itself, between micro-batches and after each optimizer step (:func:`glance`,
   ~5 us, no wake-up), and the thread looks every ``LOOK_S`` only while no glance came for
   ``GLANCED_S``; while they come it sleeps ``GLANCED_S`` (:func:`period`). A glance that finds

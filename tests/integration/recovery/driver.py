@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,9 @@ DIM, HIDDEN, OUT = 32, 128, 8
 BUCKET_MB = 0.02
 
 
-def warm_up(model: nn.Module, step: Any, *, bucket_cap_mb: float) -> None:
+def warm_up(
+    model: nn.Module, step: Callable[[DistributedDataParallel], None], *, bucket_cap_mb: float
+) -> None:
     """A spare's start-up costs paid ahead: one DDP wrap (its first in a process imports
     ``torch._dynamo``, ~1.8 s here) and one ``step(ddp)`` on a private world-of-one gloo group,
     torn down after. (The worker's spare builds its trainer in such a world: worker.peerrun.)"""
