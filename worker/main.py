@@ -60,16 +60,20 @@ def main(argv: list[str] | None = None) -> int:
 
     if lifeline.should_install(os.environ):  # both modes: a worker dies with its torchrun agent
         lifeline.install()
+    from worker.spec import load_spec
+
+    try:  # before torch is imported (~4 s): a spec that cannot run says so at once
+        spec = load_spec(args.config)
+    except SpecError as exc:
+        return _bad_input(exc)
     import torch
 
     from worker import dist, peermode
     from worker.build import build
     from worker.events import Events
-    from worker.spec import load_spec
     from worker.spec_recovery import restart_note
 
     try:
-        spec = load_spec(args.config)
         env_dir = os.environ.get("ELASTRAIN_CHECKPOINT_DIR")
         if spec.checkpoint.dir is None and env_dir:  # the service's storage for this job
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": env_dir})})
@@ -91,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if info.is_main:
                 print(f"elastrain worker: note: {note}", file=sys.stderr, flush=True)
     except SpecError as exc:
-        print(f"elastrain worker: error: {exc}", file=sys.stderr)
-        _refused(f"error: {exc}")
-        return EXIT_BAD_INPUT
+        return _bad_input(exc)
     client, forwarder = _service(info, events)
     if peer:
         from worker.peerrun import run_peer
@@ -201,6 +203,12 @@ def _service(info: DistInfo, events: Events) -> tuple[ServiceClient | None, Even
     )
     events.sinks.append(forwarder)
     return client, forwarder
+
+
+def _bad_input(exc: SpecError) -> int:
+    print(f"elastrain worker: error: {exc}", file=sys.stderr)
+    _refused(f"error: {exc}")
+    return EXIT_BAD_INPUT
 
 
 def _refused(line: str) -> None:
