@@ -5,9 +5,10 @@
 * Kill at a checkpoint failpoint on rank 0 or another rank (one drawn from the seed; every one
   under ``make faults``): nothing staged is loaded, ``latest`` names a verified checkpoint,
   orphaned staging is collected, same digest.
-* Truncate / flip a byte / delete a shard of the newest checkpoint: refused (a
-  ``checkpoint_refused`` event, and ``elastrain_checkpoint_verification_failures_total`` on the
-  worker's live Prometheus endpoint counts it), the previous one is used, same digest.
+* Truncate / flip a byte / delete a shard of the newest checkpoint (one drawn from the seed;
+  each under ``make faults``): refused (a ``checkpoint_refused`` event, and
+  ``elastrain_checkpoint_verification_failures_total`` on the worker's live Prometheus endpoint
+  counts it), the previous one is used, same digest.
 * ENOSPC during a save, by failpoint and on a real 200 KiB tmpfs: the save aborts, the previous
   checkpoint stays intact, training goes on.
 """
@@ -143,14 +144,18 @@ def run_scraping(
     return Run(code, out.read_text(), err.read_text()), scrapes
 
 
+DAMAGES = ["truncate", "flip", "delete"]
+
+
 @seeded
+@pytest.mark.parametrize("case", swept(DAMAGES), ids=lambda c: c or "drawn")
 def test_corrupt_newest_shard_is_refused(
-    tmp_path: Path, twenty: Path, reference: Reference, seed: int
+    tmp_path: Path, twenty: Path, reference: Reference, seed: int, case: str | None
 ) -> None:
     rng = random.Random(seed)
     ck = tmp_path / "ck"
     shutil.copytree(twenty, ck)
-    how = rng.choice(["truncate", "flip", "delete"])
+    how = rng.choice(DAMAGES) if case is None else case
     shard = rng.choice(sorted((ck / "step-00000020").glob("*.bin")))
     damage(shard, how, rng)
     what = f"seed={seed} {how} {shard.name}"

@@ -1,5 +1,6 @@
-"""Resume with the real worker under torchrun: bit for bit after a kill, never from a half-written
-checkpoint, past a corrupt one, through ENOSPC, and at a new world size with every sample once.
+"""Resume with the real worker under torchrun: bit for bit after a kill (sync and async saves)
+and at a new world size with every sample once. A corrupt newest checkpoint and ENOSPC during a
+save are fault-matrix rows (tests/faults/test_worker_faults.py), which run in ``make test`` too.
 
 The model draws from the RNG in training (dropout), so a resumed run is equal only if it continues
 the very generator streams: the trace (ELASTRAIN_TRACE_SAMPLES, worker.trace) fingerprints every
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -131,45 +131,6 @@ def test_sigkill_of_a_rank_resumes_bit_for_bit(
         assert run.last("finished")["skipped_steps"] == 1 and run.last("finished")["loss_scale"] == 32768.0
     final = tmp_path / "faulty" / "step-00000030"
     assert digest(final, capsys) == digest(Path(ref.last("checkpoint_published")["path"]), capsys), why
-
-
-@pytest.fixture(scope="module")
-def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("twenty")
-    train(tmp, "base", max_steps=20)
-    return tmp / "base"
-
-
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
-def test_corrupt_newest_is_refused_and_previous_used(
-    tmp_path: Path, twenty: Path, reference: dict[str, Run], damage: str
-) -> None:
-    ck = tmp_path / "ck"
-    shutil.copytree(twenty, ck)
-    shard = sorted((ck / "step-00000020").glob("*.bin"))[-1]
-    if damage == "truncate":
-        shard.write_bytes(shard.read_bytes()[:-100])
-    elif damage == "flip":
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        shard.write_bytes(bytes(data))
-    else:
-        shard.unlink()
-    run = run_worker(write_spec(tmp_path, spec(ck)), nproc=2)
-    assert run.code == 0, run.stderr[-3000:]
-    refused = run.last("checkpoint_refused")
-    assert "step-00000020" in refused["path"] and refused["reason"]
-    assert run.last("resumed")["step"] == 10
-    assert run.last("finished")["params_digest"] == reference["fp32"].last("finished")["params_digest"]
-
-
-def test_enospc_during_save_aborts_it_and_training_goes_on(tmp_path: Path, reference: dict[str, Run]) -> None:
-    run = train(tmp_path, "full", env={"ELASTRAIN_FAILPOINTS": "after_shard_write=enospc@1#2"})
-    aborted = [e for e in run.events if "abort" in e["event"]]
-    assert aborted and aborted[0]["step"] == 20, aborted
-    published = [e["step"] for e in run.all("checkpoint_published")]
-    assert published == [10, 30]
-    assert run.last("finished")["params_digest"] == reference["fp32"].last("finished")["params_digest"]
 
 
 def consumed(trace: Path) -> Counter[int]:
