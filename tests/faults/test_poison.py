@@ -31,7 +31,6 @@ import pytest
 from scripts.demo import worker_pids
 from service.etcd.kv import EtcdStore
 from service.jobs import keys
-from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
 from tests.seeds import seeded
 from worker.etcdclient import Credentials
@@ -39,17 +38,6 @@ from worker.etcdclient import Credentials
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 STEPS = 30
 BOMB = b"[" * 200_000 + b"]" * 200_000
-
-
-@pytest.fixture(scope="module")
-def alone(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The healthy job run alone (bare torchrun, W=2): its final digest."""
-    tmp = tmp_path_factory.mktemp("alone")
-    spec = job_spec(max_steps=STEPS) | {"checkpoint": {"dir": str(tmp / "ck"), "interval_steps": 10}}
-    bare = {k: v for k, v in spec.items() if k not in ("nodes", "nproc_per_node", "max_restarts")}
-    run = run_worker(write_spec(tmp, bare), nproc=2)
-    assert run.code == 0, run.stderr[-3000:]
-    return digest(tmp / "ck")
 
 
 def small(name: str, **over: Any) -> dict[str, Any]:
@@ -162,7 +150,7 @@ def worker_token(job_id: str) -> str:
 
 
 @seeded
-def test_poison_next_to_a_healthy_job(tmp_path: Path, alone: str, seed: int) -> None:
+def test_poison_next_to_a_healthy_job(tmp_path: Path, service_job_digest: str, seed: int) -> None:
     rng = random.Random(seed)
     svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": "after_grad_sync=sleep:0.05"})
     svc.data_dir.mkdir()
@@ -202,4 +190,4 @@ def test_poison_next_to_a_healthy_job(tmp_path: Path, alone: str, seed: int) -> 
     finally:
         svc.stop()
     assert final["state"] == "SUCCEEDED", f"seed={seed}: {final}"
-    assert digest(Path(final["checkpoint_dir"])) == alone, f"seed={seed}"
+    assert digest(Path(final["checkpoint_dir"])) == service_job_digest, f"seed={seed}"

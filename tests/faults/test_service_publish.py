@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from service.cli import main as elastrain
-from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, job_spec
 from tests.seeds import seeded
 
@@ -29,22 +28,12 @@ STEPS = 30
 POINTS = ["before_publish_rename", "after_publish_rename", "before_latest_update"]
 
 
-@pytest.fixture(scope="module")
-def bare30(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tmp = tmp_path_factory.mktemp("bare30")
-    spec = job_spec(max_steps=STEPS) | {"checkpoint": {"dir": str(tmp / "ck"), "interval_steps": 10}}
-    bare = {k: v for k, v in spec.items() if k not in ("nodes", "nproc_per_node", "max_restarts")}
-    run = run_worker(write_spec(tmp, bare), nproc=2)
-    assert run.code == 0, run.stderr[-3000:]
-    return digest(tmp / "ck")
-
-
 def svc_manifests(svc: Service, job_id: str) -> list[Path]:
     return sorted(Path(svc.job_dir(job_id)).glob("step-*/manifest.json"))
 
 
 @seeded
-def test_kill9_of_the_service_during_publish(tmp_path: Path, bare30: str, seed: int) -> None:
+def test_kill9_of_the_service_during_publish(tmp_path: Path, service_job_digest: str, seed: int) -> None:
     rng = random.Random(seed)
     point, nth = rng.choice(POINTS), rng.choice([1, 2])
     arm = f"{point}=kill#{nth}"
@@ -77,4 +66,4 @@ def test_kill9_of_the_service_during_publish(tmp_path: Path, bare30: str, seed: 
     assert len(listed) == len(set(listed)) and listed[-1] == STEPS, f"{what}: registry {listed}"
     assert not list(ck.glob(".staging-*")), f"{what}: staging left behind"
     assert elastrain(["checkpoint", "verify", str(ck)]) == 0, what
-    assert digest(ck) == bare30, what
+    assert digest(ck) == service_job_digest, what
