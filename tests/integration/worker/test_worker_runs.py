@@ -129,7 +129,6 @@ def test_run_record_says_how_it_computed(tmp_path: Path) -> None:
         ({"model": {"name": "mlp", "kwargs": {"width": 3}}}, {}, "model.kwargs.width"),
         ({"model": {"factory": "nosuchmod:build"}}, {}, "model.factory"),
         ({"model": {"name": "mlp", "kwargs": {"config": {"hidden": 3}}}}, {}, "model.kwargs.config"),
-        ({"model": {"name": "mlp", "output": "scores"}}, {}, "model.output"),
         (
             {"grad_accum_steps": None, "global_batch_size": 24},
             {"RANK": "0", "WORLD_SIZE": "2"},

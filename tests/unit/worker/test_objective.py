@@ -62,6 +62,8 @@ def test_an_output_without_what_was_asked_says_what_it_is_and_how_to_choose() ->
     assert "dict with keys ['scores', 'aux']" in message and "set model.output" in message
     with pytest.raises(SpecError, match="no element 3"):
         Objective(output=3, task="lm").loss_sum((LOGITS,), TARGETS)
+    with pytest.raises(SpecError, match=r"^field 'model.output': 'scores' cannot pick .* a tensor"):
+        Objective(output="scores", task="lm").loss_sum(LOGITS, TARGETS)  # a built-in model's plain tensor
 
 
 def test_the_models_own_loss_needs_the_targets_in_the_inputs() -> None:
