@@ -233,9 +233,12 @@ def _precision_lines(r: dict[str, Any]) -> list[str]:
     if env:
         versions = ", ".join(f"{k} {v}" for k, v in (env.get("versions") or {}).items() if v)
         lines.append(f"  environment    {versions}")
+        # The run record is written once, at the start: a run that changed size says so
+        at_start = " at the start" if len(r["world_sizes"]) > 1 else ""
         lines.append(
             f"    device {env.get('device')} ({env.get('device_name') or '?'}), "
-            f"backend {env.get('backend')}, world size {env.get('world_size')}, seed {env.get('seed')}"
+            f"backend {env.get('backend')}, world size {env.get('world_size')}{at_start}, "
+            f"seed {env.get('seed')}"
         )
         det = env.get("determinism") or {}
         if det:

@@ -220,7 +220,7 @@ def test_text_names_every_section() -> None:
         "matmul/linear",
         "accumulate fp32",
         "torch 2.x",
-        "backend gloo",
+        "backend gloo, world size 2, seed 3",
     ):
         assert needle in text, needle
 
@@ -319,7 +319,7 @@ def test_a_peer_job_that_re_forms_at_other_sizes_reports_each_size() -> None:
     """Peer mode keeps its processes through a shrink and two joins (one attempt, no restart):
     the report names every size it ran at and times each on its own steps, not all as the last.
     Each segment runs 10 steps of 0.1 s; the global batch is 32 a rank (weak scaling)."""
-    events = [ev("run_record", 0.0, world_size=2, restart_count=0)]
+    events = [ev("run_record", 0.0, world_size=2, restart_count=0, backend="gloo", device="cpu")]
     t, step, seen = 1.0, 0, 0
     for world, step_s in ((2, 0.1), (1, 0.1), (2, 0.1), (3, 0.2)):
         events.append(ev("group_formed", t, generation=world, rank=0, world_size=world))
@@ -334,4 +334,6 @@ def test_a_peer_job_that_re_forms_at_other_sizes_reports_each_size() -> None:
     assert {w: round(r["samples_per_second"]) for w, r in rows.items()} == {1: 320, 2: 640, 3: 480}
     assert rows[2]["steps"] == 18  # two segments of 10 progress events, 9 intervals each
     assert [s["world_size"] for s in report["scaling"]] == [1, 2, 3]
-    assert "world sizes    1, 2, 3" in render_text(report)
+    text = render_text(report)
+    assert "world sizes    1, 2, 3" in text
+    assert "world size 2 at the start" in text  # the run record's size: its first group's
