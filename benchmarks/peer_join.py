@@ -104,7 +104,7 @@ def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str,
         last2.append(rows[i - 1]["t"])
         first3.append(rows[i]["t"])
         # the step across the join and the two after it (what the join leaves to the new group's
-        # first steps -- DDP's bucket rebuild, rank 0's bookkeeping -- counts too)
+        # first steps -- the newcomer's first feed, rank 0's bookkeeping -- counts too)
         longest.append(max(rows[k]["t"] - rows[k - 1]["t"] for k in range(i, i + AFTER)))
         join_steps.append(rows[i]["step"])
     (arrived,) = newcomers.values()

@@ -17,7 +17,7 @@ what the members compare before carrying their wrappers over.
 
 A planned re-formation (a scale-up at a window boundary) need not pay the wrap and the settle at
 all: the survivors' reducers are already settled, so each keeps its DDP and only points it at the
-new group (:func:`carry_over`, torch's ``_update_process_group``), and a newcomer settles its own
+new group (:func:`carry_over`, keeping its buckets), and a newcomer settles its own
 DDP beforehand in its private world of one (:func:`prepare`, off the join's critical path). That
 is safe only when every member's buckets hold the same parameters at the same offsets (a bucket
 is all-reduced as one flat tensor): the members compare :func:`layout_digest` in the hand-over's
@@ -100,12 +100,18 @@ def prepare(ddp: DistributedDataParallel, forward: Forward) -> None:
 
 def carry_over(ddp: DistributedDataParallel) -> None:
     """Point a settled ``ddp`` at the current default group (every member of the new group
-    calls this, or none: see the module docstring). Its buckets stay as they are for the first
-    step; DDP records the ready order again in that step and rebuilds (the same layout, rank 0's
-    broadcast) at the next. The old group is released on a thread, as a teardown's is: ``old``
-    is held here until the reducer let go of it too, so its destruction never falls on this
-    thread."""
+    calls this, or none: see the module docstring). Its buckets stay as they are: the members
+    agreed that their layouts are the same, so nothing is rebuilt. (torch's
+    ``_update_process_group`` also resets the reducer, which then records the ready order in the
+    first step after the join and rebuilds the same buckets at the next, with a broadcast of
+    their indices: ~25 ms of that step here. What the reset would clear besides is clear already
+    at a window boundary: a finished backward leaves no hooks expected and the division factor
+    unset, so the first all-reduce divides by the new group's size.) The old group is released
+    on a thread, as a teardown's is: ``old`` is held here until the reducer let go of it too, so
+    its destruction never falls on this thread."""
     old = ddp.process_group
-    ddp._update_process_group(dist.distributed_c10d._get_default_group())
+    group = dist.distributed_c10d._get_default_group()
+    ddp.process_group = group
+    ddp.reducer._update_process_group(group)
     release(old)
     del old

@@ -259,6 +259,9 @@ def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
     grown = [i for i in events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "recovery_incident")
              if i["world_after"] > i["world_before"]]  # fmt: skip
     assert not grown and not final["recoveries"], (grown, final["recoveries"])
+    # The join kept the survivors' DDP wrappers (their buckets as they were: the newcomer's agreed)
+    transfers = events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "state_transferred")
+    assert any(t["ddp_carried_over"] for t in transfers), transfers
 
 
 def check_recovery_metrics(svc: Service, job_id: str) -> None:
