@@ -23,10 +23,10 @@ modes:
   last words are wanted the agent is looked at every ~10 ms -- but a thread's wake-up is dear on
   these VMs (~160 us of CPU with the GIL under load, measured: 1.6% of a core at 100 a second;
   what that takes from a 2-rank DDP training was below the ~3% an interleaved A/B in one run
-  can show here). So the training
-  thread looks itself, between micro-batches and after each optimizer step (:func:`glance`,
-  ~5 us, no wake-up), and the thread looks every ``LOOK_S`` only while no glance came for
-  ``GLANCED_S``; while they come it sleeps ``GLANCED_S`` (:func:`period`). A glance that finds
+  can show here). So the training thread looks itself, between micro-batches and after each
+  optimizer step (:func:`glance`, ~5 us, no wake-up), and the thread looks every ``LOOK_S``
+  only while no glance came for ``GLANCED_S``; while they come it sleeps ``GLANCED_S``
+  (:func:`period`). A glance that finds
   the agent dying wakes the thread, which does the rest. A failpoint's ``sleep`` stands for a
   step's work and glances every ``LOOK_S`` (:func:`nap`). Without last words wanted the thread
   looks once a second.
@@ -50,7 +50,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -216,8 +216,14 @@ def glance() -> None:
         sight.glance()
 
 
-def glancing(items: Iterable[T]) -> Iterator[T]:
-    """``items``, with a :func:`glance` before each (the trainer's micro-batches)."""
+def glancing(items: Iterator[T]) -> Iterator[T]:
+    """``items``, with a :func:`glance` before each (the trainer's micro-batches) while last
+    words are wanted; else ``items`` as they are (restart mode's micro-batches pass through no
+    extra generator). Last words are asked for between windows, never inside one."""
+    return _glancing(items) if _sight is not None and _last_words else items
+
+
+def _glancing(items: Iterator[T]) -> Iterator[T]:
     for item in items:
         glance()
         yield item

@@ -197,3 +197,21 @@ def test_a_failpoint_nap_glances_while_last_words_are_wanted(monkeypatch: pytest
     finally:
         forget()
     assert len(looked) >= 3 and max(b - a for a, b in itertools.pairwise(looked)) < 0.03, looked
+
+
+def test_micro_batches_glance_only_while_last_words_are_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restart mode's micro-batches come as they are (no generator added to the hot path); peer
+    mode's are each preceded by a look at the agent."""
+    looked: list[int] = []
+    sight = Sight(lambda: looked.append(1))  # type: ignore[func-returns-value]
+    monkeypatch.setattr(lifeline, "_sight", sight)
+    batches = iter([1, 2, 3])
+    assert lifeline.glancing(batches) is batches
+    forget = on_last_words(lambda when: None)
+    try:
+        seen = []
+        for batch in lifeline.glancing(iter([1, 2, 3])):
+            seen.append((batch, len(looked)))
+    finally:
+        forget()
+    assert seen == [(1, 1), (2, 2), (3, 3)]
