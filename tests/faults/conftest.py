@@ -16,7 +16,7 @@ import pytest
 
 from tests.integration.launch import Run, run_worker, write_spec
 from tests.integration.worker.test_resume import spec
-from tests.integration.worker.test_service_e2e import digest, job_spec
+from tests.integration.worker.test_service_e2e import bare_run_digest
 
 # tests/integration/service has no __init__.py; its helpers import as top-level modules there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "service"))
@@ -46,11 +46,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
 
 @pytest.fixture(scope="session")
 def service_job_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The service rows' 30-step job (test_service_e2e's spec) on a bare torchrun (W=2): its
-    final checkpoint digest, which the job must end with under the service whatever happens."""
-    tmp = tmp_path_factory.mktemp("bare30")
-    spec = job_spec(max_steps=30) | {"checkpoint": {"dir": str(tmp / "ck"), "interval_steps": 10}}
-    bare = {k: v for k, v in spec.items() if k not in ("nodes", "nproc_per_node", "max_restarts")}
-    run = run_worker(write_spec(tmp, bare), nproc=2)
-    assert run.code == 0, run.stderr[-3000:]
-    return digest(tmp / "ck")
+    """The service rows' 30-step job on a bare torchrun: the digest it must end with under the
+    service whatever happens."""
+    return bare_run_digest(tmp_path_factory.mktemp("bare30"), max_steps=30)

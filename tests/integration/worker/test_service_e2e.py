@@ -174,13 +174,18 @@ def service(start_service: Callable[[dict[str, str]], Service]) -> Service:
     return start_service({})
 
 
-@pytest.fixture(scope="module")
-def bare_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tmp = tmp_path_factory.mktemp("bare")
-    spec = job_spec() | {"checkpoint": {"dir": str(tmp / "ck"), "interval_steps": 10}}
+def bare_run_digest(tmp: Path, **over: Any) -> str:
+    """``job_spec(**over)`` on a bare torchrun (2 processes, a checkpoint every 10 steps): its
+    final checkpoint digest, which the same job must end with under the service."""
+    spec = job_spec(**over) | {"checkpoint": {"dir": str(tmp / "ck"), "interval_steps": 10}}
     run = run_worker(write_spec(tmp, spec), nproc=2)
     assert run.code == 0, run.stderr[-3000:]
     return digest(tmp / "ck")
+
+
+@pytest.fixture(scope="module")
+def bare_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return bare_run_digest(tmp_path_factory.mktemp("bare"))
 
 
 def digest(path: Path) -> str:
