@@ -49,7 +49,8 @@ from worker.service_client import EventForwarder
 from worker.setup import Wrapped
 from worker.trainer import Trainer
 
-CheckpointerFactory = Callable[[DistInfo, int], Checkpointer | None]
+CheckpointerFactory = Callable[[DistInfo, int, bool], Checkpointer | None]
+"""(this generation's seat, its number, whether to open it on a thread: see Checkpointer)"""
 
 
 class PeerExit(ElastrainError):
@@ -252,15 +253,18 @@ class PeerLoop:
             code = 0 if outcome.kind == "leave" else 1
             raise PeerExit(f"peer recovery: {outcome.kind}: {outcome.reason}", code)
         info = outcome.info
-        self._seat(info)
+        self._seat(info, peer=outcome.kind == "peer")
         read = 0
         if outcome.kind == "storage":
             read = self._restore(info)
         if failure is not None and old is not None and is_incident(failure, outcome.lost):
             self._report_started(outcome, old, failure, read)
 
-    def _seat(self, info: GroupInfo) -> None:
-        """Rank, world size, batch plan, checkpointer and reporter of the new generation."""
+    def _seat(self, info: GroupInfo, *, peer: bool) -> None:
+        """Rank, world size, batch plan, checkpointer and reporter of the new generation. After a
+        ``peer`` outcome the checkpointer opens on a thread (the job's directory was claimed when
+        the group's state first came from storage or the seed; nothing reads it before a save);
+        a ``storage`` outcome restores through it at once."""
         t = self.trainer
         t.info = info.dist_info(t.info)
         t.generation = info.generation
@@ -273,7 +277,7 @@ class PeerLoop:
         t.plan = plan
         if t.metrics is not None:
             t.metrics.reseat(rank=info.rank, world_size=info.world_size)
-        t.checkpointer = self.make_checkpointer(t.info, info.generation)
+        t.checkpointer = self.make_checkpointer(t.info, info.generation, peer)
         if t.checkpointer is not None:
             t.checkpointer.run_record = t.record
         t.stepped = False
@@ -350,6 +354,7 @@ class PeerLoop:
                 self.slots[spare] = slot
 
     def _first_step(self) -> None:
+        self.member.publish()  # this member's etcd entry, off the join's first window
         report, self.pending = self.pending, None
         if report is not None:  # the leader's (see _report_started)
             self.trainer.events.record(

@@ -75,6 +75,7 @@ class GroupMember:
         self.valid = False
         self.last_generation = -1
         self._forget_last_words: Callable[[], None] = lambda: None
+        self._unpublished: MemberInfo | None = None  # this member's entry, until publish()
 
     @property
     def member_id(self) -> str:
@@ -122,6 +123,16 @@ class GroupMember:
         if gone is None and self.link is not None:
             gone = self.link.lost_in(record.generation, record.members)
         return f"the group lost member {gone[:8]}: the save cannot complete" if gone is not None else None
+
+    def publish(self) -> None:
+        """Publish this member's entry as the last re-formation left it (etcd ``members/<id>``:
+        its role, generation and version). The caller does it after the generation's first step:
+        the lease thread's write (a keep-alive and a put, 3-5 ms of this process's interpreter)
+        competed with the join's first window for the GIL. Nothing in a re-formation reads those
+        fields; the entry itself, and its lease, stand from :meth:`start`."""
+        info, self._unpublished = self._unpublished, None
+        if info is not None:
+            self.membership.update(info)
 
     def mark_valid(self) -> None:
         """The caller restored its state from storage (after a ``storage`` outcome)."""
@@ -283,7 +294,7 @@ class GroupMember:
     ) -> Outcome:
         info = self.info
         self.me = dataclasses.replace(self.me, generation=info.generation, version=handed.version)
-        self.membership.update(dataclasses.replace(self.me, role="member"))
+        self._unpublished = dataclasses.replace(self.me, role="member")
         lost = tuple(m for m in old.members if m not in record.members) if old is not None else ()
         promoted = tuple(m for m in record.members if old is None or m not in old.members)
         return Outcome(

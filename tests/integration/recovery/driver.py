@@ -255,6 +255,7 @@ def run(args: dict[str, Any]) -> None:
         if failure is None:
             if first:
                 first = False
+                member.publish()  # as worker.loop does after a generation's first step
                 log.emit("first_step", {"version": state.ver, "generation": member.info.generation})
             if not planned:
                 continue

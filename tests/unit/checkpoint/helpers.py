@@ -26,12 +26,13 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
 
 
 def checkpointer(
-    root: Path, *, job: str = "unit", rank: int = 0, world_size: int = 1, **cfg: Any
-) -> Checkpointer:
+    root: Path, *, job: str = "unit", rank: int = 0, world_size: int = 1, open_on_thread: bool = False,
+    **cfg: Any,
+) -> Checkpointer:  # fmt: skip
     spec = CheckpointSpec(dir=str(root), **cfg)
     return Checkpointer(
         spec, job=job, spec_hash="h", data_version="1", rank=rank, world_size=world_size, generation=0,
-        parallelism="ddp", seed=7, run_record={"who": "unit"}, block_size=128,
+        parallelism="ddp", seed=7, run_record={"who": "unit"}, block_size=128, open_on_thread=open_on_thread,
     )  # fmt: skip
 
 

@@ -230,6 +230,20 @@ def test_orphans_of_other_generations_are_collected(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".staging-*"))
 
 
+def test_opened_on_a_thread_it_collects_saves_and_restores_as_one_opened_at_once(tmp_path: Path) -> None:
+    (tmp_path / ".staging-00000004-3").mkdir(parents=True)
+    model, optim = model_and_optim()
+    train(model, optim, 2)
+    ck = checkpointer(tmp_path, open_on_thread=True)
+    save(ck, model, optim, 2)
+    ck.close()
+    assert ck.stats.orphans_collected_total == 1 and not list(tmp_path.glob(".staging-*"))
+    assert ck.stats.saves_total == 1 and read_latest(tmp_path) == "step-00000002"
+    model2, optim2 = model_and_optim(seed=1)
+    restored = checkpointer(tmp_path, open_on_thread=True).restore(model=model2, optimizer=optim2)
+    assert restored is not None and restored.step == 2 and state_equal(model, model2, optim, optim2)
+
+
 def test_saving_the_same_step_twice_is_a_no_op(tmp_path: Path) -> None:
     model, optim = model_and_optim()
     ck = checkpointer(tmp_path)

@@ -67,6 +67,22 @@ def test_another_jobs_directory_is_refused_before_anything_is_written(tmp_path: 
     assert snapshot(a) == before
 
 
+def test_opened_on_a_thread_another_jobs_directory_is_refused_at_the_first_save(tmp_path: Path) -> None:
+    """Peer mode opens a re-formed generation's checkpointer on a thread: the refusal comes at
+    the first save (or restore), which writes nothing, and again at the next."""
+    a = job_a(tmp_path)
+    before = snapshot(a)
+    ck = checkpointer(a, job="other", open_on_thread=True)  # no error here: the check runs aside
+    model, optim = model_and_optim()
+    for step in (3, 4):
+        with pytest.raises(DirectoryOwnedError, match="belongs to job 'unit'"):
+            save(ck, model, optim, step)
+    with pytest.raises(DirectoryOwnedError):
+        ck.restore(model=model, optimizer=optim)
+    ck.close()
+    assert snapshot(a) == before
+
+
 def test_other_ranks_check_without_writing(tmp_path: Path) -> None:
     a = job_a(tmp_path)
     with pytest.raises(DirectoryOwnedError):

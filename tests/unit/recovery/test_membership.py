@@ -3,6 +3,7 @@ entries kept alive by a lease, one winner of two concurrent generation writes.""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -115,3 +116,33 @@ def test_memory_store_semantics() -> None:
     assert kv.get("k") is None
     with pytest.raises(KeyValueUnavailable, match="lease"):
         kv.put("x", b"1", lease=123)
+
+
+def test_a_re_formed_members_entry_is_written_when_it_is_published_not_at_the_re_formation() -> None:
+    """The entry's new role, generation and version wait for publish() (worker.loop calls it
+    after the generation's first step): the lease thread's write kept off the join's window."""
+    from worker.recovery.handover import Handed
+    from worker.recovery.plan import Policy
+    from worker.recovery.recover import GroupMember
+    from worker.recovery.seam import RecoveryConfig
+
+    kv = MemoryKeyValue(Clock())
+    policy = Policy(min_world=1, max_world=2)
+    cfg = RecoveryConfig(job_id="job", secret=b"s" * 16, spec_hash="h", policy=policy)
+    member = GroupMember(cfg, kv=kv)
+    me = member.member_id
+    member.membership.register(member.me)  # as start() does (without the control server)
+    try:
+        member.record = GenRecord(4, (me,), ("h:1",), me, "h:1", "h:2", 1)
+        member._outcome(Handed("peer", version=7), member.record, None, {}, 1)
+        assert (member.me.generation, member.me.version) == (4, 7)  # this process knows at once
+        time.sleep(0.1)
+        assert member.membership.members()[me].role == "joiner"  # nothing written yet
+        member.publish()
+        eventually(
+            "the entry is published",
+            lambda: member.membership.members()[me] == dataclasses.replace(member.me, role="member"),
+        )
+        member.publish()  # nothing new: a no-op
+    finally:
+        member.membership.close()
