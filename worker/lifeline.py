@@ -26,10 +26,9 @@ modes:
   can show here). So the training thread looks itself, between micro-batches and after each
   optimizer step (:func:`glance`, ~5 us, no wake-up), and the thread looks every ``LOOK_S``
   only while no glance came for ``GLANCED_S``; while they come it sleeps ``GLANCED_S``
-  (:func:`period`). A glance that finds
-  the agent dying wakes the thread, which does the rest. A failpoint's ``sleep`` stands for a
-  step's work and glances every ``LOOK_S`` (:func:`nap`). Without last words wanted the thread
-  looks once a second.
+  (:func:`period`). A glance that finds the agent dying wakes the thread, which does the rest.
+  A failpoint's ``sleep`` stands for a step's work and glances every ``LOOK_S`` (:func:`nap`).
+  Without last words wanted the thread looks once a second.
 * Everywhere: the same thread compares ``getppid()`` with the agent's pid at each wake-up (at
   least once a second) and stops this process when it changed; ``getppid()`` is also checked
   right after arming, since the agent may have died before (measured: gone 8-26 ms after the

@@ -176,11 +176,14 @@ class Checkpointer:
 
     def _opened(self) -> None:
         """Wait for an ``open_on_thread`` opening; raise what it raised."""
+        self._join_opening()
+        if self._open_error is not None:
+            raise self._open_error
+
+    def _join_opening(self) -> None:
         if self._opening is not None:
             self._opening.join()
             self._opening = None
-        if self._open_error is not None:
-            raise self._open_error
 
     @property
     def enabled(self) -> bool:
@@ -408,9 +411,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for an in-flight async save to be published or aborted (its snapshot included)."""
-        if self._opening is not None:
-            self._opening.join()  # its error, if any, is nobody's now: nothing was saved
-            self._opening = None
+        self._join_opening()  # its error, if any, is nobody's now: nothing was saved
         self._writer.wait()
 
     @property
