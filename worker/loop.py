@@ -49,8 +49,9 @@ from worker.service_client import EventForwarder
 from worker.setup import Wrapped
 from worker.trainer import Trainer
 
-CheckpointerFactory = Callable[[DistInfo, int, bool], Checkpointer | None]
-"""(this generation's seat, its number, whether to open it on a thread: see Checkpointer)"""
+CheckpointerFactory = Callable[[DistInfo, int, bool, Checkpointer | None], Checkpointer | None]
+"""(this generation's seat, its number, whether to open it on a thread, the checkpointer whose save
+in flight it waits for before its opening: see Checkpointer)"""
 
 
 class PeerExit(ElastrainError):
@@ -140,6 +141,19 @@ class PeerState:
         t.wrapped = Wrapped(ddp, fsdp=False)
         if t.metrics is not None and t.spec.monitor.time_communication:
             ddp.register_comm_hook(None, t.metrics.comm.hook)
+
+
+def keeps_save_in_flight(outcome: Outcome, failure: Failure | None) -> bool:
+    """Whether the new generation's checkpointer waits for the old one's save in flight (an
+    async save still writing, or awaiting its publication) before it opens (Checkpointer
+    ``after``): after a join -- a planned re-formation at a window boundary that formed at its
+    first attempt, lost no member and had a ``peer`` outcome. Every member of the old group is
+    in the new one then, alive to complete that save, and it is kept: the new rank 0's orphan
+    scan would otherwise remove its staging directory under its writers, and a scale-up would
+    lose a checkpoint. Not when a member was lost or left: that save cannot complete without
+    it, and waiting for its end would hold the new generation's first save. Pure."""
+    planned = failure is not None and failure.is_planned
+    return planned and outcome.kind == "peer" and outcome.attempts == 1 and not outcome.lost
 
 
 def merge_slots(known: dict[str, int], found: dict[str, int]) -> dict[str, int]:
@@ -253,18 +267,20 @@ class PeerLoop:
             code = 0 if outcome.kind == "leave" else 1
             raise PeerExit(f"peer recovery: {outcome.kind}: {outcome.reason}", code)
         info = outcome.info
-        self._seat(info, peer=outcome.kind == "peer")
+        self._seat(info, peer=outcome.kind == "peer", keep_save=keeps_save_in_flight(outcome, failure))
         read = 0
         if outcome.kind == "storage":
             read = self._restore(info)
         if failure is not None and old is not None and is_incident(failure, outcome.lost):
             self._report_started(outcome, old, failure, read)
 
-    def _seat(self, info: GroupInfo, *, peer: bool) -> None:
+    def _seat(self, info: GroupInfo, *, peer: bool, keep_save: bool = False) -> None:
         """Rank, world size, batch plan, checkpointer and reporter of the new generation. After a
         ``peer`` outcome the checkpointer opens on a thread (the job's directory was claimed when
         the group's state first came from storage or the seed; nothing reads it before a save);
-        a ``storage`` outcome restores through it at once."""
+        a ``storage`` outcome restores through it at once. ``keep_save``: the old generation's
+        save in flight is completed before the new checkpointer's opening (see
+        :func:`keeps_save_in_flight`)."""
         t = self.trainer
         t.info = info.dist_info(t.info)
         t.generation = info.generation
@@ -277,7 +293,8 @@ class PeerLoop:
         t.plan = plan
         if t.metrics is not None:
             t.metrics.reseat(rank=info.rank, world_size=info.world_size)
-        t.checkpointer = self.make_checkpointer(t.info, info.generation, peer)
+        previous = t.checkpointer if keep_save else None
+        t.checkpointer = self.make_checkpointer(t.info, info.generation, peer, previous)
         if t.checkpointer is not None:
             t.checkpointer.run_record = t.record
         t.stepped = False

@@ -259,12 +259,13 @@ def _checkpointer(
     timeout_s: float,
     abandon: Callable[[], str | None] | None = None,
     open_on_thread: bool = False,
+    after: Checkpointer | None = None,
 ) -> Checkpointer | None:
     """The job's checkpointer (the service coordinates publishing when it launched us), or None
     when the spec has no checkpoint directory. Its waits for the other ranks (the restore
     agreement, a save's reports) end after the collective timeout, like a collective's, or, for
     a save's outcome, once ``abandon`` gives a reason (see :class:`HttpCoordinator`).
-    ``open_on_thread``: see :class:`~worker.checkpoint.Checkpointer`."""
+    ``open_on_thread``, ``after``: see :class:`~worker.checkpoint.Checkpointer`."""
     if spec.checkpoint.dir is None:
         return None
     from worker.checkpoint import Checkpointer
@@ -287,4 +288,5 @@ def _checkpointer(
         timeout_s=timeout_s,
         on_event=lambda name, fields: events.emit(name, **fields),
         open_on_thread=open_on_thread,
+        after=after,
     )

@@ -53,11 +53,14 @@ def run_peer(
     def on_record(name: str, fields: dict[str, object]) -> None:
         events.record(name, **fields)
 
-    def checkpointer(seat: DistInfo, generation: int, on_thread: bool) -> Checkpointer | None:
+    def checkpointer(
+        seat: DistInfo, generation: int, on_thread: bool, after: Checkpointer | None
+    ) -> Checkpointer | None:
         lost = member.lost_member if member is not None else None
         return _checkpointer(
-            spec, seat, events, client, generation, timeout_s, abandon=lost, open_on_thread=on_thread
-        )
+            spec, seat, events, client, generation, timeout_s, abandon=lost, open_on_thread=on_thread,
+            after=after,
+        )  # fmt: skip
 
     trainer: Trainer | None = None
     member = None

@@ -99,13 +99,22 @@ class Checkpointer:
         timeout_s: float = 600.0,
         on_event: EventHook | None = None,
         open_on_thread: bool = False,
+        after: Checkpointer | None = None,
     ) -> None:
         """``open_on_thread``: the job directory's checks, the store's session and the
         coordinator are made on a thread, and the first save or restore (or :attr:`store`) waits
         for them; their error, if any, is raised there. Peer mode builds every re-formed
         generation's checkpointer so (the directory was claimed at the first generation): that
         work -- a store round trip, the directory reads -- was 1-7 ms of a join's critical path
-        here."""
+        here.
+
+        ``after``: the previous generation's checkpointer in this process, whose save may still
+        be in flight (peer mode, after a planned re-formation: every member of the old group is
+        alive to complete it). The opening first closes it -- its save is published or aborted
+        -- and only then reads the directory: rank 0's orphan scan removes other generations'
+        staging directories, and would otherwise abort that save under its writer. With
+        ``open_on_thread`` the wait is the thread's; this one's first save waits for it, as a save
+        waits for the one before."""
         self.cfg = cfg
         self.job, self.spec_hash, self.data_version = job, spec_hash, data_version
         self.rank, self.world_size, self.generation = rank, world_size, generation
@@ -132,6 +141,7 @@ class Checkpointer:
         self.session = "off"
         self._opening: threading.Thread | None = None
         self._open_error: BaseException | None = None
+        self._after = after
         if self.job_dir is None:
             return
         if open_on_thread:
@@ -143,8 +153,12 @@ class Checkpointer:
             self._open(store)
 
     def _open(self, store: KeyValueStore | None) -> None:
-        """The job directory's checks, the store's session, the coordinator, the orphans."""
+        """The previous generation's save (``after``), then the job directory's checks, the store's
+        session, the coordinator, the orphans."""
         assert self.job_dir is not None
+        after, self._after = self._after, None
+        if after is not None:
+            after.close()
         job, rank, world_size, generation = self.job, self.rank, self.world_size, self.generation
         # Before anything is written there: the directory belongs to this job or to none.
         if rank == 0:

@@ -27,12 +27,13 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
 
 def checkpointer(
     root: Path, *, job: str = "unit", rank: int = 0, world_size: int = 1, open_on_thread: bool = False,
-    **cfg: Any,
+    generation: int = 0, after: Checkpointer | None = None, **cfg: Any,
 ) -> Checkpointer:  # fmt: skip
     spec = CheckpointSpec(dir=str(root), **cfg)
     return Checkpointer(
-        spec, job=job, spec_hash="h", data_version="1", rank=rank, world_size=world_size, generation=0,
-        parallelism="ddp", seed=7, run_record={"who": "unit"}, block_size=128, open_on_thread=open_on_thread,
+        spec, job=job, spec_hash="h", data_version="1", rank=rank, world_size=world_size,
+        generation=generation, parallelism="ddp", seed=7, run_record={"who": "unit"}, block_size=128,
+        open_on_thread=open_on_thread, after=after,
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -242,6 +243,40 @@ def test_opened_on_a_thread_it_collects_saves_and_restores_as_one_opened_at_once
     model2, optim2 = model_and_optim(seed=1)
     restored = checkpointer(tmp_path, open_on_thread=True).restore(model=model2, optimizer=optim2)
     assert restored is not None and restored.step == 2 and state_equal(model, model2, optim, optim2)
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["after", "alone"])
+def test_a_new_generation_keeps_the_save_in_flight_that_it_waits_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, waits: bool
+) -> None:
+    """Peer mode after a join: the old generation's async save is still writing when the new
+    generation's checkpointer opens in the same process. Opened ``after`` the old one, it lets
+    that save publish before its orphan scan; opened alone, its scan removes the staging
+    directory under the writer and the save is aborted (why ``after`` exists)."""
+    model, optim = model_and_optim()
+    train(model, optim, 1)
+    old = checkpointer(tmp_path, generation=0, async_save=True)
+    monkeypatch.setenv(failpoints.ENV, "during_shard_write=sleep:1#1")  # the writer holds, mid-shard
+    save(old, model, optim, 1)
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob(".staging-00000001-0")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert list(tmp_path.glob(".staging-00000001-0")), "the old save never staged"
+    new = checkpointer(
+        tmp_path, generation=1, async_save=True, open_on_thread=waits, after=old if waits else None
+    )
+    train(model, optim, 1)
+    save(new, model, optim, 2)
+    new.close()
+    old.close()
+    if waits:
+        assert old.stats.saves_total == 1 and old.stats.aborts_total == 0
+        assert [s for s, _ in list_published(tmp_path)] == [1, 2] and new.stats.orphans_collected_total == 0
+        assert verify_checkpoint(tmp_path / "step-00000001")[1] == []
+    else:
+        assert new.stats.orphans_collected_total == 1
+        assert old.stats.aborts_total == 1 and [s for s, _ in list_published(tmp_path)] == [2]
+    assert not list(tmp_path.glob(".staging-*"))
 
 
 def test_saving_the_same_step_twice_is_a_no_op(tmp_path: Path) -> None:

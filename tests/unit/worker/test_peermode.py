@@ -14,7 +14,9 @@ from worker import peermode
 from worker.dist import DistInfo
 from worker.errors import SpecError
 from worker.events import Events
-from worker.loop import merge_slots
+from worker.loop import keeps_save_in_flight, merge_slots
+from worker.recovery.failure import Failure
+from worker.recovery.seam import Outcome
 from worker.service_client import EventForwarder
 from worker.spec import parse_spec
 from worker.spec_recovery import effective_mode, restart_note
@@ -134,6 +136,24 @@ def test_a_record_is_written_whatever_the_rank(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in events.log_path.read_text().splitlines()]
     assert [r["event"] for r in rows] == ["recovery_incident"] and rows[0]["incident"] == "g0"
     assert seen == ["progress", "recovery_incident"], "sinks see both"
+
+
+@pytest.mark.parametrize(
+    ("outcome", "failure", "keeps"),
+    [
+        (Outcome("peer", attempts=1), Failure.planned(), True),  # a join: every old member is in
+        (Outcome("peer", attempts=1, lost=("b",)), Failure.planned(), False),  # a planned leave
+        (Outcome("peer", attempts=2), Failure.planned(), False),  # a loss interrupted the join
+        (Outcome("storage", attempts=1), Failure.planned(), False),
+        (Outcome("peer", attempts=1), Failure("crash", 0.0, "a member is gone"), False),
+        (Outcome("peer", attempts=1), None, False),  # this process's own join: no save of its own
+    ],
+    ids=["join", "leave", "retried", "storage", "loss", "newcomer"],
+)
+def test_only_a_join_waits_for_the_old_generations_save(
+    outcome: Outcome, failure: Failure | None, keeps: bool
+) -> None:
+    assert keeps_save_in_flight(outcome, failure) is keeps
 
 
 def test_a_promoted_spare_keeps_the_slot_it_filled_across_later_reads() -> None:
