@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tests.unit.checkpoint.helpers import checkpointer, model_and_optim, save, state_equal, train
+from tests.unit.waiting import eventually
 from worker import failpoints
 from worker.checkpoint.layout import list_published, read_latest
 from worker.checkpoint.verify import logical_digest, verify_checkpoint
@@ -258,10 +258,7 @@ def test_a_new_generation_keeps_the_save_in_flight_that_it_waits_for(
     old = checkpointer(tmp_path, generation=0, async_save=True)
     monkeypatch.setenv(failpoints.ENV, "during_shard_write=sleep:1#1")  # the writer holds, mid-shard
     save(old, model, optim, 1)
-    deadline = time.monotonic() + 30
-    while not list(tmp_path.glob(".staging-00000001-0")) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert list(tmp_path.glob(".staging-00000001-0")), "the old save never staged"
+    eventually("the old save staged", lambda: bool(list(tmp_path.glob(".staging-00000001-0"))), timeout=30)
     new = checkpointer(
         tmp_path, generation=1, async_save=True, open_on_thread=waits, after=old if waits else None
     )

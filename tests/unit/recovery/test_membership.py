@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 
 import pytest
 
+from tests.unit.waiting import eventually
 from worker.recovery.membership import Keys, KeyValueUnavailable, Membership, MemoryKeyValue
 from worker.recovery.records import Desired, GenRecord, MemberInfo, RecordError, dump
 
@@ -19,15 +19,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def eventually(what: str, check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"never: {what}")
 
 
 def record(generation: int, leader: str) -> GenRecord:
