@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from worker.main import main
+from worker.main import exit_now, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # a SystemExit from main (``--help``, an argument error) exits as usual

@@ -10,9 +10,14 @@ next attempt fails the job instead of spending its restarts.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import dataclasses
+import gc
+import io
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -132,6 +137,28 @@ def main(argv: list[str] | None = None) -> int:
     del trainer  # the DDP reducer holds the group: release it before the group goes
     dist.shutdown()
     return 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` without the interpreter's teardown: 1.3-1.8 s of a worker's
+    exit here (dropping the modules torch, its compiler stack and sympy bring, with the two
+    workers of a node on 2 cores), for no one's benefit once training is over. What a normal exit
+    guarantees is done first, in its order: non-daemon threads are joined (an async save's writer
+    included), the ``atexit`` handlers run (``logging``'s flush among them), and every Python file
+    object still open is flushed (a user's data or model code that left one open loses nothing);
+    then ``os._exit``. :func:`_die` exits at once for a failure; this is the end of a run."""
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in [o for o in gc.get_objects() if type(o) in _FILE_TYPES]:  # exact types: fast
+        with contextlib.suppress(OSError, ValueError):  # closed, a broken pipe: nothing to say there
+            stream.flush()
+    os._exit(code)
+
+
+_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
 
 def _trainer(
