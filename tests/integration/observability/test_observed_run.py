@@ -149,8 +149,12 @@ def observed(
             lambda: value(prom, "max(elastrain_worker_step)") == MAX_STEPS, timeout_s=60, what="final scrape"
         )
         mark("final scrape")
-        # rate() needs two samples of the live attempt's series in its window: give it five.
-        samples = f'min(count_over_time(elastrain_worker_samples_total{{job_id="{job}"}}[1m]))'
+        # rate() needs two samples of the live attempt's series in its window: give it five. The
+        # killed attempt's series (another port: another instance) went stale with their target
+        # but stay in a [1m] window for up to a minute with as few samples as that attempt lived
+        # scrapes; `and on(...) live` keeps the live series only (waiting on them took 50 s).
+        live = f'elastrain_worker_samples_total{{job_id="{job}"}}'
+        samples = f"min(count_over_time({live}[1m]) and on(instance, rank) {live})"
         wait_for(
             lambda: (value(prom, samples) or 0) >= 5, timeout_s=60, what="five scrapes of the last attempt"
         )
