@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest processes of make test's run from the tree (pytest-xdist; 0: in pytest's own process)
+TEST_WORKERS ?= 2
 
 .PHONY: venv run test test-installed lint types unit integration bench faults deploy-sync clean
 
@@ -36,7 +38,7 @@ integration: $(STAMP)
 # Each test runs once: the installed-distribution subset (the unit tests and a few launches, see
 # scripts/test_installed.py) against the wheel, everything else from the tree.
 test: lint types
-	$(PY) -m pytest -q -rs -p no:cacheprovider $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS)
 	$(PY) -m scripts.test_installed
 
 # Part of the suite against the distribution users install: a wheel of this tree, installed (not
