@@ -1,6 +1,6 @@
 """The worker's exit without the interpreter's teardown (worker.main.exit_now) keeps what a normal
-exit keeps: a real subprocess that leaves a non-daemon thread writing, a file object unflushed, an
-``atexit`` handler and a ``logging`` file handler, then exits through it."""
+exit keeps: a real subprocess that leaves a non-daemon thread writing, an idle thread pool, a file
+object unflushed, an ``atexit`` handler and a ``logging`` file handler, then exits through it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration
 SCRIPT = textwrap.dedent(
     """
     import atexit, logging, sys, threading, time
+    from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
     from worker.main import exit_now
 
@@ -33,6 +34,8 @@ SCRIPT = textwrap.dedent(
         (out / "thread.txt").write_text("finished")
 
     threading.Thread(target=late, daemon=False).start()
+    idle = ThreadPoolExecutor(2)  # its idle workers end through threading's own exit callbacks
+    idle.submit(time.sleep, 0).result()
     print("on stdout, buffered", end="")
     exit_now(7)
     """
@@ -42,7 +45,7 @@ SCRIPT = textwrap.dedent(
 def test_exit_now_joins_threads_runs_atexit_and_flushes_open_files(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    )  # a wait that never ends (the pool's workers joined before they were told to stop) times out
     assert proc.returncode == 7, proc.stderr
     assert proc.stdout == "on stdout, buffered"
     assert (tmp_path / "thread.txt").read_text() == "finished"  # joined, as a normal exit joins it
