@@ -44,6 +44,7 @@ from worker.recovery.records import GenRecord
 from worker.recovery.recover import GroupMember, Outcome
 from worker.recovery.rewrap import carry_over, layout_digest, prepare, rewrap
 from worker.recovery.rng import derive_window_rng
+from worker.recovery.vote import NotCommitted
 from worker.schedule import plan_batch
 from worker.service_client import EventForwarder
 from worker.setup import Wrapped
@@ -215,7 +216,7 @@ class PeerLoop:
         """Train to ``max_steps`` through every recovery; returns the finished event's fields."""
         trainer = self.trainer
         while True:
-            failure = self._train()
+            failure = self._train() or self._settled()
             if failure is None:
                 break
             if not failure.recoverable:
@@ -252,6 +253,16 @@ class PeerLoop:
         finally:
             feed.close()
         return failure
+
+    def _settled(self) -> Failure | None:
+        """The last window asked for a join, so the loop ends without a vote in the joined
+        generation: its leader still waits for that generation's compare-and-set before the
+        run's end (its final save) is done in it. A failure when etcd does not hold it."""
+        try:
+            self.member.settle()
+        except NotCommitted as exc:
+            return classify(exc, in_window=False)
+        return None
 
     def _feed(self) -> Feed:
         t = self.trainer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from worker.recovery.vote import Fenced
+from worker.recovery.vote import Fenced, NotCommitted
 
 # Transport and c10d errors that mean "a member of the group is gone or stalled", as gloo, c10d
 # and NCCL word them (seen here: 'Connection reset by peer', 'Connection closed by peer',
@@ -37,9 +37,10 @@ _GROUP_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistE
 @dataclass(frozen=True, slots=True)
 class Failure:
     """``kind``: ``crash`` (a member is gone or stalled: the group is broken), ``fenced`` (the
-    vote saw another stamp), ``planned`` (the vote asked for a re-formation at this boundary),
-    ``fatal`` (anything else: this process exits and its agent respawns it).
-    ``in_window``: the failure happened inside a window (its gradients are voided)."""
+    vote saw another stamp, or the leader found its generation not written), ``planned`` (the
+    vote asked for a re-formation at this boundary), ``fatal`` (anything else: this process
+    exits and its agent respawns it). ``in_window``: the failure happened inside a window (its
+    gradients are voided)."""
 
     kind: str
     at: float
@@ -70,7 +71,7 @@ def classify(exc: BaseException, *, in_window: bool = True, at: float | None = N
     """A failure value for ``exc`` (call it inside the ``except`` block; keep only the value)."""
     when = time.time() if at is None else at
     message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-    if isinstance(exc, Fenced):
+    if isinstance(exc, (Fenced, NotCommitted)):
         return Failure("fenced", when, message, in_window)
     names = {t.__name__ for t in type(exc).__mro__}
     text = str(exc).lower()

@@ -141,11 +141,21 @@ class GroupMember:
     # -- the step ------------------------------------------------------------------------------
     def ballot(self, version: int) -> list[float]:
         """This member's part of the window's commit vote (:mod:`worker.recovery.vote`), to be
-        summed with the step's own all-reduce; :meth:`verdict` reads the sum."""
+        summed with the step's own all-reduce; :meth:`verdict` reads the sum. The leader of a
+        join first waits for its generation's compare-and-set (:meth:`Resolver.settle`; raises
+        :class:`~worker.recovery.vote.NotCommitted` when etcd does not hold it)."""
         info = self.info
+        self.settle()
         reform = self.is_leader and self._admission_wanted()
         return contribution(reform=reform, generation=info.generation, version=version, rank=info.rank,
                             world_size=info.world_size)  # fmt: skip
+
+    def settle(self) -> None:
+        """On the leader of a join: wait for its generation's compare-and-set; raises
+        :class:`~worker.recovery.vote.NotCommitted` when etcd does not hold it. A no-op
+        otherwise, and once answered."""
+        if self.resolver is not None and self.is_leader:
+            self.resolver.settle()
 
     def verdict(self, summed: list[float], *, nonfinite: bool, version: int) -> Verdict:
         """The group's verdict on the window from the summed ballots. Raises
@@ -273,6 +283,8 @@ class GroupMember:
             timeout = self.cfg.collective_timeout_s
             self.group = form(info, store_address=order.record.store, timeout_s=timeout, host=order.host)
             phases["formed"] = time.time()
+            if order.host is not None and self.resolver is not None:  # the leader of a join: write it now
+                self.resolver.write_pending()
             self.emit("group_formed", {"generation": info.generation, "rank": info.rank,
                                        "world_size": info.world_size, "at": phases["formed"]})  # fmt: skip
             handed = hand_over(state, info, mine, chunk_bytes=self.cfg.chunk_bytes, device=self.cfg.device,

@@ -51,6 +51,13 @@ class Fenced(RuntimeError):
         self.mine, self.seen = mine, tuple(seen)
 
 
+class NotCommitted(RuntimeError):
+    """The leader announced this generation but etcd does not hold it (a join writes its record
+    while the group forms: :mod:`worker.recovery.resolve`). Raised on the leader before its part
+    of the generation's first vote, so that no member applies a window in it; the group breaks
+    and re-forms from what etcd holds. The message says why."""
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """What the reduced vote says, identically on every member."""

@@ -133,20 +133,22 @@ def suicide_during_window(log: Log, seed: int) -> None:
     threading.Thread(target=die, daemon=True).start()
 
 
-def await_spares(args: dict[str, Any], state: State, member: GroupMember, log: Log) -> None:
-    """``spares_by: [window, count]``: the leader holds that window until ``count`` spares stand
-    by, connected to it (the others wait in its first collective), so a test that needs its
-    spares promoted in a set order does not race their connecting under load."""
-    window, count = args.get("spares_by", (None, 0))
-    if state.ver != window or not member.is_leader:
-        return
-    deadline = time.time() + 60.0
-    while member.hub.waiting("spare") < count:
-        if time.time() > deadline:
-            log.emit("fatal", {"error": f"fewer than {count} spares connected within 60 s"})
-            sys.exit(1)
-        time.sleep(0.02)
-    log.emit("spares_connected", {"count": count, "version": state.ver})
+def await_standby(args: dict[str, Any], state: State, member: GroupMember, log: Log) -> None:
+    """``spares_by`` / ``joiners_by: [window, count]``: the leader holds that window until
+    ``count`` spares (joiners) stand by, connected to it (the others wait in its first
+    collective), so a test that needs its spares promoted in a set order, or a join at a set
+    moment, does not race their connecting under load."""
+    for role in ("spare", "joiner"):
+        window, count = args.get(f"{role}s_by", (None, 0))
+        if state.ver != window or not member.is_leader:
+            continue
+        deadline = time.time() + 60.0
+        while member.hub.waiting(role) < count:
+            if time.time() > deadline:
+                log.emit("fatal", {"error": f"fewer than {count} {role}s connected within 60 s"})
+                sys.exit(1)
+            time.sleep(0.02)
+        log.emit(f"{role}s_connected", {"count": count, "version": state.ver})
 
 
 def train_window(args: dict[str, Any], state: State, member: GroupMember, data: Any, log: Log) -> bool:
@@ -156,7 +158,7 @@ def train_window(args: dict[str, Any], state: State, member: GroupMember, data: 
     window = plan_window(state.sampler, dataset_size=len(x_all), world_size=info.world_size,
                          micro_batch=args["micro_batch"], accum_steps=args["accum"])  # fmt: skip
     derive_window_rng(args["seed"], state.ver, info.rank)
-    await_spares(args, state, member, log)
+    await_standby(args, state, member, log)
     if args.get("kill_at") == state.ver:
         suicide_during_window(log, args["seed"] + state.ver)
     if args.get("stop_at") == state.ver:
