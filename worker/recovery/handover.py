@@ -83,10 +83,14 @@ def hand_over(
     device: str,
     emit: Callable[[str, dict[str, Any]], None],
     invalidate: Callable[[], None],
+    before_agree: Callable[[], None] | None = None,
 ) -> Handed:
     """Agree, transfer, verify (see the module docstring). ``invalidate`` is called before this
-    member's live state starts being overwritten (a receiver). A collective error propagates:
-    the caller re-forms, and a receiver's half-received state stays invalid."""
+    member's live state starts being overwritten (a receiver). ``before_agree`` is called right
+    before the final digest all-gather, where a sender waits for its receivers' last chunks and
+    digests without this process's interpreter (the leader of a join sends its etcd write there).
+    A collective error propagates: the caller re-forms, and a receiver's half-received state
+    stays invalid."""
     summary, progress = _summary(state, info, mine)
     choice = choose_source(agree.gather_summaries(summary, device=device))
     if not isinstance(choice, Source):
@@ -111,7 +115,10 @@ def hand_over(
             state.load_progress(result.progress)
             received = True
     destroy_subgroup(sub)
-    agreed, keep_ddp = agree.agree_digests(ok, _digest(state), layout=mine.layout, device=device)
+    digest = _digest(state)
+    if before_agree is not None:
+        before_agree()
+    agreed, keep_ddp = agree.agree_digests(ok, digest, layout=mine.layout, device=device)
     if not agreed:
         emit("peer_transfer_refused", {"generation": info.generation, "source_rank": choice.rank})
         return Handed("storage", "the transferred state could not be verified on every member")

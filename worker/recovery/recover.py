@@ -283,12 +283,17 @@ class GroupMember:
             timeout = self.cfg.collective_timeout_s
             self.group = form(info, store_address=order.record.store, timeout_s=timeout, host=order.host)
             phases["formed"] = time.time()
-            if order.host is not None and self.resolver is not None:  # the leader of a join: write it now
-                self.resolver.write_pending()
             self.emit("group_formed", {"generation": info.generation, "rank": info.rank,
                                        "world_size": info.world_size, "at": phases["formed"]})  # fmt: skip
+            # The leader of a join sends its generation's compare-and-set while it waits for the
+            # receivers in the hand-over's last all-gather (worker.recovery.resolve), or after it.
+            write: Callable[[], None] | None = None
+            if self.resolver is not None and order.host is not None:
+                write = self.resolver.write_pending
             handed = hand_over(state, info, mine, chunk_bytes=self.cfg.chunk_bytes, device=self.cfg.device,
-                               emit=self.emit, invalidate=self._invalidate)  # fmt: skip
+                               emit=self.emit, invalidate=self._invalidate, before_agree=write)  # fmt: skip
+            if write is not None:
+                write()  # a no-op once sent; a hand-over without a transfer did not send it
             self.valid = handed.kind == "peer"
             phases["transferred"] = time.time()
             if self.valid:
