@@ -105,7 +105,13 @@ class Trainer:
         self._resume()
         if self.progress.reference_batch is None:
             self.progress.reference_batch = self.plan.global_batch
-        state = state_dtypes(self.model, self.optimizer)
+        record = self._new_record(state_dtypes(self.model, self.optimizer))
+        if self.info.is_main:
+            self._write_record(record)
+        self.events.emit("run_record", **record)
+
+    def _new_record(self, state: dict[str, list[str]]) -> dict[str, Any]:
+        """This process's run record for the world it trains in now (and the checkpointer's)."""
         record = run_record(
             self.spec, self.info, plan=self.plan, flags=self.flags, notes=self.notes, state=state
         )
@@ -114,9 +120,7 @@ class Trainer:
         self.record = record
         if self.checkpointer is not None:
             self.checkpointer.run_record = record
-        if self.info.is_main:
-            self._write_record(record)
-        self.events.emit("run_record", **record)
+        return record
 
     def _resume(self) -> None:
         if self.checkpointer is None:
@@ -279,11 +283,20 @@ class Trainer:
 
     def _first_step(self) -> None:
         """The group's first successful step: a recovery is over, and the optimizer's moments
-        now exist, so the run record's optimizer entry says what they really are."""
+        now exist, so the run record's optimizer entry says what they really are. In peer mode
+        this is every generation's first step: the record says the world it trains in now
+        (world size, batch plan, generation), and a process that joined a running group (a spare,
+        a replacement, a newcomer: it never started the run) builds its record here, so that as
+        rank 0 it does not write a record of nothing but the optimizer's dtypes."""
         if self.on_first_step is not None:
             self.on_first_step()
         state = state_dtypes(self.model, self.optimizer)
-        self.record["state_dtypes"] = state
+        if not self.record:
+            self._new_record(state)
+        self.record.update(
+            state_dtypes=state, world_size=self.info.world_size, batch=self.plan.to_json(),
+            generation=self.generation,
+        )  # fmt: skip
         self.record.setdefault("precision_table", {})[OPTIMIZER_ROW] = optimizer_row(state)
         if self.info.is_main:
             self._write_record(self.record)

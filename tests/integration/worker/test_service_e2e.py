@@ -256,6 +256,11 @@ def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
     assert final["state"] == "SUCCEEDED", final
     sizes = {c["world_size"] for c in svc_checkpoints(final)}
     assert sizes == {2, 3, 1}, sizes
+    # Each checkpoint's run record, and the run record on disk, say the world they trained in.
+    for manifest in svc_checkpoints(final):
+        assert manifest["run_record"]["world_size"] == manifest["world_size"], manifest["run_record"]
+    record = json.loads((Path(final["checkpoint_dir"]) / "run-record.json").read_text())
+    assert record["world_size"] == record["batch"]["world_size"] == 1 and record["spec_hash"], record
     seen = committed(trace)
     assert set(seen.values()) == {1}, "a sample was trained on twice in one epoch"
     assert {i for (e, i) in seen if e == 0} == set(range(1536)) and {e for e, _ in seen} == {0, 1, 2}

@@ -12,6 +12,7 @@ job mid-run; the kill itself is a real SIGKILL from outside the worker.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -154,6 +155,9 @@ def test_a_killed_worker_is_replaced_from_peer_memory(
     members = {n["index"]: n["launch_id"] for n in final["nodes"] if n["role"] == "member"}
     assert members[node] == f"{job_id}-n{2 if spares else node}-a0", final["nodes"]
     assert digest(Path(final["checkpoint_dir"])) == expected
+    # The run record is whole, also when rank 0's replacement (which never started the run) wrote it.
+    record = json.loads((Path(final["checkpoint_dir"]) / "run-record.json").read_text())
+    assert record["spec_hash"] and record["world_size"] == 2 and record["generation"] >= 1, sorted(record)
 
 
 @seeded
