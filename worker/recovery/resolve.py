@@ -25,8 +25,8 @@ the generation by compare-and-set and tell the members.
   announced first and written second: the leader announces the generation, forms the group,
   moves the state, and sends the compare-and-set on a thread (:class:`PendingCommit`,
   :meth:`Resolver.write_pending`) where it waits for the receivers' last chunks and digests
-  (the hand-over's final all-gather); it waits for etcd's answer before it
-  gives its part of the new generation's first commit vote (:meth:`Resolver.settle`, called by
+  (the hand-over's final all-gather); it waits for etcd's answer before it gives its part of
+  the new generation's first commit vote (:meth:`Resolver.settle`, called by
   ``GroupMember.ballot``). No member applies a window without the leader's part of that vote,
   so no window is applied in a generation that etcd does not hold; a lost compare-and-set
   (another leader wrote ``gen``) or an unknown answer (etcd away) makes the leader raise
@@ -38,12 +38,12 @@ the generation by compare-and-set and tell the members.
   hand-over up by 3-5 ms (the leader's first all-gather came 5.4-7.0 ms after the formation,
   against 1.9-3.3 ms without the thread); sent before the final all-gather, it ends while the
   leader waits 5-10 ms for the receiver there anyway. Two rules keep a generation that was
-  announced and never
-  written harmless: the next one is numbered past both the record in etcd and the one this
-  member held (:func:`next_generation`), and a record in etcd of the same number as the held
-  one but not identical to it is newer (:func:`supersedes`). A failure-driven recovery still
-  writes before it announces: its members may hold different generations, and its decision is
-  an incident's record. Failpoint: ``before_join_commit`` (on the compare-and-set's thread).
+  announced and never written harmless: the next one is numbered past both the record in etcd
+  and the one this member held (:func:`next_generation`), and a record in etcd of the same
+  number as the held one but not identical to it is newer (:func:`supersedes`). A
+  failure-driven recovery still writes before it announces: its members may hold different
+  generations, and its decision is an incident's record. Failpoint: ``before_join_commit`` (on
+  the compare-and-set's thread).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any
 
 from worker.failpoints import failpoint
 from worker.recovery.control import ControlError, Link, connect
@@ -214,8 +214,8 @@ class Resolver:
         return host if host is not None else StoreHost(self.advertise, timeout_s=self.store_timeout_s)
 
     def write_pending(self) -> None:
-        """Send a join's compare-and-set: the leader, once the group formed (see the module
-        docstring). A no-op without one."""
+        """Send a join's compare-and-set (the leader, before the hand-over's final all-gather:
+        see the module docstring). A no-op without one, and once sent."""
         if self._pending is not None:
             self._pending.start()
 
@@ -357,9 +357,8 @@ class Resolver:
         decision = self._decide(old, dead, since, ahead)
         if not isinstance(decision, Form):
             return decision
-        if ahead is not None and old is not None and not decision.lost and not decision.leaving:
-            return self._commit(decision, old, current, revision, since, background=True)
-        order = self._commit(decision, old, current, revision, since)
+        join = ahead is not None and old is not None and not decision.lost and not decision.leaving
+        order = self._commit(decision, old, current, revision, since, background=join)
         if order is None and ahead is not None:  # the read-ahead's revision went stale: read, try once more
             current, revision = self._read()
             if supersedes(current, old):
@@ -405,24 +404,13 @@ class Resolver:
                     return self._stale(current)
             self.hub.wait(min(decision.until, now + 0.5) - now, seen=seen)
 
-    @overload
-    def _commit(
-        self, decision: Form, old: GenRecord | None, current: GenRecord | None, revision: int, since: float
-    ) -> Order | None: ...
-
-    @overload
-    def _commit(
-        self, decision: Form, old: GenRecord | None, current: GenRecord | None, revision: int, since: float,
-        *, background: Literal[True],
-    ) -> Order: ...  # fmt: skip
-
     def _commit(
         self, decision: Form, old: GenRecord | None, current: GenRecord | None, revision: int, since: float,
         *, background: bool = False,
     ) -> Order | None:  # fmt: skip
         """Host the store (or take the one hosted ahead), write the generation by compare-and-set,
         tell the members; None when the compare-and-set lost. ``background`` (a join): tell the
-        members first and write on a thread (see the module docstring)."""
+        members first and write later, on a thread (see the module docstring); never None."""
         host = self._take_host()
         generation = next_generation(current, old)
         infos = [self._info(m, old) for m in decision.members]
