@@ -2,13 +2,20 @@
 rendezvous and the workers' recovery group all talk to etcd through it (it lives in ``worker``
 because ``worker`` never imports ``service``; the service imports it from here).
 
-It speaks etcd's grpc-gateway JSON API (``/v3/...``) through ``etcd3gw``'s HTTP client: keys and
+It speaks etcd's grpc-gateway JSON API (``/v3/...``) over HTTP/1.1 keep-alive connections of
+the standard library's ``http.client`` (a pool per member, shared by the threads): keys and
 values travel base64-encoded, a key range ends at :func:`range_end`. The members are tried in
-order, moving on when one refuses the connection or times out; the member that answered last is
-tried first next time. A request that timed out may have been applied: it is sent to the next
-member only when it is ``replay_safe`` (a read, or a transaction whose compare makes a replay
-harmless); a counter's compare-and-set passes ``replay_safe=False``. TLS: a CA bundle and a
-client certificate apply to every member.
+order, moving on when one cannot be connected to or times out; the member that answered last is
+tried first next time. A request whose connection failed after it was sent may have been
+applied: it is sent to the next member only when it is ``replay_safe`` (a read, or a
+transaction whose compare makes a replay harmless); a counter's compare-and-set passes
+``replay_safe=False``. TLS: a CA bundle (the system's when none is given) and a client
+certificate apply to every member. Proxy variables (``HTTP_PROXY``...) are not read: etcd is
+reached directly, as etcd's own clients do.
+
+Why not ``requests``: it spent 0.93 ms of CPU on a put here, against 0.19 ms for the same
+request through ``http.client`` (the session's environment merge, its hooks and urllib3's
+layers); the workers' recovery writes to etcd while the group trains, on the same cores.
 
 Errors: :class:`EtcdUnavailableError` when no member answered, :class:`EtcdRefusedError` (a
 subclass) when a member answered with an error (a lease that expired, a request etcd refuses).
@@ -25,15 +32,15 @@ hides it) and never appears in an error.
 from __future__ import annotations
 
 import base64
+import http.client
+import json
+import select
+import ssl
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
-
-import requests
-from etcd3gw import exceptions as etcd_errors
-from etcd3gw.client import Etcd3Client
 
 from worker.errors import ElastrainError
 
@@ -129,7 +136,8 @@ class EtcdClient:
         if not endpoints:
             raise ValueError("give at least one etcd endpoint")
         self.endpoints = tuple(endpoints)
-        self._clients = [_member(e, timeout_s, ca_cert, cert) for e in self.endpoints]
+        tls = _tls_context(ca_cert, cert) if any(e.protocol == "https" for e in self.endpoints) else None
+        self._members = [_Member(e, timeout_s, tls) for e in self.endpoints]
         self._current = 0
         self.credentials = credentials
         self._token: str | None = None
@@ -167,32 +175,51 @@ class EtcdClient:
     def _post(
         self, path: str, body: dict[str, Any], *, replay_safe: bool, token: str | None
     ) -> dict[str, Any]:
-        headers = {"Authorization": token} if token else None
+        data = json.dumps(body).encode("utf-8")
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = token
         errors: list[str] = []
         start = self._current
-        for step in range(len(self._clients)):
-            index = (start + step) % len(self._clients)
-            client = self._clients[index]
+        for step in range(len(self._members)):
+            index = (start + step) % len(self._members)
             url = self.endpoints[index].url
             try:
-                result = dict(client.post(client.get_url(path), json=body, headers=headers))
-            except etcd_errors.ConnectionFailedError as exc:
-                errors.append(f"{url}: connection failed ({_detail(exc)})")
+                status, payload = self._members[index].post("/v3/" + path, data, headers)
+            except _NotSent as exc:
+                errors.append(f"{url}: connection failed ({exc})")
                 continue
-            except etcd_errors.ConnectionTimeoutError as exc:
-                errors.append(f"{url}: timed out ({_detail(exc)})")
+            except _Unanswered as exc:
+                errors.append(f"{url}: {exc}")
                 if not replay_safe:
                     break
                 continue
-            except etcd_errors.Etcd3Exception as exc:
-                detail = _detail(exc)
+            if status in _UNAVAILABLE:  # the gateway's own answer: no leader, or etcd timed out
+                errors.append(f"{url}: HTTP {status} ({_text(payload)})")
+                if status == 503 or replay_safe:  # a 503 was not applied
+                    continue
+                break
+            if status != 200:
+                detail = _text(payload)
                 if path == "auth/authenticate":  # the text names the user; say what to fix instead
                     raise EtcdRefusedError(
                         f"etcd refused the credentials of user {self.credentials.user!r} "  # type: ignore[union-attr]
                         f"({detail}); check the etcd user and password settings",
                         detail=detail,
-                    ) from None
-                raise EtcdRefusedError(f"etcd refused {path}: {detail}", detail=detail) from None
+                    )
+                raise EtcdRefusedError(f"etcd refused {path}: {detail}", detail=detail)
+            try:
+                result = json.loads(payload)
+            except ValueError:
+                errors.append(f"{url}: an answer that is not JSON ({_text(payload)})")
+                if not replay_safe:
+                    break
+                continue
+            if not isinstance(result, dict):
+                errors.append(f"{url}: an answer that is not a JSON object ({_text(payload)})")
+                if not replay_safe:
+                    break
+                continue
             self._current = index
             return result
         raise EtcdUnavailableError(
@@ -237,8 +264,8 @@ class EtcdClient:
                 raise
 
     def close(self) -> None:
-        for client in self._clients:
-            client.session.close()
+        for member in self._members:
+            member.close()
 
 
 def put_request(key: str, value: bytes, *, lease: int = 0) -> dict[str, Any]:
@@ -253,27 +280,110 @@ def is_lease_not_found(exc: EtcdRefusedError) -> bool:
     return "lease not found" in exc.detail
 
 
-def _detail(exc: etcd_errors.Etcd3Exception) -> str:
-    return str(exc.detail_text or exc)[:200]
+# The grpc-gateway's answers that say the member could not serve the request: 503 (no leader,
+# not applied), 408 and 504 (etcd's own timeout: it may have been applied).
+_UNAVAILABLE = frozenset({408, 503, 504})
 
 
-def _member(
-    endpoint: EtcdEndpoint, timeout_s: float, ca_cert: str | None, cert: tuple[str, str] | None
-) -> Etcd3Client:
-    # One session per member, pooled for the API's thread pool (several requests at a time).
-    session = requests.Session()
-    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=64)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    if ca_cert is not None:
-        session.verify = ca_cert
+class _NotSent(Exception):
+    """The request never reached the member (no connection): safe to send elsewhere."""
+
+
+class _Unanswered(Exception):
+    """The request was sent, or may have been, and no answer came: it may have been applied."""
+
+
+def _text(payload: bytes) -> str:
+    return payload.decode("utf-8", "replace").strip()[:200]
+
+
+def _tls_context(ca_cert: str | None, cert: tuple[str, str] | None) -> ssl.SSLContext:
+    """Server verification against ``ca_cert`` (the system's CAs when None) and, with ``cert``
+    (certificate, key), the client certificate etcd's ``--client-cert-auth`` asks for."""
+    context = ssl.create_default_context(cafile=ca_cert)
     if cert is not None:
-        session.cert = cert
-    return Etcd3Client(
-        host=endpoint.host,
-        port=endpoint.port,
-        protocol=endpoint.protocol,
-        timeout=timeout_s,
-        api_path="/v3/",
-        session=session,
-    )
+        context.load_cert_chain(cert[0], cert[1])
+    return context
+
+
+class _Member:
+    """One etcd member: a pool of keep-alive connections, taken by one request at a time (a
+    thread that ends leaves nothing behind; a new thread finds an idle connection, as it did in
+    requests' pool)."""
+
+    MAX_IDLE = 64  # as many as the API's thread pool may hold at once
+
+    def __init__(self, endpoint: EtcdEndpoint, timeout_s: float, tls: ssl.SSLContext | None) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._tls = tls
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _connect(self) -> http.client.HTTPConnection:
+        e = self.endpoint
+        conn: http.client.HTTPConnection
+        if e.protocol == "https":
+            conn = http.client.HTTPSConnection(e.host, e.port, timeout=self.timeout_s, context=self._tls)
+        else:
+            conn = http.client.HTTPConnection(e.host, e.port, timeout=self.timeout_s)
+        try:
+            conn.connect()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _NotSent(_reason(exc)) from None
+        return conn  # http.client sets TCP_NODELAY itself
+
+    def _take(self) -> http.client.HTTPConnection:
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return self._connect()
+            if not _dropped(conn):
+                return conn
+            conn.close()
+
+    def post(self, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        conn = self._take()
+        try:
+            conn.request("POST", path, body=data, headers=headers)
+            response = conn.getresponse()
+            payload = response.read()
+        except TimeoutError:
+            conn.close()
+            raise _Unanswered(f"timed out after {self.timeout_s:g} s") from None
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _Unanswered(f"connection lost ({_reason(exc)})") from None
+        kept = False
+        if not response.will_close:
+            with self._lock:
+                if len(self._idle) < self.MAX_IDLE:
+                    self._idle.append(conn)
+                    kept = True
+        if not kept:
+            conn.close()
+        return response.status, payload
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle connection was closed by the member (readable while idle: its end, or
+    bytes nobody asked for), so that a request is never sent on it."""
+    if conn.sock is None:
+        return True
+    try:
+        readable, _, _ = select.select([conn.sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

@@ -1,6 +1,6 @@
 """Job records on the state store: create (idempotent), read, list, change with compare-and-set.
 
-Synchronous on purpose (etcd3gw is sync); the API calls it from a thread pool. Every change is
+Synchronous on purpose (the etcd client is sync); the API calls it from a thread pool. Every change is
 ``update(job_id, change)``: read the record and its mod_revision, apply a pure ``change``, write
 it back only if the revision is unchanged, retry on a lost race. Every write goes through
 :class:`~service.jobs.writes.LeaderWrites` (fenced by this instance's leadership). Errors are
