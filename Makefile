@@ -39,7 +39,7 @@ integration: $(STAMP)
 # scripts/test_installed.py) against the wheel, everything else from the tree.
 test: lint types
 	$(PY) -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS)
-	$(PY) -m scripts.test_installed
+	$(PY) -m scripts.test_installed -n $(TEST_WORKERS) --dist loadscope
 
 # Part of the suite against the distribution users install: a wheel of this tree, installed (not
 # editable) into build/installed/venv, run from a copy of tests/ with no service/ or worker/
