@@ -9,6 +9,7 @@ machine skips with the reason (``make test`` prints it, ``-rs``; the runner's ta
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 from tests.integration.launch import Run, run_worker, write_spec
 from tests.integration.worker.test_resume import spec
 from tests.integration.worker.test_service_e2e import bare_run_digest
+from tests.shared_runs import once
 
 # tests/integration/service has no __init__.py; its helpers import as top-level modules there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "service"))
@@ -41,11 +43,13 @@ def train(tmp: Path, name: str, *, env: dict[str, str] | None = None, nproc: int
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    return Reference(train(tmp_path_factory.mktemp("reference"), "ref"))
+    """Trained once for the session's pytest processes (tests.shared_runs)."""
+    run = once(tmp_path_factory, "faults-reference", lambda tmp: asdict(train(tmp, "ref")))
+    return Reference(Run(**run))
 
 
 @pytest.fixture(scope="session")
 def service_job_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The service rows' 30-step job on a bare torchrun: the digest it must end with under the
-    service whatever happens."""
-    return bare_run_digest(tmp_path_factory.mktemp("bare30"), max_steps=30)
+    service whatever happens (trained once for the session's pytest processes)."""
+    return str(once(tmp_path_factory, "faults-bare30", lambda tmp: bare_run_digest(tmp, max_steps=30)))
