@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from worker.main import exit_now, main
+from worker import startgc
+
+startgc.hold()  # the collector stays off until the run is built (worker/startgc.py)
+
+from worker.main import exit_now, main  # noqa: E402
 
 if __name__ == "__main__":
     exit_now(main())  # a SystemExit from main (``--help``, an argument error) exits as usual

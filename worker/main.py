@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from worker import startgc
 from worker.errors import ElastrainError, SpecError
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             built, info, events=events, client=client, generation=generation, timeout_s=timeout_s
         )
         trainer.start()
+        startgc.release()
         trainer.run()
     except BaseException as exc:
         text = f"elastrain worker (rank {info.rank}): error: {exc}\n"

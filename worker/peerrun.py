@@ -12,6 +12,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
+from worker import startgc
 from worker.errors import ElastrainError
 from worker.main import _checkpointer, _die
 
@@ -73,6 +74,7 @@ def run_peer(
         )  # fmt: skip
         member = peermode.member(cfg, info, os.environ, on_event=on_event, on_record=on_record)
         loop = PeerLoop(trainer, member, checkpointer=checkpointer, forwarder=forwarder, job_id=cfg.job_id)
+        startgc.release()  # built, and standing ready: what start-up made lives on (worker/startgc.py)
         if role == "spare":
             events.emit("spare_standby", member_id=member.member_id, control=member.me.control)
         joined = threading.Event()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker import lifeline
+from worker import lifeline, startgc
 from worker.amp import OPTIMIZER_ROW, DynamicLossScaler, optimizer_row, state_dtypes
 from worker.build import Built
 from worker.checkpoint.rng import capture_rng
@@ -295,7 +295,7 @@ class Trainer:
             self._new_record(state)
         self.record.update(
             state_dtypes=state, world_size=self.info.world_size, batch=self.plan.to_json(),
-            generation=self.generation,
+            generation=self.generation, gc=startgc.state(),
         )  # fmt: skip
         self.record.setdefault("precision_table", {})[OPTIMIZER_ROW] = optimizer_row(state)
         if self.info.is_main:

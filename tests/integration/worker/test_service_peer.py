@@ -158,6 +158,7 @@ def test_a_killed_worker_is_replaced_from_peer_memory(
     # The run record is whole, also when rank 0's replacement (which never started the run) wrote it.
     record = json.loads((Path(final["checkpoint_dir"]) / "run-record.json").read_text())
     assert record["spec_hash"] and record["world_size"] == 2 and record["generation"] >= 1, sorted(record)
+    assert record["gc"]["enabled"] is True, record["gc"]  # a peer-mode process turned it on again
 
 
 @seeded
