@@ -8,12 +8,12 @@ one-process five-step run takes (``python -m worker`` with the collector off at 
 
 ``python -m worker`` calls :func:`hold` before its first import: the automatic collector is off.
 :func:`release`, once the run is built and restored (or, in peer mode, once the process stands
-ready to join), moves every object alive then into the permanent generation (``gc.freeze``,
-which later collections do not walk) and turns the collector on again, so training allocates and
-collects as usual and a full collection later walks only what was allocated since. What becomes
-garbage among the frozen objects stays (start-up's own temporaries are mostly acyclic and freed
-by reference counting at once). A process that did not call :func:`hold` (the worker's code run
-in another program, the tests) is left as it is.
+ready to join), collects once (start-up's own garbage in reference cycles, about 9,000 objects
+and 0.2 s here, and whatever cycles the team's model and data code dropped while building), moves
+every object alive then into the permanent generation (``gc.freeze``, which later collections do
+not walk) and turns the collector on again: training allocates and collects as usual, and a full
+collection later walks only what was allocated since. A process that did not call :func:`hold`
+(the worker's code run in another program, the tests) is left as it is.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def release() -> None:
     global _held
     if _held:
         _held = False
+        gc.collect()  # nothing start-up dropped is frozen with what it keeps
         gc.freeze()
         gc.enable()
 

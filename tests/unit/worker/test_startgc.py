@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -20,11 +21,19 @@ def collector() -> Iterator[None]:
     (gc.enable if was else gc.disable)()
 
 
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
 def test_held_then_released_the_collector_runs_and_start_up_is_frozen(collector: None) -> None:
     gc.enable()
     startgc.hold()
     assert not gc.isenabled()
+    dropped = weakref.ref(Cycle())  # garbage in a cycle, dropped while the collector is off
+    assert dropped() is not None
     startgc.release()
+    assert dropped() is None  # collected before the freeze, not kept with start-up's objects
     assert gc.isenabled() and gc.get_freeze_count() > 0
     assert startgc.state() == {"enabled": True, "frozen_at_start": gc.get_freeze_count()}
     frozen = gc.get_freeze_count()
