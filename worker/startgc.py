@@ -3,8 +3,8 @@
 Starting a worker imports torch, TorchDynamo (DDP's constructor imports it) and DCP's state-dict
 helpers: about 300,000 objects that live as long as the process (modules, functions, classes).
 The collector's automatic passes over them find next to nothing and cost CPU: five full
-collections of 15-180 ms each in a peer-mode worker here, and 0.4-0.6 s of the 4.2 s of CPU a
-one-process five-step run takes (``python -m worker`` with the collector off at start: 3.7 s).
+collections of 15-180 ms each in a peer-mode worker here. A one-process five-step run took
+3.1-3.4 s of CPU with what follows against 3.5-4.9 s without (4 alternating runs).
 
 ``python -m worker`` calls :func:`hold` before its first import: the automatic collector is off.
 :func:`release`, once the run is built and restored (or, in peer mode, once the process stands
