@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.checkpoints.adopt import StorageAdoption
 from service.etcd.access import JobUsers
@@ -41,7 +41,7 @@ from service.jobs.parts import JobParts
 from service.jobs.service import Stored
 from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
 from service.metrics import Metrics
-from worker.etcdclient import Credentials, EtcdRefusedError, EtcdUnavailableError
+from worker.etcdclient import Credentials, EtcdRefusedError, EtcdTLS, EtcdUnavailableError
 
 log = logging.getLogger("elastrain.reconciler")
 
@@ -52,6 +52,7 @@ class LaunchContext:
 
     service_url: str
     etcd_endpoints: tuple[str, ...] = ()
+    etcd_tls: EtcdTLS = field(default_factory=EtcdTLS)
 
 
 def service_env(
@@ -64,7 +65,7 @@ def service_env(
         "ELASTRAIN_WORKER_TOKEN": worker_token,
         "ELASTRAIN_CHECKPOINT_DIR": job.checkpoint_dir,
         "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
-    }
+    } | ctx.etcd_tls.env()  # the rendezvous and the peer group reach the same etcd
     return env | (etcd_node_env(etcd) if etcd is not None else {})
 
 

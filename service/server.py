@@ -162,7 +162,10 @@ def external_credentials(settings: Settings) -> Credentials | None:
         )
         return None
     credentials = Credentials(settings.etcd_user, settings.etcd_password.get_secret_value())
-    bare = EtcdClient([EtcdEndpoint.from_url(u) for u in settings.etcd_endpoints])
+    tls = settings.etcd_tls
+    bare = EtcdClient(
+        [EtcdEndpoint.from_url(u) for u in settings.etcd_endpoints], ca_cert=tls.ca_cert, cert=tls.cert
+    )
     if settings.etcd_user == ROOT_USER:
         EtcdAuth(bare).enable(credentials.password)
     return credentials
@@ -186,7 +189,7 @@ def build_app(
     """The app and its reconciler (started by the app's lifespan); ``credentials``: the
     service's etcd user (root), None for an etcd without auth."""
     metrics = Metrics()
-    etcd = EtcdStore(endpoints, credentials=credentials)
+    etcd = EtcdStore(endpoints, credentials=credentials, tls=settings.etcd_tls)
     wait_for_store(etcd, endpoints)
     store = InstrumentedStore(etcd, metrics)
     token, where = resolve_api_token(settings)
@@ -215,7 +218,9 @@ def build_app(
         parts,
         scheduler,
         election,
-        launch=LaunchContext(service_url=settings.service_url, etcd_endpoints=tuple(endpoints)),
+        launch=LaunchContext(
+            service_url=settings.service_url, etcd_endpoints=tuple(endpoints), etcd_tls=settings.etcd_tls
+        ),
         wake=wake,
         metrics=metrics,
         policy=policy,

@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.errors import ElastrainError
+from worker.etcdclient import TLS_ENV, EtcdTLS
 
 
 class SettingsError(ElastrainError):
@@ -35,6 +36,12 @@ class Settings(BaseSettings):
     """Its password. The embedded etcd: generated at first start into
     ``<data dir>/etcd-root-password``. Unset with ELASTRAIN_ETCD: an etcd without auth, where every
     job's code can read and write all of etcd."""
+    etcd_ca_cert: str = ""
+    """A CA bundle that signed the ``https://`` etcd's certificate (empty: the system's CAs)."""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    """A client certificate and its key, for an etcd with ``--client-cert-auth``. These three are
+    file paths; every node the service launches is given them (the files must be there too)."""
     storage_root: Path | None = None
     """Where checkpoints live; default <data_dir>/checkpoints. Every job's dir resolves inside it."""
     api_token: SecretStr | None = None
@@ -112,7 +119,30 @@ class Settings(BaseSettings):
                 )
         if not self.checkpoint_mount.startswith("/"):
             raise ValueError(f"checkpoint_mount {self.checkpoint_mount!r} must be an absolute path")
+        tls = self.etcd_tls  # raises when only one of the certificate and its key is given
+        if tls != EtcdTLS():
+            if self.embedded_etcd:
+                raise ValueError(
+                    f"{', '.join(tls.env())} set without ELASTRAIN_ETCD: the embedded etcd speaks plain "
+                    "http; give the https:// endpoints of the etcd those files are for"
+                )
+            if not any(u.startswith("https://") for u in self.etcd_endpoints):
+                raise ValueError(
+                    f"{', '.join(tls.env())} set but ELASTRAIN_ETCD has no https:// endpoint: "
+                    "give etcd's https:// client URLs, or unset them"
+                )
+            tls.check()
         return self
+
+    @property
+    def etcd_tls(self) -> EtcdTLS:
+        """The TLS files for etcd, as absolute paths (the nodes run in other directories)."""
+        absolute = {
+            name: str(Path(value).absolute())
+            for name, value in zip(TLS_ENV, (self.etcd_ca_cert, self.etcd_cert, self.etcd_key), strict=True)
+            if value
+        }
+        return EtcdTLS.from_env(absolute)
 
     @property
     def embedded_etcd(self) -> bool:

@@ -38,7 +38,7 @@ import json
 import select
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -88,6 +88,53 @@ class Credentials:
 
     user: str
     password: str = field(repr=False)
+
+
+TLS_ENV = ("ELASTRAIN_ETCD_CA_CERT", "ELASTRAIN_ETCD_CERT", "ELASTRAIN_ETCD_KEY")
+"""The files of :class:`EtcdTLS`, as the service is given them and gives them to every node."""
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdTLS:
+    """How to speak TLS to an ``https://`` etcd: ``ca_cert``, a CA bundle that signed etcd's
+    certificate (None: the system's CAs), and ``cert``, a client certificate and its key (etcd's
+    ``--client-cert-auth``); file paths. Unused for ``http://`` members."""
+
+    ca_cert: str | None = None
+    cert: tuple[str, str] | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> EtcdTLS:
+        """From ``ELASTRAIN_ETCD_CA_CERT``, ``ELASTRAIN_ETCD_CERT`` and ``ELASTRAIN_ETCD_KEY``
+        (unset or empty: none). Raises ValueError when only one of the certificate and its key
+        is given."""
+        ca, cert, key = (env.get(name) or None for name in TLS_ENV)
+        if (cert is None) != (key is None):
+            given, missing = (TLS_ENV[1], TLS_ENV[2]) if cert else (TLS_ENV[2], TLS_ENV[1])
+            raise ValueError(f"{given} is set but {missing} is not: give the client certificate and its key")
+        return cls(ca, (cert, key) if cert is not None and key is not None else None)
+
+    def env(self) -> dict[str, str]:
+        """The variables that :meth:`from_env` reads back (only those set)."""
+        values = (self.ca_cert, *(self.cert or (None, None)))
+        return {name: value for name, value in zip(TLS_ENV, values, strict=True) if value}
+
+    def check(self) -> None:
+        """Load every file as a connection would; raises ValueError naming the variable, the
+        file and what is wrong with it (missing, unreadable, not a certificate or key)."""
+        if self.ca_cert is not None:
+            _load(TLS_ENV[0], self.ca_cert, lambda: ssl.create_default_context(cafile=self.ca_cert))
+        if self.cert is not None:
+            cert, key = self.cert
+            what = f"{TLS_ENV[1]}/{TLS_ENV[2]}"
+            _load(what, f"{cert}, {key}", lambda: ssl.create_default_context().load_cert_chain(cert, key))
+
+
+def _load(name: str, path: str, load: Callable[[], object]) -> None:
+    try:
+        load()
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{name}: {path}: {exc}") from None
 
 
 # etcd 3.5 words "the auth store changed since this token" two ways: the gRPC error

@@ -20,6 +20,7 @@ from worker.etcdclient import (
     Credentials,
     EtcdClient,
     EtcdEndpoint,
+    EtcdTLS,
     EtcdUnavailableError,
     b64,
     put_request,
@@ -145,7 +146,8 @@ def txn_body(writes: Sequence[Write], fence: Fence | None) -> dict[str, Any]:
 
 class EtcdStore:
     """:class:`KVStore` on etcd v3. ``endpoints``: one or more ``http://host:port`` (a list, or
-    comma-separated); a request that cannot connect moves on to the next endpoint."""
+    comma-separated); a request that cannot connect moves on to the next endpoint. ``tls``: the
+    CA and client certificate for ``https://`` members."""
 
     def __init__(
         self,
@@ -153,6 +155,7 @@ class EtcdStore:
         *,
         timeout_s: float = 5.0,
         credentials: Credentials | None = None,
+        tls: EtcdTLS | None = None,
     ) -> None:
         urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         urls = [u.strip() for part in urls for u in part.split(",") if u.strip()]
@@ -162,7 +165,10 @@ class EtcdStore:
             members = [EtcdEndpoint.from_url(u) for u in urls]
         except ValueError as exc:
             raise EtcdUnavailableError(str(exc)) from None
-        self.client = EtcdClient(members, timeout_s=timeout_s, credentials=credentials)
+        tls = tls or EtcdTLS()
+        self.client = EtcdClient(
+            members, timeout_s=timeout_s, credentials=credentials, ca_cert=tls.ca_cert, cert=tls.cert
+        )
 
     def get(self, key: str) -> Versioned | None:
         kvs = self.client.range({"key": b64(key)}).get("kvs", [])

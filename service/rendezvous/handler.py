@@ -57,10 +57,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from service.etcd.access import credentials_from_env
-from service.rendezvous.config import RendezvousConfig, parse_config, parse_endpoints
+from service.rendezvous.config import RendezvousConfig, RendezvousConfigError, parse_config, parse_endpoints
 from service.rendezvous.kv import EtcdKV
 from service.rendezvous.store import EtcdV3Store
-from worker.etcdclient import EtcdRefusedError, EtcdUnavailableError
+from worker.etcdclient import EtcdRefusedError, EtcdTLS, EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,12 +114,16 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     config = parse_config(dict(params.config))
     endpoints = parse_endpoints(params.endpoint, default_protocol=config.protocol)
     cert = (config.cert_file, config.key_file) if config.cert_file and config.key_file else None
+    try:  # what the service gave its nodes, where --rdzv-conf says nothing
+        given = EtcdTLS.from_env(os.environ)
+    except ValueError as exc:
+        raise RendezvousConfigError(str(exc)) from None
     kv = EtcdKV(
         endpoints,
         lease_ttl=config.state_ttl,
         read_timeout=config.read_timeout,
-        ca_cert=config.ca_cert,
-        cert=cert,
+        ca_cert=config.ca_cert or given.ca_cert,
+        cert=cert or given.cert,
         credentials=credentials_from_env(dict(os.environ)),  # the job's own etcd user, if any
     )
     backend = EtcdV3RendezvousBackend(kv, config.state_key(params.run_id))

@@ -4,7 +4,8 @@
 :func:`from_env` builds it the way the service launches a peer-mode worker: the members of
 ``ELASTRAIN_ETCD_ENDPOINTS`` (comma-separated ``http(s)://HOST:PORT``), authenticated as
 ``ELASTRAIN_ETCD_USER`` / ``ELASTRAIN_ETCD_PASSWORD`` when the service set them (the job's own
-etcd role, limited to ``/elastrain/rdzv/<job id>/``).
+etcd role, limited to ``/elastrain/rdzv/<job id>/``), over TLS with the files of
+``ELASTRAIN_ETCD_CA_CERT``, ``ELASTRAIN_ETCD_CERT`` and ``ELASTRAIN_ETCD_KEY`` when it set those.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from worker.etcdclient import (
     EtcdClient,
     EtcdEndpoint,
     EtcdRefusedError,
+    EtcdTLS,
     EtcdUnavailableError,
     b64,
     is_lease_not_found,
@@ -93,7 +95,11 @@ class EtcdKeyValue:
 
 
 def connect(
-    endpoints: str, *, credentials: Credentials | None = None, timeout_s: float = 5.0
+    endpoints: str,
+    *,
+    credentials: Credentials | None = None,
+    tls: EtcdTLS | None = None,
+    timeout_s: float = 5.0,
 ) -> EtcdKeyValue:
     """An :class:`EtcdKeyValue` on ``endpoints`` (comma-separated URLs). Raises
     :class:`SpecError` naming a malformed endpoint."""
@@ -104,11 +110,19 @@ def connect(
         members = [EtcdEndpoint.from_url(u) for u in urls]
     except ValueError as exc:
         raise SpecError(f"ELASTRAIN_ETCD_ENDPOINTS: {exc}") from None
-    return EtcdKeyValue(EtcdClient(members, timeout_s=timeout_s, credentials=credentials))
+    tls = tls or EtcdTLS()
+    client = EtcdClient(
+        members, timeout_s=timeout_s, credentials=credentials, ca_cert=tls.ca_cert, cert=tls.cert
+    )
+    return EtcdKeyValue(client)
 
 
 def from_env(env: Mapping[str, str]) -> EtcdKeyValue:
     """The adapter the service's launch environment describes (see the module docstring)."""
     user = env.get("ELASTRAIN_ETCD_USER")
     credentials = Credentials(user, env.get("ELASTRAIN_ETCD_PASSWORD", "")) if user else None
-    return connect(env.get("ELASTRAIN_ETCD_ENDPOINTS", ""), credentials=credentials)
+    try:
+        tls = EtcdTLS.from_env(env)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+    return connect(env.get("ELASTRAIN_ETCD_ENDPOINTS", ""), credentials=credentials, tls=tls)

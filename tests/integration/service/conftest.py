@@ -17,6 +17,7 @@ import pytest
 from svc_process import ServiceProcess
 
 from service.etcd.server import EtcdServer
+from tests.integration.service.tls_etcd import tls_etcd  # noqa: F401 - a fixture of this directory
 
 
 @pytest.fixture(scope="session")

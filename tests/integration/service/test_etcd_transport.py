@@ -16,83 +16,16 @@ from __future__ import annotations
 
 import http.server
 import json
-import shutil
-import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from service.etcd.server import EtcdServer, find_etcd_binary
-from service.ports import free_port
+from service.etcd.server import EtcdServer
 from worker.etcdclient import EtcdClient, EtcdEndpoint, EtcdUnavailableError, b64, put_request, unb64
 
 pytestmark = pytest.mark.integration
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _ca(directory: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
-             "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=directory)  # fmt: skip
-
-
-def _signed(directory: Path, ca: str, name: str, extensions: str) -> None:
-    (directory / f"{name}.ext").write_text(extensions)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-             "-out", f"{name}.csr", cwd=directory)  # fmt: skip
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt",
-             cwd=directory)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A real etcd serving https on 127.0.0.1 that asks every client for a certificate of its CA."""
-    if shutil.which("openssl") is None:
-        pytest.fail("this test makes its certificates with the openssl command: apt-get install openssl")
-    certs = tmp_path_factory.mktemp("certs")
-    _ca(certs, "ca")
-    _ca(certs, "other-ca")
-    # clientAuth too: etcd's grpc-gateway dials etcd's own gRPC server with this certificate
-    _signed(certs, "ca", "server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    _signed(certs, "ca", "client", "extendedKeyUsage=clientAuth\n")
-    data = tmp_path_factory.mktemp("etcd-tls")
-    client_port, peer_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    url = f"https://127.0.0.1:{client_port}"
-    peer = f"http://127.0.0.1:{peer_port}"
-    log = open(data / "etcd.log", "wb")  # noqa: SIM115 - handed to the child, closed below
-    proc = subprocess.Popen(
-        [find_etcd_binary(), "--name=tls", f"--data-dir={data / 'member'}", f"--listen-client-urls={url}",
-         f"--advertise-client-urls={url}", f"--listen-peer-urls={peer}",
-         f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=tls={peer}",
-         f"--cert-file={certs / 'server.crt'}", f"--key-file={certs / 'server.key'}",
-         f"--trusted-ca-file={certs / 'ca.crt'}", "--client-cert-auth", "--log-level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    log.close()
-    try:
-        client = EtcdClient([EtcdEndpoint.from_url(url)], ca_cert=str(certs / "ca.crt"),
-                            cert=(str(certs / "client.crt"), str(certs / "client.key")))  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:  # until it serves (a second or two)
-            try:
-                client.range({"key": b64("/ready")})
-                break
-            except EtcdUnavailableError as exc:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = (data / "etcd.log").read_text()[-2000:]
-                    pytest.fail(f"etcd over TLS does not serve: {exc}\n{tail}")
-                time.sleep(0.05)
-        client.close()
-        yield url, certs
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_a_client_with_the_ca_and_its_certificate_reads_and_writes(tls_etcd: tuple[str, Path]) -> None:
