@@ -184,7 +184,13 @@ class EtcdClient:
         if not endpoints:
             raise ValueError("give at least one etcd endpoint")
         self.endpoints = tuple(endpoints)
-        tls = _tls_context(ca_cert, cert) if any(e.protocol == "https" for e in self.endpoints) else None
+        tls = None
+        if any(e.protocol == "https" for e in self.endpoints):
+            try:
+                tls = _tls_context(ca_cert, cert)
+            except (OSError, ssl.SSLError) as exc:  # a file gone or not what it should be: one line
+                files = ", ".join(f for f in (ca_cert, *(cert or ())) if f) or "the system's CAs"
+                raise EtcdUnavailableError(f"TLS to etcd: {files} does not load: {exc}") from None
         self._members = [_Member(e, timeout_s, tls) for e in self.endpoints]
         self._current = 0
         self.credentials = credentials

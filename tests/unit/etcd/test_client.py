@@ -9,7 +9,16 @@ import pytest
 
 from service.etcd.access import credentials_from_env, job_permission, job_user, node_env
 from service.etcd.kv import Fence, Write, txn_body
-from worker.etcdclient import Credentials, EtcdEndpoint, b64, range_end, token_refused, unb64
+from worker.etcdclient import (
+    Credentials,
+    EtcdClient,
+    EtcdEndpoint,
+    EtcdUnavailableError,
+    b64,
+    range_end,
+    token_refused,
+    unb64,
+)
 
 
 def test_keys_travel_base64_and_a_prefix_ends_past_its_last_byte() -> None:
@@ -78,3 +87,23 @@ def test_a_node_gets_its_credentials_through_its_environment() -> None:
     credentials = Credentials(job_user("j"), "pw")
     assert credentials_from_env(node_env(credentials)) == credentials
     assert credentials_from_env({}) is None and credentials_from_env({"ELASTRAIN_ETCD_USER": "u"}) is None
+
+
+@pytest.mark.parametrize(
+    ("ca_cert", "cert", "names"),
+    [
+        ("/gone/ca.crt", None, "/gone/ca.crt"),
+        (None, ("/gone/c.crt", "/gone/c.key"), "/gone/c.crt, /gone/c.key"),
+    ],
+    ids=["ca", "client-certificate"],
+)
+def test_tls_files_that_do_not_load_are_one_error_naming_them(
+    ca_cert: str | None, cert: tuple[str, str] | None, names: str
+) -> None:
+    """A node whose TLS files are not where the service said (a pod without the mount): one line
+    naming them, not an OSError's traceback. Nothing is sent: the files load before any request."""
+    with pytest.raises(EtcdUnavailableError, match=f"TLS to etcd: {names} does not load: .*No such file"):
+        EtcdClient([EtcdEndpoint.from_url("https://etcd:2379")], ca_cert=ca_cert, cert=cert)
+    EtcdClient(
+        [EtcdEndpoint.from_url("http://etcd:2379")], ca_cert="/gone/ca.crt"
+    ).close()  # plain http: unused
