@@ -162,10 +162,7 @@ def external_credentials(settings: Settings) -> Credentials | None:
         )
         return None
     credentials = Credentials(settings.etcd_user, settings.etcd_password.get_secret_value())
-    tls = settings.etcd_tls
-    bare = EtcdClient(
-        [EtcdEndpoint.from_url(u) for u in settings.etcd_endpoints], ca_cert=tls.ca_cert, cert=tls.cert
-    )
+    bare = EtcdClient([EtcdEndpoint.from_url(u) for u in settings.etcd_endpoints], tls=settings.etcd_tls)
     if settings.etcd_user == ROOT_USER:
         EtcdAuth(bare).enable(credentials.password)
     return credentials

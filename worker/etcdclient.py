@@ -38,7 +38,7 @@ import json
 import select
 import ssl
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -119,22 +119,25 @@ class EtcdTLS:
         values = (self.ca_cert, *(self.cert or (None, None)))
         return {name: value for name, value in zip(TLS_ENV, values, strict=True) if value}
 
+    def context(self) -> ssl.SSLContext:
+        """Server verification against ``ca_cert`` and, with ``cert``, the client certificate.
+        Raises OSError or ssl.SSLError when a file does not load."""
+        context = ssl.create_default_context(cafile=self.ca_cert)
+        if self.cert is not None:
+            context.load_cert_chain(*self.cert)
+        return context
+
     def check(self) -> None:
         """Load every file as a connection would; raises ValueError naming the variable, the
         file and what is wrong with it (missing, unreadable, not a certificate or key)."""
-        if self.ca_cert is not None:
-            _load(TLS_ENV[0], self.ca_cert, lambda: ssl.create_default_context(cafile=self.ca_cert))
+        parts = [(TLS_ENV[0], self.ca_cert, EtcdTLS(ca_cert=self.ca_cert))] if self.ca_cert else []
         if self.cert is not None:
-            cert, key = self.cert
-            what = f"{TLS_ENV[1]}/{TLS_ENV[2]}"
-            _load(what, f"{cert}, {key}", lambda: ssl.create_default_context().load_cert_chain(cert, key))
-
-
-def _load(name: str, path: str, load: Callable[[], object]) -> None:
-    try:
-        load()
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"{name}: {path}: {exc}") from None
+            parts.append((f"{TLS_ENV[1]}/{TLS_ENV[2]}", ", ".join(self.cert), EtcdTLS(cert=self.cert)))
+        for name, files, part in parts:
+            try:
+                part.context()
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"{name}: {files}: {exc}") from None
 
 
 # etcd 3.5 words "the auth store changed since this token" two ways: the gRPC error
@@ -177,21 +180,22 @@ class EtcdClient:
         endpoints: Sequence[EtcdEndpoint],
         *,
         timeout_s: float = 5.0,
-        ca_cert: str | None = None,
-        cert: tuple[str, str] | None = None,
+        tls: EtcdTLS | None = None,
         credentials: Credentials | None = None,
     ) -> None:
+        """``tls``: for ``https://`` members (default: the system's CAs, no client certificate)."""
         if not endpoints:
             raise ValueError("give at least one etcd endpoint")
         self.endpoints = tuple(endpoints)
-        tls = None
+        context = None
         if any(e.protocol == "https" for e in self.endpoints):
+            tls = tls or EtcdTLS()
             try:
-                tls = _tls_context(ca_cert, cert)
+                context = tls.context()
             except (OSError, ssl.SSLError) as exc:  # a file gone or not what it should be: one line
-                files = ", ".join(f for f in (ca_cert, *(cert or ())) if f) or "the system's CAs"
+                files = ", ".join(f for f in (tls.ca_cert, *(tls.cert or ())) if f) or "the system's CAs"
                 raise EtcdUnavailableError(f"TLS to etcd: {files} does not load: {exc}") from None
-        self._members = [_Member(e, timeout_s, tls) for e in self.endpoints]
+        self._members = [_Member(e, timeout_s, context) for e in self.endpoints]
         self._current = 0
         self.credentials = credentials
         self._token: str | None = None
@@ -351,15 +355,6 @@ def _json_object(payload: bytes) -> dict[str, Any] | None:
 
 def _text(payload: bytes) -> str:
     return payload.decode("utf-8", "replace").strip()[:200]
-
-
-def _tls_context(ca_cert: str | None, cert: tuple[str, str] | None) -> ssl.SSLContext:
-    """Server verification against ``ca_cert`` (the system's CAs when None) and, with ``cert``
-    (certificate, key), the client certificate etcd's ``--client-cert-auth`` asks for."""
-    context = ssl.create_default_context(cafile=ca_cert)
-    if cert is not None:
-        context.load_cert_chain(cert[0], cert[1])
-    return context
 
 
 class _Member:

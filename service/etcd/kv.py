@@ -165,10 +165,7 @@ class EtcdStore:
             members = [EtcdEndpoint.from_url(u) for u in urls]
         except ValueError as exc:
             raise EtcdUnavailableError(str(exc)) from None
-        tls = tls or EtcdTLS()
-        self.client = EtcdClient(
-            members, timeout_s=timeout_s, credentials=credentials, ca_cert=tls.ca_cert, cert=tls.cert
-        )
+        self.client = EtcdClient(members, timeout_s=timeout_s, credentials=credentials, tls=tls)
 
     def get(self, key: str) -> Versioned | None:
         kvs = self.client.range({"key": b64(key)}).get("kvs", [])

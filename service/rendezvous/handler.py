@@ -122,8 +122,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
         endpoints,
         lease_ttl=config.state_ttl,
         read_timeout=config.read_timeout,
-        ca_cert=config.ca_cert or given.ca_cert,
-        cert=cert or given.cert,
+        tls=EtcdTLS(config.ca_cert or given.ca_cert, cert or given.cert),
         credentials=credentials_from_env(dict(os.environ)),  # the job's own etcd user, if any
     )
     backend = EtcdV3RendezvousBackend(kv, config.state_key(params.run_id))

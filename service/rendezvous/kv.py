@@ -24,6 +24,7 @@ from worker.etcdclient import (
     EtcdClient,
     EtcdEndpoint,
     EtcdRefusedError,
+    EtcdTLS,
     b64,
     is_lease_not_found,
     put_request,
@@ -89,13 +90,10 @@ class EtcdKV:
         *,
         lease_ttl: int,
         read_timeout: float,
-        ca_cert: str | None = None,
-        cert: tuple[str, str] | None = None,
+        tls: EtcdTLS | None = None,
         credentials: Credentials | None = None,
     ) -> None:
-        self._client = EtcdClient(
-            endpoints, timeout_s=read_timeout, ca_cert=ca_cert, cert=cert, credentials=credentials
-        )
+        self._client = EtcdClient(endpoints, timeout_s=read_timeout, tls=tls, credentials=credentials)
         self._lease_ttl = lease_ttl
         self._lease_id: int | None = None
         self._lease_refreshed = 0.0

@@ -110,11 +110,7 @@ def connect(
         members = [EtcdEndpoint.from_url(u) for u in urls]
     except ValueError as exc:
         raise SpecError(f"ELASTRAIN_ETCD_ENDPOINTS: {exc}") from None
-    tls = tls or EtcdTLS()
-    client = EtcdClient(
-        members, timeout_s=timeout_s, credentials=credentials, ca_cert=tls.ca_cert, cert=tls.cert
-    )
-    return EtcdKeyValue(client)
+    return EtcdKeyValue(EtcdClient(members, timeout_s=timeout_s, credentials=credentials, tls=tls))
 
 
 def from_env(env: Mapping[str, str]) -> EtcdKeyValue:

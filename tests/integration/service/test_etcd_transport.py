@@ -23,15 +23,15 @@ from pathlib import Path
 import pytest
 
 from service.etcd.server import EtcdServer
-from worker.etcdclient import EtcdClient, EtcdEndpoint, EtcdUnavailableError, b64, put_request, unb64
+from worker.etcdclient import EtcdClient, EtcdEndpoint, EtcdTLS, EtcdUnavailableError, b64, put_request, unb64
 
 pytestmark = pytest.mark.integration
 
 
 def test_a_client_with_the_ca_and_its_certificate_reads_and_writes(tls_etcd: tuple[str, Path]) -> None:
     url, certs = tls_etcd
-    client = EtcdClient([EtcdEndpoint.from_url(url)], ca_cert=str(certs / "ca.crt"),
-                        cert=(str(certs / "client.crt"), str(certs / "client.key")))  # fmt: skip
+    client = EtcdClient([EtcdEndpoint.from_url(url)], tls=EtcdTLS(str(certs / "ca.crt"),
+                        (str(certs / "client.crt"), str(certs / "client.key"))))  # fmt: skip
     try:
         client.put("/tls/a", b"over tls")
         for _ in range(3):  # again on the pooled connection: no new handshake needed, same answer
@@ -55,7 +55,7 @@ def test_a_tls_mismatch_is_one_clear_error(
 ) -> None:
     url, certs = tls_etcd
     pair = (str(certs / cert[0]), str(certs / cert[1])) if cert else None
-    client = EtcdClient([EtcdEndpoint.from_url(url)], ca_cert=str(certs / ca), cert=pair, timeout_s=3)
+    client = EtcdClient([EtcdEndpoint.from_url(url)], tls=EtcdTLS(str(certs / ca), pair), timeout_s=3)
     with pytest.raises(EtcdUnavailableError) as caught:
         client.put("/tls/b", b"x")
     message = str(caught.value)

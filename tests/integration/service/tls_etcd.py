@@ -14,7 +14,7 @@ import pytest
 from service.etcd.server import find_etcd_binary
 from service.ports import free_port
 from tests.tls_certs import make_certs
-from worker.etcdclient import EtcdClient, EtcdEndpoint, EtcdUnavailableError, b64
+from worker.etcdclient import EtcdClient, EtcdEndpoint, EtcdTLS, EtcdUnavailableError, b64
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,8 @@ def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
     )  # fmt: skip
     log.close()
     try:
-        client = EtcdClient([EtcdEndpoint.from_url(url)], ca_cert=str(certs / "ca.crt"),
-                            cert=(str(certs / "client.crt"), str(certs / "client.key")))  # fmt: skip
+        client = EtcdClient([EtcdEndpoint.from_url(url)], tls=EtcdTLS(str(certs / "ca.crt"),
+                            (str(certs / "client.crt"), str(certs / "client.key"))))  # fmt: skip
         deadline = time.monotonic() + 30
         while True:  # until it serves (a second or two)
             try:

@@ -13,6 +13,7 @@ from worker.etcdclient import (
     Credentials,
     EtcdClient,
     EtcdEndpoint,
+    EtcdTLS,
     EtcdUnavailableError,
     b64,
     range_end,
@@ -103,7 +104,7 @@ def test_tls_files_that_do_not_load_are_one_error_naming_them(
     """A node whose TLS files are not where the service said (a pod without the mount): one line
     naming them, not an OSError's traceback. Nothing is sent: the files load before any request."""
     with pytest.raises(EtcdUnavailableError, match=f"TLS to etcd: {names} does not load: .*No such file"):
-        EtcdClient([EtcdEndpoint.from_url("https://etcd:2379")], ca_cert=ca_cert, cert=cert)
+        EtcdClient([EtcdEndpoint.from_url("https://etcd:2379")], tls=EtcdTLS(ca_cert, cert))
     EtcdClient(
-        [EtcdEndpoint.from_url("http://etcd:2379")], ca_cert="/gone/ca.crt"
+        [EtcdEndpoint.from_url("http://etcd:2379")], tls=EtcdTLS("/gone/ca.crt")
     ).close()  # plain http: unused
