@@ -2,7 +2,12 @@
 
 1. Throughput: the same spec (1 node x 2 processes) bare and under ``elastrain serve`` (agents,
    heartbeats, etcd, progress callbacks); samples/s from the workers' own progress events.
-   Target: service / bare >= 0.98.
+   Target: service / bare >= 0.98. Under the service the job runs in its default recovery mode
+   (``auto``: peer for DDP) and, in the same rounds, in ``restart`` mode, the mode bare torchrun
+   runs: restart / bare is what the service itself costs, peer / restart what peer mode costs in
+   steady state (issue 14's target >= 0.98). Each side also reports its workers' main-thread CPU
+   per step (``/proc``, steps 100 to the end less 100): a side that computes more per step shows
+   there, one that waits more does not.
 2. Recovery: under the service, SIGKILL one worker after a checkpoint; the service measures
    failure -> first step after resume. The floor, measured in the same run: a fresh torchrun of
    the same spec resuming from that checkpoint, launch -> first step (respawn, import torch,
@@ -82,6 +87,51 @@ def bare(tmp: Path, body: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def bare_cpu(tmp: Path, body: dict[str, Any]) -> tuple[list[dict[str, Any]], float | None]:
+    """:func:`bare`, and its workers' main-thread CPU ms per step and process, measured as
+    :func:`under_service` measures it (read at the progress events of step 100 and of
+    ``max_steps - 100``, which the workers print as they go)."""
+    path = tmp / f"bare-{time.time_ns()}.json"
+    path.write_text(json.dumps(body))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "worker", "--config", str(path)]  # fmt: skip
+    events: list[dict[str, Any]] = []
+    marks: list[tuple[int, float]] = []
+    last = body["max_steps"] - 100
+    log = tmp / f"{path.stem}.stderr"
+    with (
+        log.open("w") as err,
+        subprocess.Popen(
+            cmd, env=worker_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True
+        ) as proc,
+    ):
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not line.startswith("{"):
+                continue
+            event = json.loads(line)
+            events.append(event)
+            step = event.get("step", 0) if event["event"] == "progress" else 0
+            if len(marks) < 2 and last > 100 and step >= (100 if not marks else last):
+                pids = children(proc.pid)
+                marks.append((step, main_thread_cpu(pids) / max(len(pids), 1)))
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=log.read_text()[-4000:])
+    cpu = None
+    if len(marks) == 2 and marks[1][0] > marks[0][0]:
+        cpu = 1e3 * (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0])
+    return events, cpu
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (torchrun's workers)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
+
+
 def scrape(svc: Service, job_id: str) -> int:
     """What a Prometheus on this machine scrapes: the service and the job's worker exporters
     (their file_sd target files, see worker.metrics). Returns how many worker endpoints."""
@@ -101,19 +151,43 @@ def scrape(svc: Service, job_id: str) -> int:
     return scraped
 
 
+def main_thread_cpu(pids: list[int]) -> float:
+    """The CPU seconds the main threads of ``pids`` have used (utime + stime, ``/proc``); a
+    process already gone counts 0."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def under_service(svc: Service, body: dict[str, Any]) -> dict[str, Any]:
     """Run a job under the service, watched as a user would: ``GET /v1/jobs/{id}`` once a second
     (``elastrain status --watch``'s default) and the service's and workers' ``/metrics`` every
     15 s (Prometheus' default scrape interval). The test helper's 0.3 s poll would add its own
-    load to one side only."""
+    load to one side only. ``cpu_ms_per_step``: the workers' main threads, per process, between
+    the first sight of step 100 and of ``max_steps - 100`` (None for a job too short)."""
     job_id = svc.submit(body)
     deadline = time.monotonic() + 900
     next_scrape, endpoints = time.monotonic() + 5, 0
+    marks: list[tuple[int, float]] = []  # (step, main-thread CPU s) at both ends
+    last = body["max_steps"] - 100
     while time.monotonic() < deadline:
         job = svc.job(job_id)
+        step = job.get("step") or 0
+        if len(marks) < 2 and step >= (100 if not marks else last) and last > 100:
+            pids = worker_pids(job_id)
+            if len(pids) == body["nproc_per_node"]:
+                marks.append((step, main_thread_cpu(pids) / len(pids)))
         if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
             assert job["state"] == "SUCCEEDED", job
-            return job | {"worker_endpoints_scraped": endpoints}
+            cpu = None
+            if len(marks) == 2 and marks[1][0] > marks[0][0]:
+                cpu = 1e3 * (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0])
+            return job | {"worker_endpoints_scraped": endpoints, "cpu_ms_per_step": cpu}
         if time.monotonic() >= next_scrape:
             endpoints = max(endpoints, scrape(svc, job_id))
             next_scrape += 15
@@ -147,7 +221,7 @@ def recovery(svc: Service, tmp: Path) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved bare/service pairs")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of: bare, service, restart mode")
     parser.add_argument("--steps", type=int, default=1000, help="steps per throughput run (~20 s)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
@@ -155,28 +229,50 @@ def main() -> int:
         svc = Service(tmp / "svc", {})
         svc.data_dir.mkdir()
         svc.start()
-        ratios = []
+        rates: dict[str, list[float]] = {"bare": [], "service": [], "restart": []}
+        cpus: dict[str, list[float]] = {"bare": [], "service": [], "restart": []}
         try:
             bare(tmp, spec(max_steps=20))  # warm-up of both paths (page cache, first TorchX launch)
             under_service(svc, spec(max_steps=20))
-            for i in range(args.rounds):  # interleaved, ABBA, so drift on a shared machine hits both
-                order = ("bare", "service") if i % 2 == 0 else ("service", "bare")
-                for side in order:
+            sides = ["bare", "service", "restart"]
+            for i in range(args.rounds):  # interleaved, rotating, so drift on a shared machine hits all
+                for side in sides[i % 3 :] + sides[: i % 3]:
                     if side == "bare":
-                        bare_rate = rate(bare(tmp, spec(max_steps=args.steps)))
+                        events, cpu = bare_cpu(tmp, spec(max_steps=args.steps))
                     else:
-                        job = under_service(svc, spec(max_steps=args.steps))
-                        svc_rate = rate(events_of(Path(job["checkpoint_dir"]) / "events.jsonl"))
-                ratios.append(svc_rate / bare_rate)
-                print(f"  round {i + 1}: bare {bare_rate:,.0f} samples/s, service {svc_rate:,.0f}: "
-                      f"{ratios[-1]:.3f} (worker endpoints scraped: {job['worker_endpoints_scraped']})",
-                      flush=True)  # fmt: skip
+                        mode = {"service": "auto", "restart": "restart"}[side]
+                        job = under_service(svc, spec(max_steps=args.steps, recovery={"mode": mode}))
+                        events = events_of(Path(job["checkpoint_dir"]) / "events.jsonl")
+                        cpu = job["cpu_ms_per_step"]
+                    rates[side].append(rate(events))
+                    if cpu is not None:
+                        cpus[side].append(cpu)
+                r = {side: v[-1] for side, v in rates.items()}
+                print(f"  round {i + 1}: samples/s bare {r['bare']:,.0f}, service {r['service']:,.0f} "
+                      f"(restart mode {r['restart']:,.0f}): service/bare {r['service'] / r['bare']:.3f}, "
+                      f"restart mode/bare {r['restart'] / r['bare']:.3f}, peer/restart "
+                      f"{r['service'] / r['restart']:.3f} (worker endpoints scraped: "
+                      f"{job['worker_endpoints_scraped']})", flush=True)  # fmt: skip
             measured, floor = recovery(svc, tmp)
         finally:
             svc.stop()
+
+    def ratio(a: str, b: str) -> str:
+        pairs = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
+        return f"{statistics.median(pairs):.3f} (rounds {min(pairs):.3f}-{max(pairs):.3f})"
+
     print("job under the service vs bare torchrun (W=2, same spec)")
-    print(f"  ratio service/bare, median of {len(ratios)} interleaved rounds: "
-          f"{statistics.median(ratios):.3f}  (target >= 0.98)")  # fmt: skip
+    print(f"  ratio service/bare, median of {args.rounds} interleaved rounds: "
+          f"{ratio('service', 'bare')}  (target >= 0.98)")  # fmt: skip
+    print(f"  the service in restart mode / bare (what the service itself costs): {ratio('restart', 'bare')}")
+    print(f"  peer / restart mode under the service (issue 14's steady state, target >= 0.98): "
+          f"{ratio('service', 'restart')}")  # fmt: skip
+    for side, label in (("bare", "bare"), ("service", "service (peer)"), ("restart", "service (restart)")):
+        if cpus[side]:
+            print(
+                f"  {label}: workers' main-thread CPU per step and process, median "
+                f"{statistics.median(cpus[side]):.1f} ms ({min(cpus[side]):.1f}-{max(cpus[side]):.1f})"
+            )
     print(f"  recovery (SIGKILL -> first step) {measured:.2f} s")
     print(f"  floor (fresh torchrun resuming that checkpoint -> first step) {floor:.2f} s")
     print(f"  ratio recovery/floor: {measured / floor:.2f}  (target <= 1.3)")
