@@ -79,25 +79,42 @@ def events_of(path: Path) -> list[dict[str, Any]]:
 
 
 def bare(tmp: Path, body: dict[str, Any]) -> list[dict[str, Any]]:
-    path = tmp / f"bare-{time.time_ns()}.json"
-    path.write_text(json.dumps(body))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "worker", "--config", str(path)]  # fmt: skip
-    out = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return bare_cpu(tmp, body)[0]
+
+
+class CpuMarks:
+    """The workers' main-thread CPU at two steps of a run: the first sight of step 100 and of
+    ``max_steps - 100``; :meth:`per_step` is the CPU ms per step and process between them (None
+    for a run too short, or one not seen at both)."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.last, self.nproc = body["max_steps"] - 100, body["nproc_per_node"]
+        self.marks: list[tuple[int, float]] = []  # (step, main-thread CPU s per process)
+
+    def wants(self, step: int) -> bool:
+        return len(self.marks) < 2 and self.last > 100 and step >= (100 if not self.marks else self.last)
+
+    def add(self, step: int, pids: list[int]) -> None:
+        if len(pids) == self.nproc:  # every worker seen, none exiting yet
+            self.marks.append((step, main_thread_cpu(pids) / len(pids)))
+
+    def per_step(self) -> float | None:
+        if len(self.marks) < 2 or self.marks[1][0] <= self.marks[0][0]:
+            return None
+        (a, cpu_a), (b, cpu_b) = self.marks
+        return 1e3 * (cpu_b - cpu_a) / (b - a)
 
 
 def bare_cpu(tmp: Path, body: dict[str, Any]) -> tuple[list[dict[str, Any]], float | None]:
-    """:func:`bare`, and its workers' main-thread CPU ms per step and process, measured as
-    :func:`under_service` measures it (read at the progress events of step 100 and of
-    ``max_steps - 100``, which the workers print as they go)."""
+    """A bare ``torchrun -m worker`` of ``body``: its events, and its workers' main-thread CPU ms
+    per step and process (:class:`CpuMarks`, read at the progress events the workers print as
+    they go, as :func:`under_service` reads it at the job's reported step)."""
     path = tmp / f"bare-{time.time_ns()}.json"
     path.write_text(json.dumps(body))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "worker", "--config", str(path)]  # fmt: skip
     events: list[dict[str, Any]] = []
-    marks: list[tuple[int, float]] = []
-    last = body["max_steps"] - 100
+    marks = CpuMarks(body)
     log = tmp / f"{path.stem}.stderr"
     with (
         log.open("w") as err,
@@ -112,15 +129,11 @@ def bare_cpu(tmp: Path, body: dict[str, Any]) -> tuple[list[dict[str, Any]], flo
             event = json.loads(line)
             events.append(event)
             step = event.get("step", 0) if event["event"] == "progress" else 0
-            if len(marks) < 2 and last > 100 and step >= (100 if not marks else last):
-                pids = children(proc.pid)
-                marks.append((step, main_thread_cpu(pids) / max(len(pids), 1)))
+            if marks.wants(step):
+                marks.add(step, children(proc.pid))
     if proc.returncode != 0:
         raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=log.read_text()[-4000:])
-    cpu = None
-    if len(marks) == 2 and marks[1][0] > marks[0][0]:
-        cpu = 1e3 * (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0])
-    return events, cpu
+    return events, marks.per_step()
 
 
 def children(pid: int) -> list[int]:
@@ -173,21 +186,15 @@ def under_service(svc: Service, body: dict[str, Any]) -> dict[str, Any]:
     job_id = svc.submit(body)
     deadline = time.monotonic() + 900
     next_scrape, endpoints = time.monotonic() + 5, 0
-    marks: list[tuple[int, float]] = []  # (step, main-thread CPU s) at both ends
-    last = body["max_steps"] - 100
+    marks = CpuMarks(body)
     while time.monotonic() < deadline:
         job = svc.job(job_id)
         step = job.get("step") or 0
-        if len(marks) < 2 and step >= (100 if not marks else last) and last > 100:
-            pids = worker_pids(job_id)
-            if len(pids) == body["nproc_per_node"]:
-                marks.append((step, main_thread_cpu(pids) / len(pids)))
+        if marks.wants(step):
+            marks.add(step, worker_pids(job_id))
         if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
             assert job["state"] == "SUCCEEDED", job
-            cpu = None
-            if len(marks) == 2 and marks[1][0] > marks[0][0]:
-                cpu = 1e3 * (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0])
-            return job | {"worker_endpoints_scraped": endpoints, "cpu_ms_per_step": cpu}
+            return job | {"worker_endpoints_scraped": endpoints, "cpu_ms_per_step": marks.per_step()}
         if time.monotonic() >= next_scrape:
             endpoints = max(endpoints, scrape(svc, job_id))
             next_scrape += 15
