@@ -53,6 +53,11 @@ class Settings(BaseSettings):
     k8s_service_account: str = ""
     checkpoint_claim: str = ""
     checkpoint_mount: str = "/checkpoints"
+    k8s_etcd_tls_secret: str = ""
+    """kubernetes: a Secret holding the etcd TLS files (ELASTRAIN_ETCD_CA_CERT...), mounted
+    read-only into every worker pod at the directory they are in here, so that the nodes find them
+    at the paths they are given (the chart mounts the same Secret there in the service's pod).
+    All of them must be in one directory, under their names as the Secret's keys."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
     advertise_url: str = ""
     """URL workers use to reach this service; default http://HOST:PORT (loopback for 0.0.0.0)."""
@@ -132,6 +137,18 @@ class Settings(BaseSettings):
                     "give etcd's https:// client URLs, or unset them"
                 )
             tls.check()
+        if self.k8s_etcd_tls_secret:
+            if self.etcd_tls_dir in (self.checkpoint_mount.rstrip("/"), "/tmp"):
+                raise ValueError(
+                    f"the etcd TLS files are in {self.etcd_tls_dir}, where a worker pod mounts its "
+                    "checkpoints or its /tmp: put them in a directory of their own for "
+                    "ELASTRAIN_K8S_ETCD_TLS_SECRET to be mounted at"
+                )
+            if self.scheduler != "kubernetes":
+                raise ValueError(
+                    "ELASTRAIN_K8S_ETCD_TLS_SECRET is for scheduler 'kubernetes' (it mounts the Secret "
+                    "into worker pods); unset it, or set ELASTRAIN_SCHEDULER=kubernetes"
+                )
         return self
 
     @property
@@ -143,6 +160,23 @@ class Settings(BaseSettings):
             if value
         }
         return EtcdTLS.from_env(absolute)
+
+    @property
+    def etcd_tls_dir(self) -> str:
+        """The one directory the etcd TLS files are in (where ELASTRAIN_K8S_ETCD_TLS_SECRET goes
+        in a worker pod). Raises ValueError without TLS files, or with them in several."""
+        files = list(self.etcd_tls.env().values())
+        folders = sorted({str(Path(f).parent) for f in files})
+        if len(folders) != 1:
+            given = ", ".join(self.etcd_tls.env()) or "none of " + ", ".join(TLS_ENV)
+            raise ValueError(
+                "ELASTRAIN_K8S_ETCD_TLS_SECRET needs the etcd TLS files in one directory, where the "
+                f"Secret is mounted (given: {given}"
+                + (f", in {', '.join(folders)}" if folders else "")
+                + "); set ELASTRAIN_ETCD_CA_CERT (and a client certificate) to files in the Secret's "
+                "mount, or unset ELASTRAIN_K8S_ETCD_TLS_SECRET"
+            )
+        return folders[0]
 
     @property
     def embedded_etcd(self) -> bool:

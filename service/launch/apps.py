@@ -65,6 +65,10 @@ class SchedulerSettings:
     checkpoint_claim: str | None = None
     """PersistentVolumeClaim holding the checkpoints, mounted into every worker pod."""
     checkpoint_mount: str = "/checkpoints"
+    etcd_tls_secret: str | None = None
+    """kubernetes: a Secret with the etcd TLS files, mounted read-only at ``etcd_tls_dir`` in
+    every worker pod (where the paths the nodes are given point)."""
+    etcd_tls_dir: str | None = None
     log_root: str = ".elastrain/nodes"
     """local_cwd: each launch gets a directory under it (spec, logs, pid, exit code)."""
     python: str = "python"
@@ -83,6 +87,10 @@ class SchedulerSettings:
             raise SpecError("scheduler 'kubernetes' needs a worker image (ELASTRAIN_WORKER_IMAGE)")
         if not self.checkpoint_mount.startswith("/"):
             raise SpecError(f"checkpoint_mount {self.checkpoint_mount!r} must be an absolute path")
+        if self.etcd_tls_secret and not (self.etcd_tls_dir or "").startswith("/"):
+            raise SpecError(
+                f"etcd_tls_dir {self.etcd_tls_dir!r} must be an absolute path (the Secret's mount)"
+            )
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> SchedulerSettings:
@@ -98,6 +106,8 @@ class SchedulerSettings:
             "checkpoint_claim": settings.checkpoint_claim or None,
             "checkpoint_mount": settings.checkpoint_mount,
         }
+        if getattr(settings, "k8s_etcd_tls_secret", ""):
+            values |= {"etcd_tls_secret": settings.k8s_etcd_tls_secret, "etcd_tls_dir": settings.etcd_tls_dir}
         values.update(overrides)
         return cls(**values)
 

@@ -146,6 +146,83 @@ def test_external_etcd_replaces_the_statefulset(render: Renderer) -> None:
     )
 
 
+TLS = ("etcd.external.tls.existingSecret=infra-etcd-tls", "etcd.external.tls.clientCert=true")
+
+
+def test_external_etcd_over_tls_mounts_the_secret_for_the_service_and_names_it_for_the_workers(
+    render: Renderer,
+) -> None:
+    objects = render("external-etcd", set_values=TLS)
+    env = _env(objects)
+    assert {k: env[k]["value"] for k in env if k.startswith("ELASTRAIN_ETCD_") and "value" in env[k]} == {
+        "ELASTRAIN_ETCD_USER": "elastrain-admin",
+        "ELASTRAIN_ETCD_CA_CERT": "/etc/elastrain/etcd-tls/ca.crt",
+        "ELASTRAIN_ETCD_CERT": "/etc/elastrain/etcd-tls/tls.crt",
+        "ELASTRAIN_ETCD_KEY": "/etc/elastrain/etcd-tls/tls.key",
+    }
+    assert (
+        env["ELASTRAIN_K8S_ETCD_TLS_SECRET"]["value"] == "infra-etcd-tls"
+    )  # the service mounts it in workers
+    deployment = one(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [
+        m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/etc/elastrain/etcd-tls"
+    ]
+    assert mount["readOnly"] is True
+    assert volumes[mount["name"]]["secret"] == {"secretName": "infra-etcd-tls", "defaultMode": 0o440}
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(deployment, version, strict=True)
+    # the CA only (an etcd without --client-cert-auth), at another path
+    ca_only = _env(render("external-etcd", set_values=(TLS[0], "etcd.external.tls.mountPath=/etc/etcd-ca")))
+    assert ca_only["ELASTRAIN_ETCD_CA_CERT"]["value"] == "/etc/etcd-ca/ca.crt"
+    assert "ELASTRAIN_ETCD_CERT" not in ca_only and "ELASTRAIN_ETCD_KEY" not in ca_only
+    # without the Secret: no TLS variables, no mount
+    plain = render("external-etcd")
+    assert not {"ELASTRAIN_ETCD_CA_CERT", "ELASTRAIN_K8S_ETCD_TLS_SECRET"} & set(_env(plain))
+    assert not [v for v in one(plain, "Deployment")["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ((TLS[0],), "etcd.external.tls.existingSecret needs https:// endpoints in etcd.external.endpoints"),
+        (
+            (TLS[0], "etcd.external.endpoints={http://etcd:2379}", "etcd.auth.existingSecret=p"),
+            "etcd.external.tls.existingSecret needs https:// endpoints",
+        ),
+        (
+            (
+                TLS[0],
+                "etcd.external.endpoints={https://etcd:2379}",
+                "etcd.auth.existingSecret=p",
+                "etcd.external.tls.ca=false",
+            ),
+            "etcd.external.tls: neither ca nor clientCert is true",
+        ),
+        (
+            (
+                TLS[0],
+                "etcd.external.endpoints={https://etcd:2379}",
+                "etcd.auth.existingSecret=p",
+                "etcd.external.tls.mountPath=/checkpoints",
+            ),
+            "etcd.external.tls.mountPath /checkpoints is where the pods mount something else",
+        ),
+        (("etcd.external.tls.mountPath=etc/tls",), "at '/etcd/external/tls/mountPath'"),
+        (("etcd.external.tls.existingSecret=Bad_Name",), "at '/etcd/external/tls/existingSecret'"),
+    ],
+    ids=["internal-etcd", "plain-http", "nothing-used", "mount-taken", "relative-mount", "bad-name"],
+)
+def test_etcd_tls_values_that_cannot_work_are_refused(
+    tools: DeployTools, values: tuple[str, ...], message: str
+) -> None:
+    args = [a for v in values for a in ("--set", v)]
+    proc = helm(tools, "template", RELEASE, str(CHART_DIR), *args)
+    assert proc.returncode != 0, f"helm template accepted {values}"
+    assert message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_checkpoint_claim_created_or_existing(render: Renderer) -> None:
     created = one(render(), "PersistentVolumeClaim")
     assert created["spec"]["accessModes"] == ["ReadWriteMany"]

@@ -7,17 +7,22 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
 from service import settings as settings_module
+from service.jobs.model import JobRecord
 from service.launch import apps, dryrun
 from service.launch.protocol import NodeLaunch
+from service.reconciler import LaunchContext, service_env
 from tests.deploy.helpers import NAMESPACE, SCENARIOS, Obj, Renderer, chart_values, find, one
 from tests.deploy.netpol import selector_matches
 from tests.deploy.pss import restricted_violations
+from tests.tls_certs import make_certs
+from worker.etcdclient import TLS_ENV, EtcdTLS
 from worker.spec import JobSpec, parse_spec
 
 POD_IP = "10.1.2.3"
@@ -170,3 +175,47 @@ def test_the_chart_runs_built_in_factories_only_unless_told(
     assert _settings(listed, monkeypatch).factory_prefixes == ("team_a", "team_b.models")
     off = render(set_values=("service.restrictFactories=false",))
     assert _settings(off, monkeypatch).factory_prefixes is None
+
+
+def test_workers_find_the_etcd_tls_files_the_chart_gives_the_service(
+    render: Renderer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """etcd.external.tls: the chart mounts the Secret in the service's pod and names it; the
+    service mounts it at the same path in every worker pod and gives the nodes the same paths,
+    so each file a node is told of is in the Secret there, under its key. (The Secret's files
+    are made here with openssl, where the kubelet would have put them; no cluster.)"""
+    (tmp_path / "made").mkdir()
+    certs = make_certs(tmp_path / "made")
+    mount = tmp_path / "etcd-tls"
+    mount.mkdir()
+    for key, made in (("ca.crt", "ca.crt"), ("tls.crt", "client.crt"), ("tls.key", "client.key")):
+        (mount / key).write_bytes((certs / made).read_bytes())
+    objects = render(
+        "external-etcd",
+        set_values=(
+            "etcd.external.tls.existingSecret=infra-etcd-tls",
+            "etcd.external.tls.clientCert=true",
+            f"etcd.external.tls.mountPath={mount}",
+        ),
+    )
+    settings = _settings(objects, monkeypatch)  # loads the files, as the service does at start
+    service_pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (secret,) = [v["secret"]["secretName"] for v in service_pod["volumes"] if "secret" in v]
+    ctx = LaunchContext(
+        service_url=settings.service_url,
+        etcd_endpoints=tuple(settings.etcd_endpoints),
+        etcd_tls=settings.etcd_tls,
+    )
+    record = JobRecord.model_construct(id="job-7", checkpoint_dir="/checkpoints/job-7")
+    node = NodeLaunch("job-7", SPEC, 0, "job-7-n0-a0", service_env(record, ctx, "token"), recovery="peer")
+    pod = dryrun.worker_pod(dryrun.kubernetes_dryrun(node, apps.SchedulerSettings.from_settings(settings)))
+    (container,) = pod["spec"]["containers"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    (tls_mount,) = [m for m in container["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert volumes[tls_mount["name"]]["secret"]["secretName"] == secret == "infra-etcd-tls"
+    assert tls_mount["mountPath"] == str(mount) and tls_mount["readOnly"] is True
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    told = {name: env[name] for name in TLS_ENV}
+    assert told == {n: str(mount / k) for n, k in zip(TLS_ENV, ("ca.crt", "tls.crt", "tls.key"), strict=True)}
+    EtcdTLS.from_env(told).check()  # the files a worker is told of load, as its connection would
+    assert restricted_violations(pod["spec"]) == []

@@ -106,6 +106,29 @@ app.kubernetes.io/component: {{ .component }}
 {{- $ports | uniq | toJson -}}
 {{- end -}}
 
+{{/* TLS to an external etcd: "true" when etcd.external.tls.existingSecret is set; fails on
+values that cannot work, naming them. */}}
+{{- define "elastrain.etcdTLS" -}}
+{{- $tls := .Values.etcd.external.tls -}}
+{{- if $tls.existingSecret -}}
+{{- $https := false -}}
+{{- range .Values.etcd.external.endpoints -}}
+{{- if hasPrefix "https://" . -}}{{- $https = true -}}{{- end -}}
+{{- end -}}
+{{- if not $https -}}
+{{- fail "etcd.external.tls.existingSecret needs https:// endpoints in etcd.external.endpoints (the etcd that speaks TLS); give them, or unset it" -}}
+{{- end -}}
+{{- if not (or $tls.ca $tls.clientCert) -}}
+{{- fail "etcd.external.tls: neither ca nor clientCert is true, so nothing of the Secret would be used; set one, or unset existingSecret" -}}
+{{- end -}}
+{{- $taken := list "/tmp" (trimSuffix "/" .Values.checkpoints.mountPath) (trimSuffix "/" .Values.service.dataDir.path) "/etc/elastrain/kube" -}}
+{{- if has $tls.mountPath $taken -}}
+{{- fail (printf "etcd.external.tls.mountPath %s is where the pods mount something else (%s): give it a directory of its own" $tls.mountPath (join ", " $taken)) -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* Monitoring ------------------------------------------------------------------------------- */}}
 
 {{/* (dict "ctx" $ "setting" .Values.monitoring.x.enabled) -> "true" or "" */}}

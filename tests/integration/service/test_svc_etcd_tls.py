@@ -24,12 +24,16 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
 from service.jobs.model import JobRecord
+from service.launch.apps import SchedulerSettings
+from service.launch.dryrun import kubernetes_dryrun, worker_pod
+from service.launch.protocol import NodeLaunch
 from service.reconciler import LaunchContext, service_env
 from service.rendezvous.handler import EtcdV3RendezvousBackend, create_backend
 from service.settings import SettingsError, load_settings
 from tests.integration.worker.test_service_e2e import Service, job_spec
 from tests.tls_certs import make_certs
 from worker.etcdclient import TLS_ENV, EtcdTLS
+from worker.spec import parse_spec
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +106,63 @@ def test_a_tls_setting_that_cannot_work_is_refused_at_start(
     given |= _files(certs, **({"ca_cert": "ca.crt"} | overrides))
     with pytest.raises(SettingsError, match=says):
         load_settings(**given)
+
+
+def test_the_tls_secret_goes_where_the_files_are_in_every_worker_pod(certs: Path) -> None:
+    """ELASTRAIN_K8S_ETCD_TLS_SECRET: the worker pods mount it at the files' one directory, so
+    the paths the nodes are given (the service's own) are there too."""
+    given: dict[str, object] = {"etcd": "https://etcd:2379", "scheduler": "kubernetes", "worker_image": "w"}
+    given |= _files(certs, ca_cert="ca.crt", cert="client.crt", key="client.key")
+    settings = load_settings(**given, k8s_etcd_tls_secret="etcd-tls")
+    assert settings.etcd_tls_dir == str(certs)
+    sched = SchedulerSettings.from_settings(settings)
+    assert (sched.etcd_tls_secret, sched.etcd_tls_dir) == ("etcd-tls", str(certs))
+    ctx = LaunchContext(
+        service_url="http://svc", etcd_endpoints=("https://etcd:2379",), etcd_tls=settings.etcd_tls
+    )
+    record = JobRecord.model_construct(id="job-7", checkpoint_dir="/ck")
+    node = NodeLaunch("job-7", parse_spec(job_spec()), 0, "job-7-n0-a0", service_env(record, ctx, "token"))
+    pod = worker_pod(kubernetes_dryrun(node, sched))["spec"]
+    (container,) = pod["containers"]
+    (volume,) = [v for v in pod["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "etcd-tls"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount == {"name": volume["name"], "mountPath": str(certs), "readOnly": True}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    for name in TLS_ENV:  # each file the node is given lies in the mounted Secret, under its key
+        assert Path(env[name]).parent == certs, (name, env[name])
+    # without the setting, no Secret is mounted (the files must then be in the image)
+    plain = SchedulerSettings.from_settings(load_settings(**given))
+    assert not [v for v in worker_pod(kubernetes_dryrun(node, plain))["spec"]["volumes"] if "secret" in v]
+
+
+def _secret_cases(certs: Path) -> dict[str, tuple[dict[str, object], str]]:
+    elsewhere = certs.parent / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    (elsewhere / "ca.crt").write_bytes((certs / "ca.crt").read_bytes())
+    files = _files(certs, ca_cert="ca.crt", cert="client.crt", key="client.key")
+    return {
+        "no-files": (
+            {"etcd": "http://etcd:2379"},
+            "needs the etcd TLS files in one directory.*given: none of",
+        ),
+        "two-directories": (
+            files | {"etcd_ca_cert": str(elsewhere / "ca.crt")},
+            "in one directory.*ELASTRAIN_ETCD_CA_CERT, ELASTRAIN_ETCD_CERT, ELASTRAIN_ETCD_KEY, in ",
+        ),
+        "local-scheduler": (files | {"scheduler": "local_cwd"}, "is for scheduler 'kubernetes'"),
+        "in-the-checkpoint-mount": (files | {"checkpoint_mount": str(certs)}, "where a worker pod mounts"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["no-files", "two-directories", "local-scheduler", "in-the-checkpoint-mount"]
+)
+def test_a_tls_secret_that_cannot_be_mounted_is_refused_at_start(certs: Path, case: str) -> None:
+    overrides, says = _secret_cases(certs)[case]
+    given: dict[str, object] = {"scheduler": "kubernetes", "worker_image": "w", "etcd": "https://etcd:2379"}
+    with pytest.raises(SettingsError, match=says):
+        load_settings(**(given | overrides), k8s_etcd_tls_secret="etcd-tls")
 
 
 def test_jobs_run_on_an_etcd_that_asks_for_a_client_certificate(
