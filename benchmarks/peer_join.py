@@ -27,6 +27,11 @@ wrap and settle where it is not carried over, a first window slower than the med
 ``noise_floor_ratio``: the same with one step at the new size as slow as the 90th percentile of
 the ordinary ones -- how far this machine's noise in a single window reaches; a round above 1 and
 below it missed by that noise, not by the join's own cost.
+
+Where a first window's time goes: for the newcomer and the survivors, its first window at the new
+size against its median one there -- the wall time, the training thread's CPU and its wait for a
+core (the trace's ``wall_s``, ``cpu_s``, ``runq_s``); what is left of the wall time it waited on
+the other member.
 """
 
 from __future__ import annotations
@@ -81,6 +86,19 @@ def traces(directory: Path, skip: set[Path]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def first_window(rows: list[dict[str, Any]], i: int) -> dict[str, float]:
+    """Window ``rows[i]`` (a process's first at the new size) against the median of its windows
+    from the fifth after it: the excess of its ``wall_s``, ``cpu_s`` and ``runq_s`` (the training
+    thread's, :mod:`worker.trace`), in ms; ``runq`` is absent where the trace could not read it."""
+    later = rows[i + 5 : i + 5 + WARM]
+    out = {}
+    for key in ("wall_s", "cpu_s", "runq_s"):
+        if rows[i].get(key) is not None and all(r.get(key) is not None for r in later):
+            median = statistics.median(r[key] for r in later)
+            out[key.removesuffix("_s")] = round(1e3 * (rows[i][key] - median), 2)
+    return out
+
+
 def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str, Any]:
     low, high = world_sizes(shape)
     earlier = set(trace.glob("rank-*.jsonl"))
@@ -111,6 +129,10 @@ def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str,
         longest.append(max(rows[k]["t"] - rows[k - 1]["t"] for k in range(i, i + AFTER)))
         join_steps.append(rows[i]["step"])
     (arrived,) = newcomers.values()
+    first = {"survivor": [], "newcomer": [first_window(arrived, 0)]}
+    for rows in survivors.values():
+        i = next(i for i, r in enumerate(rows) if r["world_size"] == high)
+        first["survivor"].append(first_window(rows, i))
     events = events_of(Path(job["checkpoint_dir"]) / "events.jsonl")
     joined = [e for e in events if e["event"] == "peer_outcome" and e.get("world_size") == high]
     phases = joined[0]["phases"] if joined else {}
@@ -143,6 +165,12 @@ def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str,
         # missed by noise, not by what the join costs of its own)
         "noise_floor_ratio": round((max(p90s) + transfer) / (2 * median + transfer), 3),
         "newcomer_after_steps": arrived[0]["step"] - min(join_steps),
+        # the first window at the new size against the process's median one there, in ms: its
+        # wall time, the training thread's CPU and its wait for a core (the rest it waited on the
+        # other member or a lock); the survivor's as the most of the survivors'
+        "first_window_excess_ms": {
+            who: {k: max(e[k] for e in excess) for k in excess[0]} for who, excess in first.items()
+        },
     }
 
 
@@ -186,6 +214,11 @@ def main() -> int:
     met = sum(r <= 1 for r in by_key["ratio"])
     within = sum(1 < r <= f for r, f in zip(by_key["ratio"], by_key["noise_floor_ratio"], strict=True))
     print(f"  rounds met: {met} of {len(results)}; missed within the noise floor: {within}")
+    for who in ("survivor", "newcomer"):
+        firsts = [r["first_window_excess_ms"][who] for r in results]
+        parts = {k: [f[k] for f in firsts if k in f] for k in ("wall", "cpu", "runq")}
+        print(f"  the {who}'s first window at W={high} over its median, ms: "
+              + ", ".join(f"{k} {spread(v, 1)}" for k, v in parts.items() if v))  # fmt: skip
     after = by_key["newcomer_after_steps"]
     print(f"  newcomer's first step after the join, in steps: {after}  (target <= 2)")
     return 0

@@ -6,9 +6,13 @@ what was fed to the model, not what the plan said, nor what was loaded ahead and
 on (see :mod:`worker.feed`). After each window the rank appends one JSON line to
 ``DIR/rank-<rank>-pid-<pid>.jsonl``: the generation, the step before the window, the epoch, the
 world size, the indices in load order, a fingerprint of every generator's state (python,
-numpy, torch CPU, CUDA) taken right before the window's first micro-step, and the Unix time the
-window ended (``t``: the join benchmark reads step times from it). Lines of windows that
-a failure rolled back stay in the file: readers keep, per step, the newest generation's.
+numpy, torch CPU, CUDA) taken right before the window's first micro-step, the Unix time the
+window ended (``t``: the join benchmark reads step times from it), and what the training thread
+did over the window (its forward, backward and step): ``wall_s``, ``cpu_s`` (the thread's CPU
+time) and ``runq_s`` (the time it was ready to run and waited for a core, from
+``/proc/thread-self/schedstat``; None where that cannot be read); the rest of ``wall_s`` it
+waited on something (a peer in a collective, a lock). Lines of windows that a failure rolled
+back stay in the file: readers keep, per step, the newest generation's.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,25 @@ class LoadRecorder:
     def take(self) -> list[int]:
         loaded, self.loaded = self.loaded, []
         return loaded
+
+
+def thread_clock() -> tuple[float, float, float | None]:
+    """The calling thread's (wall, CPU, run-queue wait) clocks in seconds; the last is None
+    where ``/proc/thread-self/schedstat`` cannot be read (not Linux)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            waited: float | None = int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        waited = None
+    return time.perf_counter(), time.thread_time(), waited
+
+
+def spent(since: tuple[float, float, float | None]) -> dict[str, float | None]:
+    """``wall_s``, ``cpu_s`` and ``runq_s`` of the calling thread since ``since``
+    (:func:`thread_clock`)."""
+    now = thread_clock()
+    runq = None if since[2] is None or now[2] is None else round(now[2] - since[2], 6)
+    return {"wall_s": round(now[0] - since[0], 6), "cpu_s": round(now[1] - since[1], 6), "runq_s": runq}
 
 
 def rng_fingerprint(state: dict[str, Any]) -> str:

@@ -35,7 +35,7 @@ from worker.setup import (
     wrap,
 )
 from worker.step import Commit, StepResult, forward_backward, optimizer_step
-from worker.trace import LoadRecorder, SampleTrace, rng_fingerprint
+from worker.trace import LoadRecorder, SampleTrace, rng_fingerprint, spent, thread_clock
 
 if TYPE_CHECKING:
     from worker.checkpoint import Checkpointer
@@ -188,13 +188,14 @@ class Trainer:
             self.window_rng()
         window = feed.plan(prog.sampler)
         rng = rng_fingerprint(capture_rng()) if self.trace is not None else None
+        clock = thread_clock() if self.trace is not None else None
         started = time.perf_counter()
         waited = feed.wait_s
         result = self._train_window(feed, window)
         self.data_wait = feed.wait_s - waited
         self._observe_step(time.perf_counter() - started, result.skipped)
-        if rng is not None:
-            self._trace(window, rng)
+        if rng is not None and clock is not None:
+            self._trace(window, rng, spent(clock))
         prog.sampler = window.after
         if result.skipped:
             prog.samples_skipped += window.samples
@@ -273,12 +274,14 @@ class Trainer:
         if self.spec.precision == "fp16":
             metrics.set_scale(self.scaler.scale, min_scale=self.spec.loss_scale.min_scale)
 
-    def _trace(self, window: Window, rng: str) -> None:
-        """ELASTRAIN_TRACE_SAMPLES (see worker.trace): what the step trained on in this window."""
+    def _trace(self, window: Window, rng: str, used: dict[str, float | None]) -> None:
+        """ELASTRAIN_TRACE_SAMPLES (see worker.trace): what the step trained on in this window,
+        and what the training thread spent on it."""
         assert self.trace is not None and self.recorder is not None
         self.trace.write(
             generation=self.generation, step=self.progress.step, epoch=window.epoch,
             world_size=self.info.world_size, indices=self.recorder.take(), rng=rng, t=time.time(),
+            **used,
         )  # fmt: skip
 
     def _first_step(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from worker.checkpoint.rng import capture_rng
 from worker.data import synthetic
 from worker.feed import Feed, make_feed
 from worker.sampler import SamplerState, epoch_order
-from worker.trace import LoadRecorder, rng_fingerprint
+from worker.trace import LoadRecorder, rng_fingerprint, spent, thread_clock
 
 
 def feed(data: object, depth: int) -> Feed:
@@ -64,3 +65,20 @@ def test_the_fingerprint_of_a_state_survives_the_json_a_checkpoint_keeps() -> No
     assert rng_fingerprint(json.loads(json.dumps(state))) == rng_fingerprint(state)
     torch.rand(1)
     assert rng_fingerprint(capture_rng()) != rng_fingerprint(state)
+
+
+def test_what_the_training_thread_spent_splits_its_work_from_its_waiting() -> None:
+    """``cpu_s`` counts the thread's own work, not its waits: a busy loop is CPU, a sleep is not
+    (the join benchmark reads a first window's excess so)."""
+    busy = thread_clock()
+    while time.thread_time() - busy[1] < 0.02:
+        pass
+    worked = spent(busy)
+    assert worked["cpu_s"] is not None and worked["cpu_s"] >= 0.02
+    assert worked["wall_s"] is not None and worked["wall_s"] >= worked["cpu_s"]
+    assert worked["runq_s"] is not None and 0 <= worked["runq_s"] <= worked["wall_s"]  # Linux: /proc reads
+    idle = thread_clock()
+    time.sleep(0.05)
+    slept = spent(idle)
+    assert slept["wall_s"] is not None and slept["cpu_s"] is not None
+    assert slept["cpu_s"] < slept["wall_s"] / 2
