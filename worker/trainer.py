@@ -187,15 +187,15 @@ class Trainer:
         if self.window_rng is not None:  # peer mode: streams derived from (seed, version, rank)
             self.window_rng()
         window = feed.plan(prog.sampler)
-        rng = rng_fingerprint(capture_rng()) if self.trace is not None else None
-        clock = thread_clock() if self.trace is not None else None
+        # the sample trace: the generators right before the window, and the thread's clocks
+        traced = (rng_fingerprint(capture_rng()), thread_clock()) if self.trace is not None else None
         started = time.perf_counter()
         waited = feed.wait_s
         result = self._train_window(feed, window)
         self.data_wait = feed.wait_s - waited
         self._observe_step(time.perf_counter() - started, result.skipped)
-        if rng is not None and clock is not None:
-            self._trace(window, rng, spent(clock))
+        if traced is not None:
+            self._trace(window, traced[0], spent(traced[1]))
         prog.sampler = window.after
         if result.skipped:
             prog.samples_skipped += window.samples

@@ -106,7 +106,7 @@ class SchedulerSettings:
             "checkpoint_claim": settings.checkpoint_claim or None,
             "checkpoint_mount": settings.checkpoint_mount,
         }
-        if getattr(settings, "k8s_etcd_tls_secret", ""):
+        if settings.k8s_etcd_tls_secret:
             values |= {"etcd_tls_secret": settings.k8s_etcd_tls_secret, "etcd_tls_dir": settings.etcd_tls_dir}
         values.update(overrides)
         return cls(**values)
