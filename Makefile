@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # pytest processes of make test's run from the tree (pytest-xdist; 0: in pytest's own process)
 TEST_WORKERS ?= 2
 
-.PHONY: venv run test test-installed lint types unit integration bench faults deploy-sync clean
+.PHONY: venv run test test-installed test-gpu lint types unit integration bench faults deploy-sync clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,12 @@ test: lint types
 # beside it and no PYTHONPATH (see scripts/test_installed.py).
 test-installed: $(STAMP)
 	$(PY) -m scripts.test_installed $(PYTEST_ARGS)
+
+# The worker's GPU paths (tests/gpu: NCCL, AMP's scaler on CUDA, resume bit for bit on the device),
+# on a machine with a CUDA GPU and a CUDA build of torch in .venv; not part of `make test` (the
+# test machines have none). Without a visible GPU each test fails saying so.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
 
 # wrk (Debian package) is the low-CPU load generator of benchmarks/service_api.py; installed
 # with apt-get when missing and we are root, otherwise that benchmark says it ran without it.

@@ -53,10 +53,13 @@ SUBSET = (
 
 def rest(tests: Path) -> list[str]:
     """pytest arguments for the suite minus :data:`SUBSET` (which runs installed): every top-level
-    directory of ``tests`` but ``unit``, the unit tests that read the source tree, and the
-    integration tests of the subset deselected. Reads only the directory listing."""
+    directory of ``tests`` but ``unit`` and ``gpu`` (``make test-gpu``, on a machine with a GPU),
+    the unit tests that read the source tree, and the integration tests of the subset
+    deselected. Reads only the directory listing."""
     tops = sorted(
-        f"tests/{d.name}" for d in tests.iterdir() if d.is_dir() and d.name not in ("unit", "__pycache__")
+        f"tests/{d.name}"
+        for d in tests.iterdir()
+        if d.is_dir() and d.name not in ("unit", "gpu", "__pycache__")
     )
     integration = [f"--deselect={node}" for node in SUBSET if not node.startswith("tests/unit")]
     return [*tops, *SOURCE_TESTS, *integration]
