@@ -47,7 +47,7 @@ def _child(spec_path: str, segment: int, modes: list[str]) -> None:
     from worker.trainer import Trainer
 
     spec = load_spec(spec_path)
-    info = dist.detect(os.environ, backend="gloo", cuda_available=False)
+    info = dist.detect(os.environ, backend="gloo", gpus=0)
     built = build(spec, info, resuming=False)
     dist.init_group(info, timeout_s=300)
     metrics = WorkerMetrics.from_env(job=spec.name, rank=info.rank, world_size=info.world_size)

@@ -85,17 +85,29 @@ def _int(env: Mapping[str, str], key: str, default: int) -> int:
         raise SpecError(f"environment variable {key}={raw!r} is not an integer") from None
 
 
-def detect(env: Mapping[str, str], *, backend: str, cuda_available: bool) -> DistInfo:
-    """Rank, world size and backend: gloo on CPU, NCCL on GPU when ``backend`` is auto."""
+def detect(env: Mapping[str, str], *, backend: str, gpus: int) -> DistInfo:
+    """Rank, world size and backend from the environment and the ``gpus`` this process sees.
+
+    ``auto``: NCCL on GPU ``LOCAL_RANK`` when every process of the node has a GPU of its own
+    (``LOCAL_WORLD_SIZE <= gpus``), else gloo on CPU (:func:`backend_note` says why); every
+    process of a node decides alike. ``nccl`` without a GPU for this process is refused: NCCL
+    refuses two ranks on one GPU, and a rank past the last GPU has none."""
     under = "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
     rank = _int(env, "RANK", 0)
     world = _int(env, "WORLD_SIZE", 1)
     local = _int(env, "LOCAL_RANK", 0)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", 1)
     chosen = backend
     if backend == "auto":
-        chosen = "nccl" if cuda_available else "gloo"
-    if chosen == "nccl" and not cuda_available:
+        chosen = "nccl" if 0 < local_world <= gpus else "gloo"
+    if chosen == "nccl" and gpus == 0:
         raise SpecError("field 'ddp.backend': nccl needs a GPU and none is visible; use auto or gloo")
+    if chosen == "nccl" and not 0 <= local < gpus:
+        raise SpecError(
+            f"field 'ddp.backend': nccl needs a GPU for each process of a node, and process {local} "
+            f"of this node's {local_world} sees {gpus} GPU(s): set nproc_per_node to at most {gpus}, "
+            "or use auto (gloo on CPU when the GPUs are too few)"
+        )
     device = f"cuda:{local}" if chosen == "nccl" else "cpu"
     store_addr = ""
     if under and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
@@ -113,6 +125,19 @@ def detect(env: Mapping[str, str], *, backend: str, cuda_available: bool) -> Dis
     )
 
 
+def backend_note(env: Mapping[str, str], info: DistInfo, *, backend: str, gpus: int) -> str | None:
+    """Why a node that sees GPUs trains on CPU (``backend`` auto with fewer GPUs than processes),
+    for the run record; None otherwise."""
+    if backend != "auto" or gpus == 0 or info.backend != "gloo":
+        return None
+    local_world = _int(env, "LOCAL_WORLD_SIZE", 1)
+    return (
+        f"ddp.backend auto: this node runs {local_world} processes and sees {gpus} GPU(s); NCCL "
+        "needs one per process, so the job trains on CPU with gloo (set nproc_per_node to at most "
+        f"{gpus} to train on the GPUs)"
+    )
+
+
 def start_group(info: DistInfo, *, timeout_s: float, on_timeout: Callable[[str], None] = exit_now) -> int:
     """Create the default process group and agree on its generation (:func:`agree_generation`),
     all within ``timeout_s``; past it ``on_timeout`` gets one line saying what was waited for
@@ -121,7 +146,7 @@ def start_group(info: DistInfo, *, timeout_s: float, on_timeout: Callable[[str],
         init_group(info, timeout_s=timeout_s, watch=watch)
         watch.stage("rank 0's generation number (a broadcast on the new group)")
         try:
-            return agree_generation()
+            return agree_generation(info.device)
         except RuntimeError as exc:  # torch's DistError and its timeouts
             raise watch.failed(exc) from exc
 
@@ -169,12 +194,14 @@ def _create(info: DistInfo, timeout: datetime.timedelta, watch: Watchdog) -> Non
     )
 
 
-def agree_generation() -> int:
+def agree_generation(device: str = "cpu") -> int:
     """A number all ranks of this group share and no earlier group of the job had: rank 0's
     clock in milliseconds, broadcast. Not TORCHELASTIC_RESTART_COUNT: an agent that joins later,
     or restarts for a membership change, counts differently from the others (pytorch#135712),
-    and ranks that disagree on the generation never complete a save or a restore."""
-    value = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64)
+    and ranks that disagree on the generation never complete a save or a restore. ``device``:
+    the group's (``DistInfo.device``); NCCL has no CPU backend, and a CPU tensor broadcast on it
+    fails every job of more than one GPU rank at start-up."""
+    value = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(value, src=0)
     return int(value.item())

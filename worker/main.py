@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         env_dir = os.environ.get("ELASTRAIN_CHECKPOINT_DIR")
         if spec.checkpoint.dir is None and env_dir:  # the service's storage for this job
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": env_dir})})
-        info = dist.detect(os.environ, backend=spec.ddp.backend, cuda_available=torch.cuda.is_available())
+        gpus = torch.cuda.device_count()
+        info = dist.detect(os.environ, backend=spec.ddp.backend, gpus=gpus)
         peer = peermode.peer_requested(os.environ)
         if (
             spec.checkpoint.dir is not None and not peer
@@ -95,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         default_timeout = str(spec.recovery.collective_timeout_s) if peer else "300"
         timeout_s = _collective_timeout(os.environ.get("ELASTRAIN_COLLECTIVE_TIMEOUT_S", default_timeout))
         built = build(spec, info, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume))
-        note = restart_note(spec.recovery.mode, launched_peer=peer)
-        if note is not None:  # the run record says it; rank 0 says it once on stderr
-            built = dataclasses.replace(built, notes=(*built.notes, note))
-            if info.is_main:
-                print(f"elastrain worker: note: {note}", file=sys.stderr, flush=True)
+        for note in (
+            restart_note(spec.recovery.mode, launched_peer=peer),
+            dist.backend_note(os.environ, info, backend=spec.ddp.backend, gpus=gpus),
+        ):
+            if note is not None:  # the run record says it; rank 0 says it once on stderr
+                built = dataclasses.replace(built, notes=(*built.notes, note))
+                if info.is_main:
+                    print(f"elastrain worker: note: {note}", file=sys.stderr, flush=True)
     except SpecError as exc:
         return _bad_input(exc)
     client, forwarder = _service(info, events)

@@ -211,7 +211,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(1)
     # The worker's group creation: torchrun's agent store outlives a restart (pytorch#135712).
-    init_group(detect(os.environ, backend="gloo", cuda_available=False))
+    init_group(detect(os.environ, backend="gloo", gpus=0))
     rank = dist.get_rank()
     emit("started", world_size=dist.get_world_size(), attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
     if args.phase == "resave":

@@ -27,7 +27,7 @@ from worker.step import forward_backward
 
 def main() -> None:
     out, configs = sys.argv[1], json.loads(sys.argv[2])
-    info = wdist.detect(os.environ, backend="gloo", cuda_available=False)
+    info = wdist.detect(os.environ, backend="gloo", gpus=0)
     wdist.init_group(info)
     data = build_data(DataSpec(name="synthetic", samples=100), seed=5)
     seed_all(11)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from worker.checkpoint.coordinator import MemoryStore
-from worker.dist import detect, init_group
+from worker.dist import backend_note, detect, init_group
 from worker.errors import SpecError
 from worker.startup import StartupTimeout, Watchdog, agree_round
 
@@ -125,16 +125,14 @@ def test_a_torch_error_is_reported_with_the_stage() -> None:
 
 def test_detect_reads_the_store_address() -> None:
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "none"}
-    assert detect(env, backend="gloo", cuda_available=False).store_addr == ""
-    info = detect(
-        env | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, backend="gloo", cuda_available=False
-    )
+    assert detect(env, backend="gloo", gpus=0).store_addr == ""
+    info = detect(env | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, backend="gloo", gpus=0)
     assert info.under_torchrun and info.store_addr == "127.0.0.1:29500" and info.run_id == "none"
-    assert detect({}, backend="gloo", cuda_available=False).store_addr == ""
+    assert detect({}, backend="gloo", gpus=0).store_addr == ""
 
 
 def test_a_rank_without_the_store_address_is_told_what_to_set() -> None:
-    info = detect({"RANK": "1", "WORLD_SIZE": "2"}, backend="gloo", cuda_available=False)
+    info = detect({"RANK": "1", "WORLD_SIZE": "2"}, backend="gloo", gpus=0)
     with pytest.raises(SpecError, match="MASTER_ADDR and MASTER_PORT are not both set"):
         init_group(info, timeout_s=1)
 
@@ -145,3 +143,44 @@ def wait_until(cond: Callable[[], bool]) -> None:
             return
         time.sleep(0.01)
     raise AssertionError("condition never held")
+
+
+def node(local: int, local_world: int) -> dict[str, str]:
+    return {"RANK": str(local), "WORLD_SIZE": str(local_world), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(local_world)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("local_world", "gpus", "backend", "device"),
+    [
+        (1, 0, "gloo", "cpu"),  # no GPU
+        (2, 2, "nccl", "cuda:1"),  # a GPU per process: process 1 on GPU 1
+        (2, 8, "nccl", "cuda:1"),
+        (4, 2, "gloo", "cpu"),  # too few: every process of the node on CPU, not half of them
+    ],
+)
+def test_auto_takes_nccl_only_when_each_process_of_the_node_has_a_gpu(
+    local_world: int, gpus: int, backend: str, device: str
+) -> None:
+    info = detect(node(1, local_world), backend="auto", gpus=gpus)
+    assert (info.backend, info.device) == (backend, device)
+    note = backend_note(node(1, local_world), info, backend="auto", gpus=gpus)
+    if backend == "gloo" and gpus:
+        assert note is not None and f"runs {local_world} processes and sees {gpus} GPU(s)" in note
+        assert f"nproc_per_node to at most {gpus}" in note
+    else:
+        assert note is None
+
+
+def test_nccl_by_name_without_a_gpu_for_the_process_names_the_field_and_the_fix() -> None:
+    with pytest.raises(SpecError, match=r"field 'ddp\.backend': nccl needs a GPU and none is visible"):
+        detect(node(0, 1), backend="nccl", gpus=0)
+    with pytest.raises(
+        SpecError, match=r"process 2 of this node's 3 sees 2 GPU\(s\): set nproc_per_node to at most 2"
+    ):
+        detect(node(2, 3), backend="nccl", gpus=2)
+    assert detect(node(1, 3), backend="nccl", gpus=2).device == "cuda:1"  # this one has its GPU
+    # gloo asked for by name: nothing to explain
+    assert (
+        backend_note(node(0, 3), detect(node(0, 3), backend="gloo", gpus=2), backend="gloo", gpus=2) is None
+    )
