@@ -5,25 +5,34 @@ function, :func:`admit`, that the submit route calls on the parsed spec (each re
 from __future__ import annotations
 
 from service.jobs import peer
+from service.launch import gpus
 from service.launch.resources import parse_resources
 from service.settings import Settings
 from worker.errors import SpecError
 from worker.spec import JobSpec
 
 
-def admit(spec: JobSpec, settings: Settings) -> None:
+def admit(spec: JobSpec, settings: Settings) -> tuple[str, ...]:
     """Raise :class:`SpecError` when ``spec`` cannot run under this service's ``settings``:
     ``resources`` no scheduler can use (the launch reads them with the same function); a
     factory from a module the service does not allow (``ELASTRAIN_FACTORY_ALLOWLIST``); spares
-    for a job that does not recover from its peers (:func:`service.jobs.peer.check`)."""
+    for a job that does not recover from its peers (:func:`service.jobs.peer.check`); NCCL for
+    a job whose nodes will not see this machine's GPUs (:func:`service.launch.gpus.check`).
+    Returns what the submitted event adds (where the local scheduler's nodes train)."""
     parse_resources(spec.resources)
     peer.check(spec)
+    notes: tuple[str, ...] = ()
+    if settings.scheduler == "local_cwd":
+        gpus.check(spec, gpus.host_gpus())
+        reason = gpus.hidden_reason(spec, gpus.host_gpus())
+        notes = (reason,) if reason is not None else ()
     allowed = settings.factory_prefixes
     if allowed is None:
-        return
+        return notes
     for field, factory in factories(spec):
         if not factory_allowed(factory, allowed):
             raise SpecError(f"field '{field}': {_not_allowed(factory, allowed)}")
+    return notes
 
 
 def factories(spec: JobSpec) -> list[tuple[str, str]]:

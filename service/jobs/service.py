@@ -191,10 +191,13 @@ class JobService:
 
     # ------------------------------------------------------------------ writes
 
-    def create(self, spec: JobSpec, *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+    def create(
+        self, spec: JobSpec, *, idempotency_key: str | None = None, notes: tuple[str, ...] = ()
+    ) -> tuple[JobRecord, bool]:
         """Store a new job for ``spec`` (parsed at the API's edge); with ``idempotency_key`` the
-        same key returns the same job (second value False). Raises SpecError (a path outside the
-        storage root) or ConflictError."""
+        same key returns the same job (second value False). ``notes``: what the submitted event
+        adds (the admission's). Raises SpecError (a path outside the storage root) or
+        ConflictError."""
         spec_hash = hashlib.sha256(spec_json(spec).encode()).hexdigest()
         fence = self.writes.fence()  # taken before the reads the write depends on
         for _ in range(10):
@@ -202,7 +205,7 @@ class JobService:
                 existing = self._by_idempotency(idempotency_key, spec_hash)
                 if existing is not None:
                     return existing, False
-            record = self._new_record(spec, spec_hash)
+            record = self._new_record(spec, spec_hash, notes)
             directory = Path(record.checkpoint_dir)
             check_free(self.store, directory, root=self._real_root, job_id=record.id)
             writes = [
@@ -243,7 +246,7 @@ class JobService:
             )
         return record
 
-    def _new_record(self, spec: JobSpec, spec_hash: str) -> JobRecord:
+    def _new_record(self, spec: JobSpec, spec_hash: str, notes: tuple[str, ...] = ()) -> JobRecord:
         job_id = f"{spec.name[:50]}-{secrets.token_hex(3)}"
         ckpt = spec.checkpoint
         directory = checkpoint_dir(ckpt.dir, root=self.storage_root, job_id=job_id)
@@ -272,9 +275,8 @@ class JobService:
             created_at=now,
             updated_at=now,
         )
-        return record.with_event(
-            now, "submitted", f"submitted with nodes {spec.nodes}; {peer.recovery_why(spec)}"
-        )
+        said = "; ".join((f"submitted with nodes {spec.nodes}", peer.recovery_why(spec), *notes))
+        return record.with_event(now, "submitted", said)
 
     def update(
         self,

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from torchx import specs
 
+from service.launch import gpus
 from service.launch.protocol import NodeLaunch
 from service.launch.resources import parse_resources
 from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
@@ -79,6 +80,9 @@ class SchedulerSettings:
     """kubernetes: the worker container's Prometheus port (declared, annotated for scraping and
     passed as ``ELASTRAIN_METRICS_PORT``); ``None`` declares none."""
     rdzv: RendezvousConfig = field(default_factory=RendezvousConfig)
+    host_gpus: int = 0
+    """local_cwd: the GPUs this machine's nodes would see (:func:`service.launch.gpus.host_gpus`);
+    a job of several node apps has them hidden (:func:`service.launch.gpus.hide`)."""
 
     def __post_init__(self) -> None:
         if not self.rdzv_endpoint.strip():
@@ -106,6 +110,8 @@ class SchedulerSettings:
             "checkpoint_claim": settings.checkpoint_claim or None,
             "checkpoint_mount": settings.checkpoint_mount,
         }
+        if settings.scheduler == "local_cwd":
+            values["host_gpus"] = gpus.host_gpus()
         if settings.k8s_etcd_tls_secret:
             values |= {"etcd_tls_secret": settings.k8s_etcd_tls_secret, "etcd_tls_dir": settings.etcd_tls_dir}
         values.update(overrides)
@@ -245,11 +251,13 @@ def local_node_app(
     """The app of one node on this machine: :func:`node_app` run by ``python``, under the node
     wrapper (:mod:`service.launch.node_exec`, which records the node's fate in ``node_dir``),
     in ``workdir``, with ``import_root`` (the directory holding ``service`` and ``worker``) on
-    the ``PYTHONPATH`` after the spec's and the caller's. Pure."""
+    the ``PYTHONPATH`` after the spec's and the caller's, and the host's GPUs hidden from a job
+    of several node apps (:mod:`service.launch.gpus`). Pure."""
     given = (node.spec.env.get("PYTHONPATH", ""), node.env.get("PYTHONPATH", ""), import_root)
     pythonpath = os.pathsep.join(p for p in given if p)
+    env = {**node.env, **gpus.hide(node.spec, settings.host_gpus), "PYTHONPATH": pythonpath}
     app = node_app(
-        dataclasses.replace(node, env={**node.env, "PYTHONPATH": pythonpath}),
+        dataclasses.replace(node, env=env),
         rdzv_endpoint=settings.rdzv_endpoint,
         image=workdir,
         spec_path=spec_path,

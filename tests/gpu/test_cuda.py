@@ -11,8 +11,10 @@ all-reduce between ranks) is not covered here.
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 from tests.integration.launch import Run
 from tests.integration.worker import test_resume as resume
 from tests.integration.worker import test_user_model as user_model
+from tests.integration.worker.test_service_e2e import Service, job_spec
 from tests.integration.worker.traces import assert_rng_continued
 from worker.checkpoint.verify import logical_digest
 
@@ -150,3 +153,45 @@ def test_a_checkpoint_moves_between_the_gpu_and_a_cpu_group(tmp_path: Path, firs
     assert run.last("resumed")["step"] == 10
     assert run.last("checkpoint_copied")["published"] and logical_digest(tmp_path / "loaded") == source
     assert run.last("finished")["step"] == 14
+
+
+def run_record(job: dict[str, Any]) -> dict[str, Any]:
+    lines = (Path(job["checkpoint_dir"]) / "events.jsonl").read_text().splitlines()
+    return next(e for e in map(json.loads, lines) if e["event"] == "run_record")
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    """``elastrain serve`` with the local scheduler, its embedded etcd, on this machine."""
+    svc = Service(tmp_path / "svc", {})
+    svc.data_dir.mkdir()
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+def test_a_job_of_one_node_under_the_service_trains_on_the_gpu(service: Service) -> None:
+    """``elastrain serve`` with the local scheduler: a job of one node (the default peer mode)
+    keeps the machine's GPU, and its worker picks NCCL on it."""
+    job = service.finished(service.submit(job_spec(nproc_per_node=1, max_steps=30)))
+    assert job["state"] == "SUCCEEDED", job
+    record = run_record(job)
+    assert (record["device"], record["backend"]) == ("cuda:0", "nccl"), record
+    submitted = job["events"][0]["message"]
+    assert "on CPU" not in submitted, submitted
+
+
+def test_a_job_of_two_nodes_under_the_service_trains_on_cpu_and_says_why(service: Service) -> None:
+    """Two nodes on one machine cannot each have a GPU of their own here (NCCL refuses two ranks
+    on one GPU): the service keeps the GPUs from them, the job trains on CPU and its submitted
+    event says why; NCCL asked for by name is refused at submit."""
+    job = service.finished(service.submit(job_spec(nodes="2", nproc_per_node=1, max_steps=30)))
+    assert job["state"] == "SUCCEEDED", job
+    record = run_record(job)
+    assert (record["device"], record["backend"]) == ("cpu", "gloo"), record
+    submitted = job["events"][0]["message"]
+    assert "on CPU (gloo): the local scheduler runs this job's 2 node apps on one machine" in submitted
+    refused = service.http.post(
+        "/v1/jobs", json=job_spec(nodes="2", nproc_per_node=1, ddp={"backend": "nccl"})
+    )
+    assert refused.status_code == 422 and "ddp.backend" in refused.text, refused.text

@@ -11,10 +11,12 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_every_top_level_test_directory_runs_in_one_of_the_two_runs() -> None:
+    """All but tests/gpu, which needs a GPU (`make test-gpu`)."""
     args = rest(TESTS)
     tops = {f"tests/{d.name}" for d in TESTS.iterdir() if d.is_dir() and d.name != "__pycache__"}
     in_rest = {a for a in args if not a.startswith("--") and a.count("/") == 1}
-    assert in_rest | {"tests/unit"} == tops
+    assert in_rest | {"tests/unit", "tests/gpu"} == tops
+    assert "tests/gpu" not in in_rest
     assert "tests/unit" in SUBSET and "tests/unit" not in in_rest
 
 

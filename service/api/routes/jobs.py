@@ -51,8 +51,10 @@ async def submit_job(
 ) -> JSONResponse:
     """Submit a JobSpec. With ``Idempotency-Key`` the same key returns the same job (200)."""
     spec = spec_from_body(await request.body())
-    admit(spec, ctx.settings)
-    record, created = await run_in_threadpool(ctx.jobs.create, spec, idempotency_key=idempotency_key)
+    notes = admit(spec, ctx.settings)
+    record, created = await run_in_threadpool(
+        ctx.jobs.create, spec, idempotency_key=idempotency_key, notes=notes
+    )
     view = public(record, None).model_dump(mode="json")
     headers = {"Location": f"/v1/jobs/{record.id}"}
     return JSONResponse(view, status_code=201 if created else 200, headers=headers)

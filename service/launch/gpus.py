@@ -1,0 +1,90 @@
+"""GPUs on one machine: the local scheduler runs every node of a job on the service's own host.
+
+NCCL gives each rank a GPU of its own and refuses two ranks on one. A node's workers take GPUs
+``0 .. nproc_per_node - 1`` of what they see (``worker.dist.detect``), so two nodes of one job on
+one host would take the same GPUs and fail at their first collective. The local scheduler
+therefore hides the host's GPUs (``CUDA_VISIBLE_DEVICES=""``) from the nodes of a job that can
+have more than one node app at a time (``nodes`` above 1, or warm spares in peer mode): they train
+on CPU with gloo, and the job's submitted event says so. A job of one node keeps the host's GPUs
+(NCCL when each of its processes has one). A spec that sets ``CUDA_VISIBLE_DEVICES`` in ``env``
+decides for itself. ``ddp.backend: nccl`` for a job whose GPUs would be hidden is refused at
+submit. Several nodes of one job on a GPU each, on one host, would need the service to hand out
+GPU sets and follow them through spare promotions: not done (a cluster gives each pod its own).
+
+:func:`hidden_reason` is pure; :func:`host_gpus` reads the host once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from service.jobs import peer
+from worker.errors import SpecError
+from worker.spec import JobSpec, parse_nodes
+
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def node_places(spec: JobSpec) -> int:
+    """How many node apps of the job can run at once: its most nodes, and its spares in peer mode."""
+    return parse_nodes(spec.nodes)[1] + (peer.spares(spec) if peer.peer_mode(spec) else 0)
+
+
+def hidden_reason(spec: JobSpec, gpus: int) -> str | None:
+    """Why the local scheduler hides this host's ``gpus`` from the job's nodes, or None when it
+    does not (no GPU, one node app at a time, or ``CUDA_VISIBLE_DEVICES`` in the spec's env)."""
+    places = node_places(spec)
+    if gpus == 0 or places == 1 or VISIBLE in spec.env:
+        return None
+    return (
+        f"on CPU (gloo): the local scheduler runs this job's {places} node apps on one machine, "
+        f'and NCCL cannot share its {gpus} GPU(s) among nodes; for the GPUs, submit nodes "1" '
+        f"with nproc_per_node up to {gpus}"
+    )
+
+
+def check(spec: JobSpec, gpus: int) -> None:
+    """Refuse ``ddp.backend: nccl`` for a job whose nodes would not see the GPUs. Pure."""
+    reason = hidden_reason(spec, gpus)
+    if reason is not None and spec.ddp.backend == "nccl":
+        raise SpecError(
+            f"field 'ddp.backend': nccl cannot run here: the job would train {reason}; or use "
+            "ddp.backend auto"
+        )
+
+
+def hide(spec: JobSpec, gpus: int) -> Mapping[str, str]:
+    """What a node of the job adds to its environment on this host (:func:`hidden_reason`)."""
+    return {VISIBLE: ""} if hidden_reason(spec, gpus) is not None else {}
+
+
+def count(env: Mapping[str, str], gpus_dir: Path, dev: Path = Path("/dev")) -> int:
+    """The GPUs a process started with ``env`` sees: ``CUDA_VISIBLE_DEVICES``' entries when it is
+    set (empty or ``-1`` first: none), else the NVIDIA driver's GPUs: ``gpus_dir``'s entries, or
+    where the driver shows no such directory (some sandboxes), the ``/dev/nvidiaN`` devices."""
+    if VISIBLE in env:
+        entries = [e.strip() for e in env[VISIBLE].split(",")]
+        seen = 0
+        for entry in entries:
+            if not entry or entry.startswith("-"):
+                break  # CUDA stops at the first invalid entry
+            seen += 1
+        return seen
+    try:
+        return sum(1 for _ in gpus_dir.iterdir())
+    except OSError:
+        pass
+    try:
+        return sum(1 for d in dev.iterdir() if d.name.startswith("nvidia") and d.name[6:].isdigit())
+    except OSError:
+        return 0
+
+
+@functools.cache
+def host_gpus() -> int:
+    """The GPUs this service's nodes would see: read once (:func:`count`)."""
+    return count(os.environ, NVIDIA_GPUS)
