@@ -49,12 +49,17 @@ class RecoverySpec(Frozen):
     )
 
 
-def effective_mode(mode: str, *, parallelism: str, under_service: bool) -> Literal["peer", "restart"]:
+def effective_mode(
+    mode: str, *, parallelism: str, under_service: bool, gpus: bool = False
+) -> Literal["peer", "restart"]:
     """The recovery a job actually runs: peer only under the service (it keeps the group's
-    membership in etcd and starts the replacements), for ``peer``, or ``auto`` with DDP. Pure."""
+    membership in etcd and starts the replacements), for ``peer``, or ``auto`` with DDP on CPU.
+    ``auto`` for a job that asks for GPUs (``gpus``) is restart: peer recovery over NCCL is not
+    tested (it needs two GPUs), and torch's NCCL watchdog tears down a process whose collective
+    failed, so the survivors could not count on keeping their processes. Pure."""
     if not under_service:
         return "restart"
-    if mode == "peer" or (mode == "auto" and parallelism == "ddp"):
+    if mode == "peer" or (mode == "auto" and parallelism == "ddp" and not gpus):
         return "peer"
     return "restart"
 

@@ -5,8 +5,8 @@ function, :func:`admit`, that the submit route calls on the parsed spec (each re
 from __future__ import annotations
 
 from service.jobs import peer
+from service.jobs.resources import parse_resources
 from service.launch import gpus
-from service.launch.resources import parse_resources
 from service.settings import Settings
 from worker.errors import SpecError
 from worker.spec import JobSpec

@@ -1,10 +1,11 @@
 """Which recovery a job runs and how many warm spares it keeps, read from its spec (issue 14).
 
 A job runs in *peer* mode when its spec says ``recovery.mode: peer``, or ``auto`` (the default)
-and the job is DDP: the survivors of a lost rank keep their processes and hand the state on from
-memory (``worker/recovery``), each node app runs its own one-node torchrun, and the service keeps
-``spares`` warm spare node apps. Otherwise (``restart``, or FSDP under ``auto``) torchrun's
-restart across nodes is the recovery, exactly as before.
+and the job is DDP and asks for no GPU (``resources.gpu``: peer recovery over NCCL is untested):
+the survivors of a lost rank keep their processes and hand the state on from memory
+(``worker/recovery``), each node app runs its own one-node torchrun, and the service keeps
+``spares`` warm spare node apps. Otherwise (``restart``, or FSDP or GPUs under ``auto``)
+torchrun's restart across nodes is the recovery, exactly as before.
 
 These functions are the one place the service reads those spec fields; the record keeps their
 answers from submit on (:class:`service.jobs.model.JobRecord` ``recovery_mode``, ``spares``,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 
 from service.jobs.model import JobRecord, RecoveryMode
+from service.jobs.resources import parse_resources
 from worker.errors import SpecError
 from worker.spec import JobSpec
 from worker.spec_recovery import effective_mode
@@ -23,8 +25,16 @@ from worker.spec_recovery import effective_mode
 
 def peer_mode(spec: JobSpec) -> bool:
     """Whether ``spec``'s job recovers from its peers' memory: ``recovery.mode`` ``peer``, or
-    ``auto`` for a DDP job (every job the service runs is under the service)."""
-    return effective_mode(spec.recovery.mode, parallelism=spec.parallelism, under_service=True) == "peer"
+    ``auto`` for a DDP job that asks for no GPU (every job the service runs is under the service)."""
+    mode = effective_mode(
+        spec.recovery.mode, parallelism=spec.parallelism, under_service=True, gpus=asks_for_gpus(spec)
+    )
+    return mode == "peer"
+
+
+def asks_for_gpus(spec: JobSpec) -> bool:
+    """``resources.gpu`` above 0 (how a job gets GPUs on a cluster)."""
+    return parse_resources(spec.resources).gpu > 0
 
 
 def recovery_mode(spec: JobSpec) -> RecoveryMode:
@@ -38,6 +48,12 @@ def recovery_why(spec: JobSpec) -> str:
         return "recovery peer: survivors keep their processes, a lost rank's state comes from their memory"
     if spec.recovery.mode == "restart":
         return "recovery restart (recovery.mode is 'restart'): a lost rank restarts every worker"
+    if spec.parallelism == "ddp":  # auto, with GPUs
+        return (
+            "recovery restart: the job asks for GPUs (resources.gpu), and peer recovery over NCCL "
+            "is untested, so under recovery.mode 'auto' a lost rank restarts every worker from the "
+            "newest checkpoint; recovery.mode 'peer' asks for peer recovery anyway"
+        )
     return (
         "recovery restart: FSDP state is sharded and no peer holds a lost rank's shard, so a lost "
         "rank restarts every worker from the newest checkpoint"
@@ -63,7 +79,8 @@ def check(spec: JobSpec) -> None:
         mode = spec.recovery.mode
         why = f"recovery.mode is {mode!r}"
         if mode == "auto":
-            why = "an FSDP job under recovery.mode 'auto' recovers by restart"
+            kind = "an FSDP job" if spec.parallelism != "ddp" else "a job asking for GPUs"
+            why = f"{kind} under recovery.mode 'auto' recovers by restart"
         raise SpecError(
             f"field 'spares': {count} spares need peer recovery, but {why}; set 'spares' to 0, or "
             "'recovery.mode' to 'peer'"

@@ -35,9 +35,9 @@ from typing import Any, Literal
 
 from torchx import specs
 
+from service.jobs.resources import parse_resources
 from service.launch import gpus
 from service.launch.protocol import NodeLaunch
-from service.launch.resources import parse_resources
 from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_nodes, spec_json
@@ -119,7 +119,7 @@ class SchedulerSettings:
 
 
 def resource_from_spec(resources: Mapping[str, str]) -> specs.Resource:
-    """``spec.resources`` (read by :func:`service.launch.resources.parse_resources`, which the
+    """``spec.resources`` (read by :func:`service.jobs.resources.parse_resources`, which the
     submit checks too) -> a TorchX Resource."""
     parsed = parse_resources(resources)
     capabilities = {INSTANCE_TYPE: parsed.instance_type} if parsed.instance_type else {}

@@ -61,6 +61,19 @@ def test_a_spec_without_the_recovery_fields_gets_the_defaults() -> None:
     assert peer.max_incidents(plain) is None
 
 
+def test_a_job_asking_for_gpus_recovers_by_restart_under_auto_and_says_why() -> None:
+    """Peer recovery over NCCL is untested (it needs two GPUs): ``auto`` gives a job with
+    ``resources.gpu`` the restart path, the submitted event says so, and ``peer`` by name still
+    gets peer recovery."""
+    gpu = spec(resources={"gpu": "1"})
+    assert peer.recovery_mode(gpu) == "restart"
+    assert "asks for GPUs (resources.gpu), and peer recovery over NCCL is untested" in peer.recovery_why(gpu)
+    assert peer.recovery_mode(with_recovery(gpu, mode="peer")) == "peer"
+    assert peer.recovery_mode(spec(resources={"gpu": "0"})) == "peer"
+    with pytest.raises(SpecError, match=r"field 'spares'.*a job asking for GPUs under recovery\.mode 'auto'"):
+        peer.check(with_recovery(gpu, mode="auto", spares=1))
+
+
 def test_the_recovery_fields_are_bounded_and_named_in_errors() -> None:
     for change, field in [
         ({"spares": 65}, "spares"),

@@ -73,6 +73,9 @@ def test_auto_is_peer_only_for_ddp_under_the_service() -> None:
     assert effective_mode("peer", parallelism="ddp", under_service=True) == "peer"
     assert effective_mode("peer", parallelism="ddp", under_service=False) == "restart"
     assert effective_mode("restart", parallelism="ddp", under_service=True) == "restart"
+    # a job asking for GPUs: peer recovery over NCCL is untested, restart unless asked by name
+    assert effective_mode("auto", parallelism="ddp", under_service=True, gpus=True) == "restart"
+    assert effective_mode("peer", parallelism="ddp", under_service=True, gpus=True) == "peer"
 
 
 def test_peer_asked_for_under_a_bare_torchrun_says_the_restart_path_runs() -> None:
