@@ -34,6 +34,11 @@ SEED = 1
 
 @pytest.fixture(autouse=True)
 def a_gpu() -> None:
+    if torch.version.cuda is None:
+        pytest.fail(
+            f"tests/gpu needs a CUDA build of torch and this one is {torch.__version__}: install one "
+            "into .venv (the README's Quick start) on a machine with a GPU"
+        )
     if not torch.cuda.is_available():
         pytest.fail("tests/gpu needs a CUDA GPU and none is visible: run `make test-gpu` where there is one")
 
