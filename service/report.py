@@ -398,7 +398,9 @@ def _last_record(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 def _environment(record: dict[str, Any] | None) -> dict[str, Any]:
     if record is None:
         return {"precision": None, "precision_table": None, "environment": None}
-    keys = ("versions", "device", "device_name", "backend", "world_size", "seed", "determinism", "batch")
+    keys = (
+        "versions", "device", "device_name", "backend", "world_size", "seed", "determinism", "batch", "notes",
+    )  # fmt: skip
     return {
         "precision": record.get("precision"),
         "precision_table": record.get("precision_table"),

@@ -243,6 +243,8 @@ def _precision_lines(r: dict[str, Any]) -> list[str]:
         det = env.get("determinism") or {}
         if det:
             lines.append("    determinism " + ", ".join(f"{k}={v}" for k, v in det.items()))
+        # what the worker chose on its own and why (a GPU node on CPU, the restart path)
+        lines += [f"    note: {note}" for note in env.get("notes") or ()]
     return lines
 
 

@@ -199,6 +199,7 @@ def test_text_names_every_section() -> None:
             "backend": "gloo",
             "world_size": 2,
             "seed": 3,
+            "notes": ["ddp.backend auto: this node runs 2 processes and sees 1 GPU(s); ..."],
         },
     )
     text = render_text(build_report(run, target_loss=0.1))
@@ -221,6 +222,7 @@ def test_text_names_every_section() -> None:
         "accumulate fp32",
         "torch 2.x",
         "backend gloo, world size 2, seed 3",
+        "note: ddp.backend auto: this node runs 2 processes and sees 1 GPU(s)",
     ):
         assert needle in text, needle
 
