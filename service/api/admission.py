@@ -21,11 +21,8 @@ def admit(spec: JobSpec, settings: Settings) -> tuple[str, ...]:
     Returns what the submitted event adds (where the local scheduler's nodes train)."""
     parse_resources(spec.resources)
     peer.check(spec)
-    notes: tuple[str, ...] = ()
-    if settings.scheduler == "local_cwd":
-        gpus.check(spec, gpus.host_gpus())
-        reason = gpus.hidden_reason(spec, gpus.host_gpus())
-        notes = (reason,) if reason is not None else ()
+    reason = gpus.check(spec, gpus.host_gpus()) if settings.scheduler == "local_cwd" else None
+    notes = (reason,) if reason is not None else ()
     allowed = settings.factory_prefixes
     if allowed is None:
         return notes

@@ -47,14 +47,16 @@ def hidden_reason(spec: JobSpec, gpus: int) -> str | None:
     )
 
 
-def check(spec: JobSpec, gpus: int) -> None:
-    """Refuse ``ddp.backend: nccl`` for a job whose nodes would not see the GPUs. Pure."""
+def check(spec: JobSpec, gpus: int) -> str | None:
+    """Refuse ``ddp.backend: nccl`` for a job whose nodes would not see the GPUs; otherwise
+    :func:`hidden_reason` (what the submitted event says). Pure."""
     reason = hidden_reason(spec, gpus)
     if reason is not None and spec.ddp.backend == "nccl":
         raise SpecError(
             f"field 'ddp.backend': nccl cannot run here: the job would train {reason}; or use "
             "ddp.backend auto"
         )
+    return reason
 
 
 def hide(spec: JobSpec, gpus: int) -> Mapping[str, str]:

@@ -11,7 +11,6 @@ all-reduce between ranks) is not covered here.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ import torch
 from tests.integration.launch import Run
 from tests.integration.worker import test_resume as resume
 from tests.integration.worker import test_user_model as user_model
-from tests.integration.worker.test_service_e2e import Service, job_spec
+from tests.integration.worker.test_service_e2e import Service, events_of, job_spec
 from tests.integration.worker.traces import assert_rng_continued
 from worker.checkpoint.verify import logical_digest
 
@@ -79,17 +78,17 @@ def test_fp16_overflow_on_the_gpu_skips_steps_and_backs_the_scale_off(tmp_path: 
     assert done["samples_seen"] == 60 * 16 and math.isfinite(done["loss"]), done
 
 
-VARIANTS = {**resume.VARIANTS, "async": {"checkpoint": "async"}}
+VARIANTS = [*resume.VARIANTS, "async"]
 
 
 def variant_over(name: str, ck: Path) -> dict[str, Any]:
-    over = dict(VARIANTS[name])
-    if over.get("checkpoint") == "async":
-        over["checkpoint"] = {"dir": str(ck), "interval_steps": 10, "async": True}
-    return over
+    """The CPU resume tests' variant ``name``, or async saves into ``ck``."""
+    if name == "async":
+        return {"checkpoint": {"dir": str(ck), "interval_steps": 10, "async": True}}
+    return resume.VARIANTS[name]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_sigkill_resumes_bit_for_bit_on_the_gpu(
     tmp_path: Path, variant: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -161,8 +160,7 @@ def test_a_checkpoint_moves_between_the_gpu_and_a_cpu_group(tmp_path: Path, firs
 
 
 def run_record(job: dict[str, Any]) -> dict[str, Any]:
-    lines = (Path(job["checkpoint_dir"]) / "events.jsonl").read_text().splitlines()
-    return next(e for e in map(json.loads, lines) if e["event"] == "run_record")
+    return events_of(Path(job["checkpoint_dir"]) / "events.jsonl", "run_record")[0]
 
 
 @pytest.fixture
