@@ -11,15 +11,19 @@ modes:
   SIGKILL on a loaded CI machine, 87 ms for a 3 GiB process here). So the agent is also looked
   at in ``/proc/<agent>/stat`` (one 3 us read of a descriptor kept open): a pending SIGKILL shows
   there the moment ``kill()`` returns, and ``PF_EXITING`` once the agent begins to exit,
-  whatever killed it. The time of the last look that found the agent alive is its last sign of
-  life, which the lifeline gives to its last words (:func:`on_last_words`: peer mode tells the
-  group "my node died at T" over its control connections, so the incident is timed from the
-  failure, not from this process's own end tens of milliseconds later); they get at most
-  ``LAST_WORDS_S``, then the process SIGKILLs itself. Where pidfds are missing (Linux < 5.3):
-  ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` instead -- the kernel kills this process when the thread
-  that forked it exits (torchrun forks from its main thread), without last words.
+  whatever killed it. The agent died between the last look that found it alive (its last sign
+  of life) and the first that found it dying; the middle of the two (:func:`died_between`) is
+  what the lifeline gives to its last words (:func:`on_last_words`: peer mode tells the group "my
+  node died at T" over its control connections, so the incident is timed from the failure, not
+  from this process's own end tens of milliseconds later); they get at most ``LAST_WORDS_S``,
+  then the process SIGKILLs itself. The middle, not the last live look: that look is early by up
+  to the whole gap between two looks, the middle is off by at most half of it (a CI machine
+  under load went 36 ms without a look before the kill, a tenth of the recovery it timed).
+  Where pidfds are missing (Linux < 5.3): ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` instead -- the
+  kernel kills this process when the thread that forked it exits (torchrun forks from its main
+  thread), without last words.
 
-  Who looks, and how often. That sign of life is as stale as the gap between two looks, so while
+  Who looks, and how often. That time is as uncertain as the gap between two looks, so while
   last words are wanted the agent is looked at every ~10 ms -- but a thread's wake-up is dear on
   these VMs (~160 us of CPU with the GIL under load, measured: 1.6% of a core at 100 a second;
   what that takes from a 2-rank DDP training was below the ~3% an interleaved A/B in one run
@@ -174,14 +178,22 @@ def _looker(parent: int) -> Callable[[], str | None] | None:
     return look
 
 
+def died_between(alive_at: float, seen_at: float) -> float:
+    """When a process died that a look found alive at ``alive_at`` and a later one found dying at
+    ``seen_at``: the middle, at most half their gap from the truth. Pure."""
+    return alive_at + max(0.0, seen_at - alive_at) / 2.0
+
+
 class Sight:
     """The looks at the agent: the last time one found it alive (stamped before that look: it lived
-    at least until then), and a pipe whose read end wakes the thread (:func:`on_last_words`)."""
+    at least until then), the first time one found it dying (stamped after: it was dying by
+    then), and a pipe whose read end wakes the thread (:func:`on_last_words`)."""
 
     def __init__(self, look: Callable[[], str | None], *, clock: Callable[[], float] = time.time) -> None:
         self._look, self._clock = look, clock
         self._lock = threading.Lock()
         self.alive_at = clock()
+        self.dying_at: float | None = None
         self.glanced_at = float("-inf")  # the training thread's last look (glance), time.monotonic()
         self.woken, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
@@ -189,10 +201,18 @@ class Sight:
         """Why the agent is dying or dead, else None (and it was alive now)."""
         now = self._clock()
         why = self._look()
-        if why is None:
-            with self._lock:
+        with self._lock:
+            if why is None:
                 self.alive_at = max(self.alive_at, now)
+            elif self.dying_at is None:
+                self.dying_at = self._clock()
         return why
+
+    def death(self, now: float) -> float:
+        """When the agent died, as these looks tell (:func:`died_between`); ``now`` stands for the
+        first sight of its death when no look found it dying (the pidfd or getppid told first)."""
+        with self._lock:
+            return died_between(self.alive_at, self.dying_at if self.dying_at is not None else now)
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):  # a full pipe has woken it already
@@ -261,8 +281,8 @@ def watch(
 ) -> None:
     """Wait until the parent exits (``pidfd`` readable), is found dying (``sight``: looked at
     every :func:`period`) or changes (``getppid``, at each wake-up), then say the last words and
-    call ``on_orphan``; or until ``stop`` is set. The last words get the parent's last sign of
-    life (:class:`Sight`), or without a sight the time its death was seen."""
+    call ``on_orphan``; or until ``stop`` is set. The last words get the parent's death as the
+    looks bracket it (:meth:`Sight.death`), or without a sight the time it was seen."""
     stop = stop or threading.Event()
     wakes = select.poll()  # not select(): no limit on the descriptor's number
     if pidfd is not None:
@@ -289,7 +309,7 @@ def watch(
         if reason is None and (now_parent := getppid()) != parent:
             reason = f"its agent (pid {parent}) is gone (parent now {now_parent})"
         if reason is not None:
-            say_last_words(sight.alive_at if sight is not None else time.time())
+            say_last_words(sight.death(time.time()) if sight is not None else time.time())
             on_orphan(reason)
             return
 

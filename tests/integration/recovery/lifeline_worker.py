@@ -1,22 +1,27 @@
 """A worker that only arms the lifeline and idles ("trains") until killed; torchrun starts it.
 argv: REPORT_PATH MODE (both: worker.lifeline.install; watchdog: the getppid thread alone). Its
-last words (the agent's end as the lifeline saw it) go to REPORT_PATH + ".bye"."""
+last words (the agent's end as the lifeline saw it) go to REPORT_PATH + ".bye", with the looks
+that bracket it (the last that found the agent alive, the first that found it dying) after them."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
 
+from worker import lifeline
 from worker.lifeline import install, on_last_words, watch
 
 report, mode = sys.argv[1], sys.argv[2]
 
 
 def bye(when: float) -> None:
+    sight = lifeline._sight
+    bracket = {"alive_at": sight.alive_at, "dying_at": sight.dying_at} if sight is not None else {}
     with open(report + ".bye", "w") as f:
-        f.write(repr(when))
+        json.dump({"at": when, **bracket}, f)
 
 
 on_last_words(bye)

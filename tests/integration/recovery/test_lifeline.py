@@ -4,6 +4,7 @@ starts workers in their own session, so nothing else stops them). Real torchrun,
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -44,17 +45,22 @@ def test_the_orphan_is_gone_soon_after_its_agent(tmp_path: Path, mode: str) -> N
             time.sleep(0.01)
         assert not alive(worker), "the orphaned worker kept running after its agent was killed"
         gone_ms = 1e3 * (time.monotonic() - killed)
-        # its last words came before its end. With a look at /proc/<agent>/stat (install) they
-        # carry the last look that found the agent alive, so no later than the kill (a pending
-        # SIGKILL shows before kill() returns); the getppid thread alone sees the death only after
-        # it. Wall clock, both.
-        said = float(Path(f"{report}.bye").read_text())
+        # its last words came before its end. With looks at /proc/<agent>/stat (install) the
+        # kill lies between the last look that found the agent alive (no later than kill()'s
+        # return: a pending SIGKILL shows before it) and the first that found it dying (no
+        # earlier than the kill), and the words carry their middle; the getppid thread alone
+        # sees the death only after it. Wall clock, all.
+        bye = json.loads(Path(f"{report}.bye").read_text())
+        said = bye["at"]
         if mode == "both":
-            assert killed_at - 1.0 <= said <= sent_at, (killed_at, said, sent_at)
+            alive_at, dying_at = bye["alive_at"], bye["dying_at"]
+            assert killed_at - 1.0 <= alive_at <= sent_at and killed_at <= dying_at <= time.time(), (
+                killed_at, sent_at, bye)  # fmt: skip
+            assert said == alive_at + (dying_at - alive_at) / 2, bye
         else:
             assert killed_at <= said <= time.time(), (killed_at, said)
         print(f"{mode}: the worker was gone {gone_ms:.0f} ms after the agent's SIGKILL, "
-              f"and said the agent was last alive {1e3 * (said - killed_at):.1f} ms after it")  # fmt: skip
+              f"and said the agent died {1e3 * (said - killed_at):.1f} ms after it")  # fmt: skip
     finally:
         if agent.poll() is None:
             agent.kill()

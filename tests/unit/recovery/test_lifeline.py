@@ -105,11 +105,12 @@ def test_the_stat_line_says_a_process_is_dying_the_moment_it_is_killed() -> None
     assert dying(line.replace(b") R ", b") Z ")) == "is exiting"
 
 
-def test_the_last_words_carry_the_last_look_that_found_the_agent_alive() -> None:
-    """Looks at t=1, 2, 3 find the agent alive, the look at t=4 finds it killed: the last words
-    say 3 (it lived at least until then), not 4 (when its death was seen)."""
+def test_the_last_words_carry_the_middle_of_the_last_live_look_and_the_first_dying_one() -> None:
+    """Looks at t=1, 2, 3 find the agent alive, the look begun at t=4 finds it killed and ends at
+    t=5: it died after 3 and by 5, and the last words say 4, the middle (at most half the gap
+    off; 3 alone would be early by up to the whole gap)."""
     looks = iter([None, None, None, "was sent SIGKILL"])
-    clock = iter([0.0, 1.0, 2.0, 3.0, 4.0]).__next__
+    clock = iter([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).__next__
     said: list[float] = []
     seen: list[str] = []
     forget = on_last_words(said.append)
@@ -118,7 +119,25 @@ def test_the_last_words_carry_the_last_look_that_found_the_agent_alive() -> None
         watch(100, poll_s=3600.0, look_s=0.001, getppid=lambda: 100, on_orphan=seen.append, sight=sight)
     finally:
         forget()
-    assert said == [3.0] and seen == ["its agent (pid 100) was sent SIGKILL"]
+    assert said == [4.0] and seen == ["its agent (pid 100) was sent SIGKILL"]
+    assert (sight.alive_at, sight.dying_at) == (3.0, 5.0)
+
+
+def test_the_death_is_the_middle_of_what_the_looks_bracket() -> None:
+    """Pure: the middle of the last live look and the first dying one; a sight of death no later
+    than the last live look (clocks stepped back) is the live look itself."""
+    assert lifeline.died_between(10.0, 10.08) == pytest.approx(10.04)
+    assert lifeline.died_between(10.0, 10.0) == 10.0
+    assert lifeline.died_between(10.0, 9.9) == 10.0
+
+
+def test_without_a_dying_look_the_death_is_bracketed_by_when_it_was_seen() -> None:
+    """The pidfd (or getppid) told before any look found the agent dying: the time it was seen
+    closes the bracket."""
+    clock = iter([0.0, 2.0]).__next__
+    sight = Sight(lambda: None, clock=clock)
+    assert sight.look() is None and sight.alive_at == 2.0
+    assert sight.death(now=3.0) == 2.5
 
 
 def test_asking_for_last_words_wakes_the_thread_to_look_at_the_faster_pace(
@@ -165,7 +184,7 @@ def test_a_glance_keeps_the_sign_of_life_fresh_and_a_dying_agent_wakes_the_threa
         looked.append(1)
         return next(looks)
 
-    clock = iter([0.0, 1.0, 2.0]).__next__
+    clock = iter([0.0, 1.0, 2.0, 2.5]).__next__
     sight = Sight(look, clock=clock)
     monkeypatch.setattr(lifeline, "_sight", sight)
     woken = select.poll()
@@ -181,6 +200,7 @@ def test_a_glance_keeps_the_sign_of_life_fresh_and_a_dying_agent_wakes_the_threa
         assert sight.alive_at == 1.0 and before <= glanced <= time.monotonic() and woken.poll(0) == []
         lifeline.glance()  # looks at t=2: killed
         assert sight.alive_at == 1.0 and sight.glanced_at == glanced and woken.poll(0) != []
+        assert sight.dying_at == 2.5  # stamped after the look that found it killed
     finally:
         forget()
 
