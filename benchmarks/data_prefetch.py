@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.worker_throughput import _torchrun, spread
+from benchmarks.stats import spread
+from benchmarks.worker_throughput import _torchrun
 from benchmarks.worker_throughput import spec as free_spec
 
 
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds, {args.steps} steps)"
     )
     for name, values in rates.items():
-        print(f"  {name:<13} samples/s: {', '.join(f'{r:,.0f}' for r in values)}  {spread(values)}")
+        shown = ", ".join(f"{r:,.0f}" for r in values)
+        print(f"  {name:<13} samples/s: {shown}  {spread(values, 0, grouping=True)}")
     f = statistics.median(rates["free"])
     for name in ("slow, ahead", "slow, inline"):
         per_round = [s / r for s, r in zip(rates[name], rates["free"], strict=True)]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import requests
 
-from benchmarks.peer_recovery import spread
+from benchmarks.stats import spread
 from service.etcd.server import EtcdServer
 from worker.etcdclient import EtcdClient, EtcdEndpoint, b64, put_request
 

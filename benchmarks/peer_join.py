@@ -46,9 +46,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer_recovery import spread
 from benchmarks.service_job import events_of
 from benchmarks.service_job import spec as base_spec
+from benchmarks.stats import spread
 from tests.integration.worker.test_service_e2e import Service, until
 
 WARM = 200  # windows before the scale: the survivors' median step comes from these

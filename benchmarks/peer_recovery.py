@@ -19,6 +19,14 @@ steps without a fault in each mode (alternating) and prints samples/s peer / res
 mode costs a step; target >= 0.98): over each whole run, and from each run's median 10-step
 interval (its progress events), which a burst of this machine's noise in a few intervals does
 not move. Runs of one mode differ here by up to ~30% between rounds on the whole-run rate.
+
+``--control`` adds a third fault-free job to each steady round, a second restart-mode one (an
+A/A control: the same mode twice), the three in an order that rotates from round to round. Both
+ratios, peer / restart and restart / restart, are then given per round, with the geometric mean
+over the rounds and its 95% bootstrap interval (:func:`geomean_interval`): the control's interval
+is what this machine can resolve with that many rounds -- a comparison of a mode with itself,
+which must hold 1 -- and the target is met when peer's interval lies at or above 0.98, missed
+when it lies below, and not settled by the run when it holds 0.98.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Any
 
 from benchmarks.service_job import events_of, interval_rate, rate
 from benchmarks.service_job import spec as base_spec
+from benchmarks.stats import geomean_interval, rotation, spread, verdict
 from tests.integration.worker.test_service_e2e import Service, until
 from tests.integration.worker.test_service_peer import workers
 
@@ -86,11 +95,6 @@ def steady(svc: Service, mode: str, spares: int, steps: int) -> tuple[float, flo
     return rate(events), interval_rate(events)
 
 
-def spread(values: list[float], digits: int = 2) -> str:
-    m, lo, hi = statistics.median(values), min(values), max(values)
-    return f"median {m:.{digits}f} (min {lo:.{digits}f}, max {hi:.{digits}f})"
-
-
 def report_recoveries(results: dict[str, list[dict[str, Any]]], spares: int) -> None:
     restart = [r["seconds"] for r in results["restart"]]
     peer = [r["seconds"] for r in results["peer"]]
@@ -113,10 +117,14 @@ def main() -> int:
     parser.add_argument(
         "--steady-rounds", type=int, default=None, help="fault-free rounds (default: --rounds)"
     )
+    parser.add_argument(
+        "--control", action="store_true", help="a second restart job in each steady round (A/A control)"
+    )
     args = parser.parse_args()
     results: dict[str, list[dict[str, Any]]] = {"restart": [], "peer": []}
-    rates: dict[str, list[float]] = {"restart": [], "peer": []}
-    paces: dict[str, list[float]] = {"restart": [], "peer": []}
+    arms = ("restart", "peer", "control") if args.control else ("restart", "peer")
+    rates: dict[str, list[float]] = {arm: [] for arm in arms}
+    paces: dict[str, list[float]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as name:
         svc = Service(Path(name) / "svc", {})
         svc.data_dir.mkdir()
@@ -132,11 +140,12 @@ def main() -> int:
                 if args.steady
                 else ()
             ):
-                for mode in ("restart", "peer") if i % 2 == 0 else ("peer", "restart"):
+                for arm in rotation(arms, i):
+                    mode = "restart" if arm == "control" else arm
                     whole, pace = steady(svc, mode, args.spares, args.steady)
-                    rates[mode].append(whole)
-                    paces[mode].append(pace)
-                    print(f"  steady round {i + 1} {mode}: {whole:.0f} samples/s, median interval {pace:.0f}",
+                    rates[arm].append(whole)
+                    paces[arm].append(pace)
+                    print(f"  steady round {i + 1} {arm}: {whole:.0f} samples/s, median interval {pace:.0f}",
                           flush=True)  # fmt: skip
         finally:
             svc.stop()
@@ -159,7 +168,21 @@ def main() -> int:
         print(f"  median 10-step interval samples/s peer    {[round(r) for r in paces['peer']]}")
         print(f"  ratio peer/restart of the median intervals (medians): {pace_ratio:.3f}  (target >= 0.98)")
         print(f"  per round, the same: {spread(paired, 3)} {shown}")
+        if args.control:
+            report_control(rates, paces)
     return 0
+
+
+def report_control(rates: dict[str, list[float]], paces: dict[str, list[float]]) -> None:
+    """Peer / restart against the A/A control, restart / restart, with their intervals."""
+    for what, values in (("whole-run samples/s", rates), ("median 10-step interval", paces)):
+        print(f"  {what}, geometric mean over {len(values['restart'])} rounds [95% bootstrap interval]:")
+        for arm in ("peer", "control"):
+            paired = [a / r for a, r in zip(values[arm], values["restart"], strict=True)]
+            mean, lo, hi = interval = geomean_interval(paired)
+            label = "peer / restart   " if arm == "peer" else "restart / restart"
+            tail = verdict(interval, 0.98) if arm == "peer" else "the control: must hold 1"
+            print(f"    {label} {mean:.3f} [{lo:.3f}, {hi:.3f}]  {tail}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.stats import spread
 from tests.integration.launch import REPO, worker_env
 
 
@@ -56,10 +57,6 @@ def worker_rate(path: Path, nproc: int) -> float:
     return (last["samples_seen"] - first["samples_seen"]) / (last["time"] - first["time"])
 
 
-def spread(values: list[float]) -> str:
-    return f"median {statistics.median(values):,.0f} (min {min(values):,.0f}, max {max(values):,.0f})"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=6)
@@ -82,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     b, w = statistics.median(bare), statistics.median(ours)
     ratios = [o / r for o, r in zip(ours, bare, strict=True)]
     print(f"worker throughput ({args.precision}, W={args.nproc}, {args.rounds} rounds, {args.steps} steps)")
-    print(f"  bare torchrun+DDP samples/s: {', '.join(f'{r:,.0f}' for r in bare)}  {spread(bare)}")
-    print(f"  -m worker         samples/s: {', '.join(f'{r:,.0f}' for r in ours)}  {spread(ours)}")
+    shown = ", ".join(f"{r:,.0f}" for r in bare)
+    print(f"  bare torchrun+DDP samples/s: {shown}  {spread(bare, 0, grouping=True)}")
+    shown = ", ".join(f"{r:,.0f}" for r in ours)
+    print(f"  -m worker         samples/s: {shown}  {spread(ours, 0, grouping=True)}")
     print(
         f"  ratio worker/bare: {w / b:.3f} (medians); per round {', '.join(f'{r:.3f}' for r in ratios)}, "
         f"median {statistics.median(ratios):.3f}  (target >= 0.98)"
