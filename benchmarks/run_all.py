@@ -22,7 +22,16 @@ BENCHMARKS = (
     ("recovery without a restart vs torchrun's restart", ["benchmarks.peer_recovery", "--rounds", "2"]),
     (
         "peer mode's steady-state cost",
-        ["benchmarks.peer_recovery", "--rounds", "0", "--steady", "1000", "--steady-rounds", "4"],
+        [
+            "benchmarks.peer_recovery",
+            "--rounds",
+            "0",
+            "--steady",
+            "1000",
+            "--steady-rounds",
+            "6",
+            "--control",
+        ],
     ),
     ("joining without stopping: a 2 -> 3 scale-up in peer mode", ["benchmarks.peer_join", "--rounds", "2"]),
 )
