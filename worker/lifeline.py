@@ -28,10 +28,11 @@ modes:
   these VMs (~160 us of CPU with the GIL under load, measured: 1.6% of a core at 100 a second;
   what that takes from a 2-rank DDP training was below the ~3% an interleaved A/B in one run
   can show here). So the training thread looks itself, between micro-batches and after each
-  optimizer step (:func:`glance`, ~5 us, no wake-up), and the thread looks every ``LOOK_S``
+  optimizer step (:func:`glance`: no wake-up; ~5 us on a warm cache, ~35 us between two steps),
+  at most every ``GLANCE_S`` (a short window looks once), and the thread looks every ``LOOK_S``
   only while no glance came for ``GLANCED_S``; while they come it sleeps ``GLANCED_S``
   (:func:`period`). A glance that finds the agent dying wakes the thread, which does the rest.
-  A failpoint's ``sleep`` stands for a step's work and glances every ``LOOK_S`` (:func:`nap`).
+  A failpoint's ``sleep`` stands for a step's work and glances every ``GLANCE_S`` (:func:`nap`).
   Without last words wanted the thread looks once a second.
 * Everywhere: the same thread compares ``getppid()`` with the agent's pid at each wake-up (at
   least once a second) and stops this process when it changed; ``getppid()`` is also checked
@@ -61,6 +62,7 @@ T = TypeVar("T")
 PR_SET_PDEATHSIG = 1
 LAST_WORDS_S = 0.2  # what the last words may take before the process stops regardless
 LOOK_S = 0.01  # the gap between looks at /proc/<agent>/stat while last words are wanted
+GLANCE_S = 0.02  # the least gap between two of the training thread's looks (see Sight.glance)
 GLANCED_S = 0.05  # the thread's period while the training thread glances (see the module)
 PF_EXITING = 0x4  # include/linux/sched.h: the task has begun to exit
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in the stat line's bitmap of pending signals
@@ -220,7 +222,14 @@ class Sight:
 
     def glance(self) -> None:
         """A look from the training thread: keeps the sign of life fresh; a dying agent wakes the
-        thread, which looks again and says the last words."""
+        thread, which looks again and says the last words. None within ``GLANCE_S`` of the last
+        one that found the agent alive: a window's glances come closer than that (the step's and
+        the next window's first micro-batch's, a few microseconds apart), and a look costs the
+        training thread ~35 us of CPU between two steps (a tenth of that on a warm cache). So a
+        short window looks once, a long one at its micro-batches, and the death is bracketed
+        within GLANCE_S, timed within half of it; over GLANCED_S without a glance the thread looks."""
+        if time.monotonic() - self.glanced_at < GLANCE_S:
+            return
         if self.look() is None:
             self.glanced_at = time.monotonic()
         else:
@@ -249,11 +258,11 @@ def _glancing(items: Iterator[T]) -> Iterator[T]:
 
 
 def nap(seconds: float) -> None:
-    """``time.sleep(seconds)`` that glances every ``LOOK_S`` while last words are wanted."""
+    """``time.sleep(seconds)`` that glances every ``GLANCE_S`` while last words are wanted."""
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         glance()
-        time.sleep(min(left, LOOK_S) if _last_words else left)
+        time.sleep(min(left, GLANCE_S) if _last_words else left)
 
 
 def period(

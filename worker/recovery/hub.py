@@ -38,6 +38,7 @@ class Hub:
         self.me = me
         self.cond = threading.Condition()
         self.conns: dict[str, Conn] = {}
+        self.roles: dict[str, int] = {}  # connections by their peer's role
         self.closed: dict[str, float] = {}  # member id -> its last sign of life, once its connection closed
         self.byes: dict[str, float] = {}  # member id -> when its node died, as it said before its EOF
         self.links: dict[str, Ended] = {}  # old leader -> this process's connection to it
@@ -52,6 +53,9 @@ class Hub:
         with self.cond:
             old = self.conns.get(conn.peer.member_id)
             self.conns[conn.peer.member_id] = conn
+            self._count(conn, 1)
+            if old is not None:
+                self._count(old, -1)
             self.infos[conn.peer.member_id] = conn.peer
             self.closed.pop(conn.peer.member_id, None)
             self.byes.pop(conn.peer.member_id, None)
@@ -61,6 +65,10 @@ class Hub:
             old.close()
         if turned_away:  # a newcomer looking for the leader: not here
             conn.send({"t": "not_leader"})
+
+    def _count(self, conn: Conn, change: int) -> None:
+        role = conn.peer.role
+        self.roles[role] = self.roles.get(role, 0) + change
 
     def on_close(self, conn: Conn, when: float) -> None:
         """A connection ended: its member's last sign of life is recorded, and when it was a
@@ -73,6 +81,7 @@ class Hub:
         with self.cond:
             if self.conns.get(member) is conn:
                 del self.conns[member]
+                self._count(conn, -1)
                 self.closed[member] = min(when, self.byes.pop(member, when))
                 self._changed()
                 if self.current is not None and member in self.current.members:
@@ -269,7 +278,10 @@ class Hub:
 
     def waiting(self, role: str) -> int:
         """Connected newcomers of ``role`` (``joiner``: the leader admits them; ``spare``: standing
-        by) that are not members of the current generation."""
+        by) that are not members of the current generation. The leader asks at every window: with
+        nobody of that role connected it answers without the lock (a dict read is atomic)."""
+        if not self.roles.get(role):
+            return 0
         with self.cond:
             members = set(self.current.members) if self.current else set()
             return sum(1 for m, c in self.conns.items() if m not in members and c.peer.role == role)

@@ -70,6 +70,7 @@ class GroupMember:
         self.resolver: Resolver | None = None
         self.link: Link | None = None
         self.record: GenRecord | None = None
+        self._rank: tuple[GenRecord | None, int] = (None, -1)  # (record, this member's rank in it)
         self.group: Group | None = None
         self.host: StoreHost | None = None
         self.valid = False
@@ -144,11 +145,14 @@ class GroupMember:
         summed with the step's own all-reduce; :meth:`verdict` reads the sum. The leader of a
         join first waits for its generation's compare-and-set (:meth:`Resolver.settle`; raises
         :class:`~worker.recovery.vote.NotCommitted` when etcd does not hold it)."""
-        info = self.info
+        record = self.record
+        assert record is not None, "not in a generation yet: call join() first"
         self.settle()
         reform = self.is_leader and self._admission_wanted()
-        return contribution(reform=reform, generation=info.generation, version=version, rank=info.rank,
-                            world_size=info.world_size)  # fmt: skip
+        rank = self._rank if self._rank[0] is record else (record, record.members.index(self.member_id))
+        self._rank = rank  # the record's rank, looked up once per generation (this runs every window)
+        return contribution(reform=reform, generation=record.generation, version=version, rank=rank[1],
+                            world_size=record.world_size)  # fmt: skip
 
     def settle(self) -> None:
         """On the leader of a join: wait for its generation's compare-and-set; raises

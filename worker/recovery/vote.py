@@ -98,10 +98,8 @@ def check(summed: Sequence[float], *, nonfinite: bool, generation: int, version:
     """The verdict of a summed vote (``nonfinite``: the step's summed flag), or :class:`Fenced`
     when any member's stamp differs from this member's."""
     world_size = (len(summed) - 1) // 2
-    seen = stamps(summed, world_size)
-    mine = (generation, version)
-    if any(s != mine for s in seen):
-        raise Fenced(mine, seen)
+    if list(summed[1:]) != [float(generation + 1), float(version + 1)] * world_size:
+        raise Fenced((generation, version), stamps(summed, world_size))
     return Verdict(nonfinite=nonfinite, reform=summed[0] > 0)
 
 

@@ -216,3 +216,20 @@ def test_a_link_keeps_what_the_leader_said_it_lost_out_of_the_training_threads_w
     assert link.lost_in(3, RECORD.members) == "c" and link.lost_in(4, RECORD.members) is None
     right.close()
     assert link.recv(30) is None
+
+
+def test_newcomers_are_counted_as_they_come_and_go() -> None:
+    """The leader asks at every window whether a joiner waits; the answer follows hellos, a
+    member's second connection replacing its first, and ends."""
+    b = FakeConn("b")
+    hub = hub_with(b)
+    assert hub.waiting("joiner") == 0 and hub.waiting("spare") == 0
+    j = FakeConn("j", "joiner")
+    hub.on_hello(cast(Conn, j))
+    again = FakeConn("j", "joiner")
+    hub.on_hello(cast(Conn, again))  # the same newcomer again: its first connection is replaced
+    assert j.closed and hub.waiting("joiner") == 1
+    hub.on_close(cast(Conn, j), 1.0)  # the replaced connection's end changes nothing
+    assert hub.waiting("joiner") == 1
+    hub.on_close(cast(Conn, again), 2.0)
+    assert hub.waiting("joiner") == 0 and hub.roles == {"member": 1, "joiner": 0}

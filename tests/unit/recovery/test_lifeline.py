@@ -198,6 +198,9 @@ def test_a_glance_keeps_the_sign_of_life_fresh_and_a_dying_agent_wakes_the_threa
         lifeline.glance()  # looks at t=1: alive
         glanced = sight.glanced_at
         assert sight.alive_at == 1.0 and before <= glanced <= time.monotonic() and woken.poll(0) == []
+        lifeline.glance()  # within GLANCE_S of the last look: none
+        assert len(looked) == 1 and sight.glanced_at == glanced
+        sight.glanced_at = glanced = glanced - lifeline.GLANCE_S  # as if GLANCE_S had passed
         lifeline.glance()  # looks at t=2: killed
         assert sight.alive_at == 1.0 and sight.glanced_at == glanced and woken.poll(0) != []
         assert sight.dying_at == 2.5  # stamped after the look that found it killed
@@ -213,15 +216,16 @@ def test_a_failpoint_nap_glances_while_last_words_are_wanted(monkeypatch: pytest
     assert looked == []
     forget = on_last_words(lambda when: None)
     try:
-        lifeline.nap(0.05)
+        lifeline.nap(0.1)
     finally:
         forget()
-    assert len(looked) >= 3 and max(b - a for a, b in itertools.pairwise(looked)) < 0.03, looked
+    assert len(looked) >= 3 and max(b - a for a, b in itertools.pairwise(looked)) < 0.04, looked
 
 
 def test_micro_batches_glance_only_while_last_words_are_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Restart mode's micro-batches come as they are (no generator added to the hot path); peer
-    mode's are each preceded by a look at the agent."""
+    mode's are each preceded by a glance, which looks at the agent when GLANCE_S has passed since
+    the last look (here the batches come GLANCE_S apart)."""
     looked: list[int] = []
     sight = Sight(lambda: looked.append(1))  # type: ignore[func-returns-value]
     monkeypatch.setattr(lifeline, "_sight", sight)
@@ -232,6 +236,7 @@ def test_micro_batches_glance_only_while_last_words_are_wanted(monkeypatch: pyte
         seen = []
         for batch in lifeline.glancing(iter([1, 2, 3])):
             seen.append((batch, len(looked)))
+            time.sleep(lifeline.GLANCE_S)
     finally:
         forget()
     assert seen == [(1, 1), (2, 2), (3, 3)]
