@@ -21,17 +21,8 @@ BENCHMARKS = (
     ("a job under the service vs bare torchrun; recovery vs its floor", ["benchmarks.service_job"]),
     ("recovery without a restart vs torchrun's restart", ["benchmarks.peer_recovery", "--rounds", "2"]),
     (
-        "peer mode's steady-state cost",
-        [
-            "benchmarks.peer_recovery",
-            "--rounds",
-            "0",
-            "--steady",
-            "1000",
-            "--steady-rounds",
-            "6",
-            "--control",
-        ],
+        "peer mode's steady-state cost: its step path in one job, the rest of the machine's CPU",
+        ["benchmarks.peer_steady", "--rounds", "3", "--steps", "3000", "--block", "10"],
     ),
     ("joining without stopping: a 2 -> 3 scale-up in peer mode", ["benchmarks.peer_join", "--rounds", "2"]),
 )
