@@ -46,7 +46,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.service_job import events_of
+from benchmarks.service_job import events_of, serving
 from benchmarks.service_job import spec as base_spec
 from benchmarks.stats import spread
 from tests.integration.worker.test_service_e2e import Service, until
@@ -184,16 +184,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as name:
         trace = Path(name) / "trace"
         trace.mkdir()
-        svc = Service(Path(name) / "svc", {"ELASTRAIN_TRACE_SAMPLES": str(trace)})
-        svc.data_dir.mkdir()
-        svc.start()
-        try:
+        with serving(Path(name) / "svc", {"ELASTRAIN_TRACE_SAMPLES": str(trace)}) as svc:
             for i in range(args.rounds):
                 got = one_join(svc, trace, args.shape, args.steps)
                 results.append(got)
                 print(f"  round {i + 1}: {got}", flush=True)
-        finally:
-            svc.stop()
     by_key: dict[str, list[float]] = defaultdict(list)
     for r in results:
         for key, value in r.items():

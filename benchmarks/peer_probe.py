@@ -54,10 +54,11 @@ def mlp(
     warm: int = 40,
     parts: bool = False,
     keep: str = ",".join(PARTS),
+    dummy: bool = False,
 ) -> Any:
     from worker.models import MLP
 
-    install(block=block, warm=warm, parts=parts, keep=frozenset(keep.split(",")) & set(PARTS))
+    install(block=block, warm=warm, parts=parts, keep=frozenset(keep.split(",")) & set(PARTS), dummy=dummy)
     return MLP(int(meta["input_dim"]), int(meta["output_dim"]), hidden=hidden, depth=depth)
 
 
@@ -135,7 +136,28 @@ def timed(fn: Any, name: str, spent: dict[str, float]) -> Any:
     return call
 
 
-def install(*, block: int, warm: int, parts: bool = False, keep: frozenset[str] = frozenset(PARTS)) -> None:
+class _Dummy:
+    """A commit vote of the same length that decides nothing (``dummy``): the all-reduce's extra
+    numbers and their tensor without the vote's Python."""
+
+    def __init__(self, length: int) -> None:
+        self.values = [0.0] * length
+
+    def ballot(self) -> list[float]:
+        return self.values
+
+    def decide(self, found: bool, summed: Any) -> bool:
+        return found
+
+
+def install(
+    *,
+    block: int,
+    warm: int,
+    parts: bool = False,
+    keep: frozenset[str] = frozenset(PARTS),
+    dummy: bool = False,
+) -> None:
     """``parts``: in the peer blocks, add up the training thread's CPU in each part peer mode adds
     (a diagnosis: the timing itself costs ~1 us a call). ``keep``: the parts the peer blocks keep
     (the others go in every block), to put a price on each."""
@@ -173,6 +195,8 @@ def install(*, block: int, warm: int, parts: bool = False, keep: frozenset[str] 
             self.window_rng = None
         if "glance" in off:
             lifeline.glance, lifeline.glancing = kept, lambda items: items
+        if arm == "peer" and dummy and self.commit is not None:
+            self.commit = _Dummy(len(self.commit.ballot()))
         if arm == "peer" and parts:
             if self.commit is not None:
                 self.commit = _Timed(self.commit, spent)

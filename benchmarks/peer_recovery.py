@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.service_job import events_of, interval_rate, rate
+from benchmarks.service_job import events_of, interval_rate, rate, serving
 from benchmarks.service_job import spec as base_spec
 from benchmarks.stats import geomean_interval, rotation, spread, verdict
 from tests.integration.worker.test_service_e2e import Service, until
@@ -125,30 +125,24 @@ def main() -> int:
     arms = ("restart", "peer", "control") if args.control else ("restart", "peer")
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
     paces: dict[str, list[float]] = {arm: [] for arm in arms}
-    with tempfile.TemporaryDirectory() as name:
-        svc = Service(Path(name) / "svc", {})
-        svc.data_dir.mkdir()
-        svc.start()
-        try:
-            for i in range(args.rounds):
-                for mode in ("restart", "peer") if i % 2 == 0 else ("peer", "restart"):
-                    got = one_recovery(svc, mode, args.spares)
-                    results[mode].append(got)
-                    print(f"  round {i + 1} {mode}: {got}", flush=True)
-            for i in (
-                range(args.steady_rounds if args.steady_rounds is not None else args.rounds)
-                if args.steady
-                else ()
-            ):
-                for arm in rotation(arms, i):
-                    mode = "restart" if arm == "control" else arm
-                    whole, pace = steady(svc, mode, args.spares, args.steady)
-                    rates[arm].append(whole)
-                    paces[arm].append(pace)
-                    print(f"  steady round {i + 1} {arm}: {whole:.0f} samples/s, median interval {pace:.0f}",
-                          flush=True)  # fmt: skip
-        finally:
-            svc.stop()
+    with tempfile.TemporaryDirectory() as name, serving(Path(name) / "svc") as svc:
+        for i in range(args.rounds):
+            for mode in ("restart", "peer") if i % 2 == 0 else ("peer", "restart"):
+                got = one_recovery(svc, mode, args.spares)
+                results[mode].append(got)
+                print(f"  round {i + 1} {mode}: {got}", flush=True)
+        for i in (
+            range(args.steady_rounds if args.steady_rounds is not None else args.rounds)
+            if args.steady
+            else ()
+        ):
+            for arm in rotation(arms, i):
+                mode = "restart" if arm == "control" else arm
+                whole, pace = steady(svc, mode, args.spares, args.steady)
+                rates[arm].append(whole)
+                paces[arm].append(pace)
+                print(f"  steady round {i + 1} {arm}: {whole:.0f} samples/s, median interval {pace:.0f}",
+                      flush=True)  # fmt: skip
     if args.rounds:
         report_recoveries(results, args.spares)
     if args.steady:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peer_probe import ARMS
-from benchmarks.service_job import events_of, rate
+from benchmarks.service_job import events_of, rate, serving
 from benchmarks.service_job import spec as base_spec
 from benchmarks.stats import geomean_interval, spread, verdict
 from tests.integration.launch import REPO
@@ -58,12 +58,16 @@ TARGET = 0.98
 STEP_THREADS = ("training thread", "native", "data thread")
 
 
-def spec(mode: str, steps: int, block: int, warm: int, parts: bool = False, keep: str = "") -> dict[str, Any]:
+def spec(
+    mode: str, steps: int, block: int, warm: int, parts: bool = False, keep: str = "", dummy: bool = False
+) -> dict[str, Any]:
     # one thread per process, as benchmarks/peer_recovery.py gives this shape (see its spec())
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     kwargs: dict[str, Any] = {"hidden": 512, "depth": 4, "block": block, "warm": warm, "parts": parts}
     if keep:
         kwargs["keep"] = keep
+    if dummy:
+        kwargs["dummy"] = True
     model = {"factory": "benchmarks.peer_probe:mlp", "kwargs": kwargs}
     body = base_spec(
         nodes="2", nproc_per_node=1, recovery={"mode": mode}, env=env, model=model, max_steps=steps
@@ -147,7 +151,7 @@ def probes_of(directory: Path) -> list[dict[str, Any]]:
 
 
 def run_job(svc: Service, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    job_id = svc.submit(spec(mode, args.steps, args.block, args.warm, args.parts, args.keep))
+    job_id = svc.submit(spec(mode, args.steps, args.block, args.warm, args.parts, args.keep, args.dummy))
     job = svc.finished(job_id, timeout=900)
     assert job["state"] == "SUCCEEDED", job
     directory = Path(job["checkpoint_dir"])
@@ -218,25 +222,20 @@ def main() -> int:
     parser.add_argument(
         "--keep", default="", help="the parts peer blocks keep (commit,rng,glance; default all)"
     )
+    parser.add_argument("--dummy", action="store_true", help="the vote's numbers without its Python")
     parser.add_argument("--modes", default="peer,restart", help="the modes each round runs")
     args = parser.parse_args()
     results: dict[str, list[dict[str, Any]]] = {"peer": [], "restart": []}
-    with tempfile.TemporaryDirectory() as name:
-        svc = Service(Path(name) / "svc", {})
-        svc.data_dir.mkdir()
-        svc.start()
-        try:
-            for i in range(args.rounds):
-                modes = args.modes.split(",")
-                for mode in modes if i % 2 == 0 else modes[::-1]:
-                    got = run_job(svc, mode, args)
-                    results[mode].append(got)
-                    steps = [round(c[0], 3) for c in got["cycles"]]
-                    print(f"  round {i + 1} {mode}: {got['rate']:.0f} samples/s; beside the step "
-                          f"{beside(got['cores']):.4f} cores; cycles peer/restart {spread(steps, 3)}",
-                          flush=True)  # fmt: skip
-        finally:
-            svc.stop()
+    with tempfile.TemporaryDirectory() as name, serving(Path(name) / "svc") as svc:
+        for i in range(args.rounds):
+            modes = args.modes.split(",")
+            for mode in modes if i % 2 == 0 else modes[::-1]:
+                got = run_job(svc, mode, args)
+                results[mode].append(got)
+                steps = [round(c[0], 3) for c in got["cycles"]]
+                print(f"  round {i + 1} {mode}: {got['rate']:.0f} samples/s; beside the step "
+                      f"{beside(got['cores']):.4f} cores; cycles peer/restart {spread(steps, 3)}",
+                      flush=True)  # fmt: skip
     report(results)
     return 0
 

@@ -24,6 +24,7 @@ BENCHMARKS = (
         "peer mode's steady-state cost: its step path in one job, the rest of the machine's CPU",
         ["benchmarks.peer_steady", "--rounds", "3", "--steps", "3000", "--block", "10"],
     ),
+    ("what a few more numbers cost on the step's small gloo all-reduce", ["benchmarks.allreduce_length"]),
     ("joining without stopping: a 2 -> 3 scale-up in peer mode", ["benchmarks.peer_join", "--rounds", "2"]),
 )
 

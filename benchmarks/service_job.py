@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,18 @@ def spec(**over: Any) -> dict[str, Any]:
         "max_restarts": 3,
     }
     return base | over
+
+
+@contextlib.contextmanager
+def serving(data_dir: Path, env: dict[str, str] | None = None) -> Iterator[Service]:
+    """A real ``elastrain serve`` on a new data directory, stopped at the end."""
+    svc = Service(data_dir, env or {})
+    svc.data_dir.mkdir()
+    svc.start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
 
 
 def rate(events: list[dict[str, Any]]) -> float:
@@ -233,12 +247,9 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        svc = Service(tmp / "svc", {})
-        svc.data_dir.mkdir()
-        svc.start()
         rates: dict[str, list[float]] = {"bare": [], "service": [], "restart": []}
         cpus: dict[str, list[float]] = {"bare": [], "service": [], "restart": []}
-        try:
+        with serving(tmp / "svc") as svc:
             bare(tmp, spec(max_steps=20))  # warm-up of both paths (page cache, first TorchX launch)
             under_service(svc, spec(max_steps=20))
             sides = ["bare", "service", "restart"]
@@ -261,8 +272,6 @@ def main() -> int:
                       f"{r['service'] / r['restart']:.3f} (worker endpoints scraped: "
                       f"{job['worker_endpoints_scraped']})", flush=True)  # fmt: skip
             measured, floor = recovery(svc, tmp)
-        finally:
-            svc.stop()
 
     def ratio(a: str, b: str) -> str:
         pairs = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
