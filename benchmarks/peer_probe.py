@@ -62,7 +62,7 @@ def mlp(
     return MLP(int(meta["input_dim"]), int(meta["output_dim"]), hidden=hidden, depth=depth)
 
 
-def _ticks(path: str) -> tuple[str, int, int] | None:
+def stat_ticks(path: str) -> tuple[str, int, int] | None:
     """(name, parent pid, utime + stime) from a /proc ``stat`` file."""
     try:
         with open(path, "rb") as f:
@@ -80,7 +80,7 @@ def threads() -> dict[str, dict[str, Any]]:
     main = threading.main_thread().native_id
     out: dict[str, dict[str, Any]] = {}
     for tid in os.listdir("/proc/self/task"):
-        got = _ticks(f"/proc/self/task/{tid}/stat")
+        got = stat_ticks(f"/proc/self/task/{tid}/stat")
         if got is None:
             continue
         name = "main" if int(tid) == main else named.get(int(tid), f"native:{got[0]}")
@@ -91,7 +91,7 @@ def threads() -> dict[str, dict[str, Any]]:
 def processes() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for pid in os.listdir("/proc"):
-        if pid.isdigit() and (got := _ticks(f"/proc/{pid}/stat")) is not None:
+        if pid.isdigit() and (got := stat_ticks(f"/proc/{pid}/stat")) is not None:
             out[pid] = {"name": got[0], "ppid": got[1], "ticks": got[2]}
     return out
 

@@ -166,14 +166,14 @@ def run_job(svc: Service, mode: str, args: argparse.Namespace) -> dict[str, Any]
         print(f"  {mode}: rank 0's CPU per peer window in each part, ms: {shown}", flush=True)
     return {
         "rate": rate(events_of(directory / "events.jsonl")),
-        "cycles": cycle_ratios(next(p for p in probes if p["rank"] == 0)["windows"]),
-        "cpu_cycles": cycle_ratios(next(p for p in probes if p["rank"] == 0)["windows"], column=3),
+        "cycles": cycle_ratios(zero["windows"]),
+        "cpu_cycles": cycle_ratios(zero["windows"], column=3),
         "cores": cores(probes, svc.proc.pid, tick),
     }
 
 
-def interval(values: list[float]) -> str:
-    mean, lo, hi = geomean_interval(values)
+def shown(interval: tuple[float, float, float]) -> str:
+    mean, lo, hi = interval
     return f"{mean:.4f} [{lo:.4f}, {hi:.4f}]"
 
 
@@ -183,14 +183,14 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
     step = geomean_interval([c[0] for c in cycles])
     control = geomean_interval([c[1] for c in cycles])
     print(f"the step path, samples/s, in the peer jobs ({len(cycles)} cycles of 3 blocks, rank 0's windows):")
-    print(f"  peer / restart: {interval([c[0] for c in cycles])}")
-    print(f"  control / restart (A/A: must hold 1): {interval([c[1] for c in cycles])}"
+    print(f"  peer / restart: {shown(step)}")
+    print(f"  control / restart (A/A: must hold 1): {shown(control)}"
           f"  (holds 1: {control[1] <= 1 <= control[2]})")  # fmt: skip
-    cpu = [c[0] for r in peer for c in r["cpu_cycles"]]
-    print(f"  peer / restart in the training thread's CPU per window (inverse): {interval(cpu)}")
+    cpu = geomean_interval([c[0] for r in peer for c in r["cpu_cycles"]])
+    print(f"  peer / restart in the training thread's CPU per window (inverse): {shown(cpu)}")
     same = [c[0] for r in restart for c in r["cycles"]]
     if same:
-        print(f"  in the restart-mode jobs (the same arm three times): {interval(same)}")
+        print(f"  in the restart-mode jobs (the same arm three times): {shown(geomean_interval(same))}")
     if not restart:
         print(f"  the step path: {verdict(step, TARGET)}  (target >= {TARGET})")
         return

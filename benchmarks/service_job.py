@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.peer_probe import stat_ticks
 from scripts.demo import worker_pids
 from tests.integration.launch import REPO, worker_env
 from tests.integration.worker.test_service_e2e import Service, until
@@ -181,14 +182,8 @@ def scrape(svc: Service, job_id: str) -> int:
 def main_thread_cpu(pids: list[int]) -> float:
     """The CPU seconds the main threads of ``pids`` have used (utime + stime, ``/proc``); a
     process already gone counts 0."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    got = (stat_ticks(f"/proc/{pid}/task/{pid}/stat") for pid in pids)
+    return sum(g[2] for g in got if g is not None) / os.sysconf("SC_CLK_TCK")
 
 
 def under_service(svc: Service, body: dict[str, Any]) -> dict[str, Any]:

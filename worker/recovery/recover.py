@@ -70,7 +70,6 @@ class GroupMember:
         self.resolver: Resolver | None = None
         self.link: Link | None = None
         self.record: GenRecord | None = None
-        self._rank: tuple[GenRecord | None, int] = (None, -1)  # (record, this member's rank in it)
         self.group: Group | None = None
         self.host: StoreHost | None = None
         self.valid = False
@@ -149,9 +148,9 @@ class GroupMember:
         assert record is not None, "not in a generation yet: call join() first"
         self.settle()
         reform = self.is_leader and self._admission_wanted()
-        rank = self._rank if self._rank[0] is record else (record, record.members.index(self.member_id))
-        self._rank = rank  # the record's rank, looked up once per generation (this runs every window)
-        return contribution(reform=reform, generation=record.generation, version=version, rank=rank[1],
+        rank = record.rank_of(self.member_id)  # not self.info: no GroupInfo built every window
+        assert rank is not None
+        return contribution(reform=reform, generation=record.generation, version=version, rank=rank,
                             world_size=record.world_size)  # fmt: skip
 
     def settle(self) -> None:
