@@ -50,12 +50,13 @@ class Commit(Protocol):
     """Peer mode's commit point (:mod:`worker.loop`, :mod:`worker.recovery.vote`)."""
 
     def ballot(self) -> Sequence[float]:
-        """This rank's part of the commit vote: summed with the step's own all-reduce."""
+        """This rank's part of the commit vote, summed by the step's own all-reduce: element 0
+        added to the non-finite flag, the rest appended (:mod:`worker.recovery.vote`)."""
         ...
 
     def decide(self, found: bool, summed: Sequence[float]) -> bool:
-        """The group's non-finite flag from the summed ballots; raises when the group broke or
-        disagrees (then nothing is applied)."""
+        """The group's non-finite flag from the summed ballots (element 0: the summed flag);
+        raises when the group broke or disagrees (then nothing is applied)."""
         ...
 
 
@@ -118,8 +119,10 @@ def optimizer_step(
     away); then the step's one read (:func:`to_host`) decides. ``votes`` (numbers the ranks must
     agree on, such as a save wanted by a local clock) travel with the flag and come back summed.
     ``commit`` (peer mode, :mod:`worker.loop`) is the window's commit vote: its ballot travels in
-    the same all-reduce, and once every rank's contribution arrived and before any state changes
-    it decides the group's flag, or raises when the group broke (then nothing was applied).
+    the same all-reduce (its first number added to the flag: a request that counts, while the
+    flag is 0, and is lost when it is NaN), and once every rank's contribution arrived and before
+    any state changes it decides the group's flag, or raises when the group broke (then nothing
+    was applied).
     With ``sharded`` (FSDP) each rank holds a slice of every gradient, so the clipping norm is
     summed over ranks.
     """
@@ -135,8 +138,11 @@ def optimizer_step(
     # 0 when every norm is finite, NaN when one is not (inf * 0 and NaN * 0 are NaN); summed over
     # the ranks it stays NaN if any rank's was. Two ops, where isfinite/any take six.
     flag = (norms * 0).sum().double()
+    ballot = commit.ballot() if commit is not None else ()
+    if ballot and ballot[0]:  # a request (adding 0 would change nothing)
+        flag = flag + ballot[0]
     shared = torch.stack([flag, loss_sum.detach().double().to(device)])
-    extra = [*votes, *(commit.ballot() if commit is not None else ())]
+    extra = [*votes, *ballot[1:]]
     if extra:
         shared = torch.cat([shared, torch.tensor(extra, dtype=torch.float64, device=device)])
     work = None
@@ -156,14 +162,15 @@ def optimizer_step(
     if work is not None:
         work.wait()
     values = to_host(torch.cat([shared, *local_values]) if local_values else shared)
-    found, global_loss = not math.isfinite(values[0]), values[1]
+    values_0, global_loss = values[0], values[1]
+    found = not math.isfinite(values_0)
     summed, ballots, values = (
         tuple(values[2 : 2 + len(votes)]),
         values[2 + len(votes) : 2 + len(extra)],
         values[2 + len(extra) :],
     )
     if commit is not None:  # the commit point: no collective from here to the end of the apply
-        found = commit.decide(found, ballots)
+        found = commit.decide(found, [values_0, *ballots])
     scaler.update(found)
     if found:
         optimizer.zero_grad(set_to_none=True)

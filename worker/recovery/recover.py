@@ -35,7 +35,7 @@ from worker.recovery.membership import KeyValue, KeyValueUnavailable, Membership
 from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 from worker.recovery.resolve import Order, Refused, Resolver
 from worker.recovery.seam import Outcome, RecoverableState, RecoveryConfig
-from worker.recovery.vote import Verdict, check, contribution, reduce_alone
+from worker.recovery.vote import Verdict, check, contribution, reduce_alone, request, stamps_due
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -74,6 +74,7 @@ class GroupMember:
         self.host: StoreHost | None = None
         self.valid = False
         self.last_generation = -1
+        self._ballots = (-1, 0)  # (generation, ballots cast in it): when the stamps are due
         self._forget_last_words: Callable[[], None] = lambda: None
         self._unpublished: MemberInfo | None = None  # this member's entry, until publish()
 
@@ -141,13 +142,21 @@ class GroupMember:
     # -- the step ------------------------------------------------------------------------------
     def ballot(self, version: int) -> list[float]:
         """This member's part of the window's commit vote (:mod:`worker.recovery.vote`), to be
-        summed with the step's own all-reduce; :meth:`verdict` reads the sum. The leader of a
-        join first waits for its generation's compare-and-set (:meth:`Resolver.settle`; raises
+        summed with the step's own all-reduce; :meth:`verdict` reads the sum. It carries the
+        stamps on the generation's first window and every ``STAMPS_EVERY``-th after
+        (:func:`~worker.recovery.vote.stamps_due`), counted in this member's ballots of the
+        generation: every member casts one a window, or the group breaks. The leader of a join
+        first waits for its generation's compare-and-set (:meth:`Resolver.settle`; raises
         :class:`~worker.recovery.vote.NotCommitted` when etcd does not hold it)."""
         record = self.record
         assert record is not None, "not in a generation yet: call join() first"
         self.settle()
         reform = self.is_leader and self._admission_wanted()
+        generation, cast = self._ballots
+        cast = cast if generation == record.generation else 0
+        self._ballots = (record.generation, cast + 1)
+        if not stamps_due(cast):
+            return request(reform=reform)
         rank = record.rank_of(self.member_id)  # not self.info: no GroupInfo built every window
         assert rank is not None
         return contribution(reform=reform, generation=record.generation, version=version, rank=rank,

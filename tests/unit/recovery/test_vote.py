@@ -1,6 +1,6 @@
 """The commit vote: every member reads the same verdict from the summed ballots, a non-finite
-gradient is never lost, and a member at another generation or version is fenced on every member,
-the one ahead included."""
+gradient is never lost, a member at another generation or version is fenced on every member,
+the one ahead included, and the stamps ride on a generation's first window and every 64th."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ import math
 import pytest
 
 from worker.recovery.failure import classify
-from worker.recovery.vote import Fenced, Verdict, check, contribution, reduce_sum, stamps
+from worker.recovery.vote import (
+    STAMPS_EVERY,
+    Fenced,
+    Verdict,
+    check,
+    contribution,
+    reduce_sum,
+    request,
+    stamps,
+    stamps_due,
+)
 
 
 def ballots(*stamps_: tuple[int, int], reform: tuple[bool, ...] = ()) -> list[list[float]]:
@@ -23,7 +33,9 @@ def ballots(*stamps_: tuple[int, int], reform: tuple[bool, ...] = ()) -> list[li
 
 
 def verdicts(votes: list[list[float]], mine: list[tuple[int, int]], nonfinite: bool = False) -> list[Verdict]:
+    """As the step reads them: element 0 summed with the non-finite flag (NaN from a member)."""
     summed = reduce_sum(votes)
+    summed[0] += math.nan if nonfinite else 0.0
     return [check(summed, nonfinite=nonfinite, generation=g, version=v) for g, v in mine]
 
 
@@ -33,7 +45,8 @@ def verdicts(votes: list[list[float]], mine: list[tuple[int, int]], nonfinite: b
         ((False, False, False), False, Verdict(False, False)),
         ((False, False, False), True, Verdict(True, False)),
         ((True, False, False), False, Verdict(False, True)),
-        ((True, False, False), True, Verdict(True, True)),  # both seen by all: no request hidden
+        # the flag's NaN hides the request, from every member alike; the leader asks again
+        ((True, False, False), True, Verdict(True, False)),
     ],
 )
 def test_every_member_reads_the_same_verdict(
@@ -98,3 +111,41 @@ def test_limits_are_refused() -> None:
             contribution(reform=False, rank=0, world_size=1, **bad)
     with pytest.raises(ValueError, match="rank 2"):
         contribution(reform=False, generation=0, version=0, rank=2, world_size=2)
+
+
+def test_a_vote_without_stamps_counts_the_requests_and_fences_nothing() -> None:
+    """Most windows: one number a member, added to the step's flag."""
+    summed = reduce_sum([request(reform=False), request(reform=True), request(reform=False)])
+    assert summed == [1.0]
+    for g, v in [(3, 41), (2, 7)]:  # nothing to compare: the stamps were checked when due
+        assert check(summed, nonfinite=False, generation=g, version=v) == Verdict(False, True)
+    assert check([0.0], nonfinite=False, generation=3, version=41) == Verdict(False, False)
+
+
+def test_the_stamps_ride_on_a_generations_first_window_and_every_64th() -> None:
+    due = [w for w in range(3 * STAMPS_EVERY + 1) if stamps_due(w)]
+    assert due == [0, STAMPS_EVERY, 2 * STAMPS_EVERY, 3 * STAMPS_EVERY] and STAMPS_EVERY == 64
+
+
+def test_a_member_counts_its_ballots_by_generation_not_by_version() -> None:
+    """GroupMember.ballot: the stamps on its generation's first ballot and every 64th; a new
+    generation starts the count again. The count is of ballots, not of the version the stamps
+    check, so members whose versions differ still send vectors of one length."""
+    from worker.recovery.membership import MemoryKeyValue
+    from worker.recovery.plan import Policy
+    from worker.recovery.records import GenRecord
+    from worker.recovery.recover import GroupMember
+    from worker.recovery.seam import RecoveryConfig
+
+    policy = Policy(min_world=1, max_world=2)
+    cfg = RecoveryConfig(job_id="job", secret=b"s" * 16, spec_hash="h", policy=policy)
+    member = GroupMember(cfg, kv=MemoryKeyValue())
+    me = member.member_id
+    member.record = GenRecord(4, ("other", me), ("h:1", "h:2"), "other", "h:1", "h:3", 2)
+    lengths = [len(member.ballot(version=100 + w % 3)) for w in range(2 * STAMPS_EVERY + 1)]
+    assert [w for w, n in enumerate(lengths) if n == 5] == [0, STAMPS_EVERY, 2 * STAMPS_EVERY]
+    assert set(lengths) == {1, 5}
+    assert member.ballot(version=9) == [0.0], "no request: this member does not lead"
+    member.record = GenRecord(5, (me, "other"), ("h:2", "h:1"), "other", "h:1", "h:3", 2)
+    first = member.ballot(version=9)
+    assert stamps(first, 2) == [(5, 9), (-1, -1)], "the new generation's first ballot, as rank 0"

@@ -4,6 +4,7 @@ unscaled before they are clipped (the clip threshold is on the true gradient's s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -79,14 +80,16 @@ def test_the_loss_sum_and_votes_come_back_from_the_steps_read() -> None:
 
 
 class FakeCommit:
-    """A commit vote without a group: its ballot travels with the step's values; ``decide`` gets
-    the (here: this rank's own) summed ballot back."""
+    """A commit vote without a group: its ballot travels with the step's values (its first number
+    added to the non-finite flag); ``decide`` gets the (here: this rank's own) summed ballot back,
+    the summed flag first."""
 
-    def __init__(self, answer: bool | None) -> None:
+    def __init__(self, answer: bool | None, ballot: tuple[float, ...] = (4.0, 2.0)) -> None:
         self.answer, self.asked = answer, []  # type: ignore[var-annotated]
+        self.values = list(ballot)
 
     def ballot(self) -> list[float]:
-        return [4.0, 2.0]
+        return self.values
 
     def decide(self, found: bool, summed: Sequence[float]) -> bool:
         self.asked.append((found, list(summed)))
@@ -112,3 +115,17 @@ def test_the_commit_vote_decides_and_a_refused_vote_changes_nothing() -> None:
     with pytest.raises(RuntimeError):
         optimizer_step(params(model), opt, s, lr=0.1, clip=None, commit=FakeCommit(None))
     assert torch.equal(model.weight, weight) and not opt.state and s.state.skipped_total == 1
+
+
+@pytest.mark.parametrize(("grad", "first"), [(1.0, 1.0), (math.inf, math.nan)])
+def test_the_ballots_first_number_is_summed_with_the_nonfinite_flag(grad: float, first: float) -> None:
+    """A re-formation request rides in the flag's element (no number more than restart mode
+    sends): it counts while every gradient is finite; a non-finite one makes the element NaN,
+    which the vote reads as non-finite (the request is made again the next window)."""
+    model = model_with_grad([grad, 2.0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    asked = FakeCommit(False, ballot=(1.0,))
+    optimizer_step(params(model), opt, scaler(4.0), lr=0.1, clip=None, commit=asked)
+    ((found, summed),) = asked.asked
+    assert found == math.isnan(first) and len(summed) == 1
+    assert math.isnan(summed[0]) if math.isnan(first) else summed[0] == first
