@@ -25,6 +25,7 @@ BENCHMARKS = (
         ["benchmarks.peer_steady", "--rounds", "3", "--steps", "3000", "--block", "10"],
     ),
     ("what a few more numbers cost on the step's small gloo all-reduce", ["benchmarks.allreduce_length"]),
+    ("where the commit vote can ride in a DDP step", ["benchmarks.vote_carrier"]),
     ("joining without stopping: a 2 -> 3 scale-up in peer mode", ["benchmarks.peer_join", "--rounds", "2"]),
 )
 

@@ -1,0 +1,182 @@
+"""Where peer mode's commit vote can ride in a DDP step without costing the step (gloo, CPU).
+
+The vote (:mod:`worker.recovery.vote`) needs every member's numbers summed before the apply.
+On this machine a gloo all-reduce costs by the count of its numbers, not their bytes
+(``benchmarks/allreduce_length.py``), and the step's own all-reduce carries 2 (the non-finite
+flag and the loss). This times one DDP training step (the benchmark MLP of
+``benchmarks/peer_steady.py``, hidden 512, depth 4, micro-batch 64; ``torchrun --standalone``, 2
+processes, one thread each) with the vote carried each way, every arm its own DDP wrapper around
+an identical copy of the model, in alternating blocks of 10 steps (rotating order):
+
+* ``restart``: DDP's built-in bucket all-reduce, the step's 2 numbers (restart mode);
+* ``whole``: the whole vote appended to the step's all-reduce (7 numbers at W=2: peer mode until
+  stop 37, every window);
+* ``flag``: the re-formation request added to the flag's element, 2 numbers (peer mode since stop
+  37, in 63 windows of 64);
+* ``bucket``: the vote appended to the first gradient bucket through a Python DDP comm hook;
+* ``hook``: the same hook carrying nothing (what a Python comm hook costs by itself);
+* ``early``: the vote as its own all-reduce, sent before the forward and read at the step.
+
+Prints each arm's median step and, per cycle, ``restart``'s median step over the arm's with the
+95% bootstrap interval of the geometric mean (throughput: 1 is restart mode's).
+
+Measured (stop 37; a first version with four arms, 148 cycles; then two runs of this, 148 and 298
+cycles): ``bucket`` 0.930 [0.907, 0.954], 0.961 [0.937, 0.984], 0.954 [0.937, 0.972]; ``early``
+0.954 [0.928, 0.982], 0.936 [0.919, 0.953]; ``hook`` 0.947 [0.924, 0.971], 1.003 [0.977, 1.030],
+0.982 [0.964, 1.000]. Carrying the vote in a gradient bucket through a Python comm hook costs
+3-7%, and a second collective 5-6% even sent before the forward: both more than the five numbers
+cost on the step's all-reduce. ``whole`` 0.970 [0.946, 0.995], 0.999 [0.973, 1.027], 1.007
+[0.989, 1.024] and ``flag`` 1.008 [0.977, 1.041], 1.008 [0.989, 1.025]: this loop does not
+resolve the 1-2% that the five numbers cost inside the worker's window; the measurement that
+decides between those two is ``benchmarks/peer_steady.py`` (``--keep commit`` prices the vote
+alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+ARMS = ("restart", "whole", "flag", "bucket", "hook", "early")
+VOTE = [0.0, 3.0, 5001.0, 3.0, 5001.0]  # at W=2: reform, then (generation + 1, version + 1) a rank
+SUMMED = [0.0, 6.0, 10002.0, 6.0, 10002.0]  # what both ranks' identical ballots sum to
+
+
+class BucketRider:
+    """A DDP comm hook that all-reduces each bucket as DDP's built-in one does (multiply by 1/W,
+    sum) and, when ``extra`` is set, appends it to bucket 0 and keeps its sum in ``summed``."""
+
+    def __init__(self) -> None:
+        self.extra: list[float] | None = None
+        self.summed: list[float] | None = None
+
+    def hook(self, state: Any, bucket: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        group = state if state is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        extra = self.extra if bucket.index() == 0 else None
+        if extra is None:
+            buffer.mul_(1.0 / group.size())
+            future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+            return future.then(lambda f: f.value()[0])
+        n = buffer.numel()
+        joined = torch.empty(n + len(extra), dtype=buffer.dtype)
+        torch.mul(buffer, 1.0 / group.size(), out=joined[:n])
+        joined[n:] = torch.tensor(extra, dtype=buffer.dtype)
+
+        def done(fut: Any) -> Any:
+            self.summed = joined[n:].tolist()
+            return joined[:n]
+
+        return dist.all_reduce(joined, group=group, async_op=True).get_future().then(done)
+
+
+def worker(iterations: int, block: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks.stats import rotation
+    from worker.models import MLP
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    base = MLP(64, 16, hidden=512, depth=4)
+    models = {arm: copy.deepcopy(base) for arm in ARMS}
+    riders = {arm: BucketRider() for arm in ARMS}
+    ddps = {}
+    for arm in ARMS:
+        ddp = DistributedDataParallel(models[arm], gradient_as_bucket_view=True)
+        if arm in ("bucket", "hook"):
+            rider = riders[arm]
+
+            def hook(state: Any, bucket: Any, rider: BucketRider = rider) -> Any:
+                return rider.hook(state, bucket)
+
+            hook.__annotations__ = {}  # DDP checks annotations against its own types
+            ddp.register_comm_hook(None, hook)
+        ddps[arm] = ddp
+    optimizers = {arm: torch.optim.SGD(models[arm].parameters(), lr=1e-3) for arm in ARMS}
+    x, y = torch.randn(64, 64), torch.randn(64, 16)
+    times: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for it in range(iterations):
+        cycle, k = divmod(it // block, len(ARMS))
+        arm = rotation(ARMS, cycle)[k]
+        ddp, optimizer, rider = ddps[arm], optimizers[arm], riders[arm]
+        started = time.perf_counter()
+        early = early_work = None
+        if arm == "bucket":
+            rider.extra, rider.summed = VOTE, None
+        elif arm == "early":
+            early = torch.tensor(VOTE, dtype=torch.float64)
+            early_work = dist.all_reduce(early, async_op=True)
+        loss = ((ddp(x) - y) ** 2).sum()
+        loss.backward()
+        grads = [p.grad for p in models[arm].parameters() if p.grad is not None]
+        flag = (torch.stack(torch._foreach_norm(grads)) * 0).sum().double()
+        if arm == "flag":
+            flag = flag + 1.0  # a request (the worker adds only a nonzero one)
+        shared = torch.stack([flag, loss.detach().double()])
+        if arm == "whole":
+            shared = torch.cat([shared, torch.tensor(VOTE[1:], dtype=torch.float64)])
+        dist.all_reduce(shared, async_op=True).wait()
+        summed = shared.tolist()
+        if arm == "bucket":
+            summed += rider.summed or []
+        elif early is not None and early_work is not None:
+            early_work.wait()
+            summed += early.tolist()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times[cycle][arm].append(time.perf_counter() - started)
+        if arm in ("bucket", "early"):
+            assert summed[2:] == SUMMED, f"{arm}: the vote came back as {summed[2:]}"
+    if dist.get_rank() == 0:
+        print(json.dumps({str(c): dict(v) for c, v in times.items()}))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=9000)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.iterations, args.block)
+        return 0
+    from benchmarks.stats import geomean_interval
+    from tests.integration.launch import REPO, worker_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "benchmarks.vote_carrier", "--worker", f"--iterations={args.iterations}",
+           f"--block={args.block}"]  # fmt: skip
+    env = worker_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=True, timeout=1800)
+    cycles = list(json.loads(out.stdout.strip().splitlines()[-1]).values())[2:]  # the first two warm up
+    medians = {arm: statistics.median(t for c in cycles for t in c.get(arm, [])) for arm in ARMS}
+    print("one DDP step of the benchmark MLP, 2 gloo processes, one thread each; the vote carried:")
+    for arm in ARMS:
+        print(f"  {arm:8s} median step {medians[arm] * 1e3:.3f} ms")
+    for arm in ARMS[1:]:
+        ratios = [
+            statistics.median(c["restart"]) / statistics.median(c[arm])
+            for c in cycles
+            if c.get(arm) and c.get("restart")
+        ]
+        mean, lo, hi = geomean_interval(ratios)
+        print(f"  {arm} / restart, throughput: {mean:.4f} [{lo:.4f}, {hi:.4f}] over {len(ratios)} cycles")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
