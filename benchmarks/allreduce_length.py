@@ -17,13 +17,8 @@ rank; gloo's ring seems to send fewer messages while some of its segments are em
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import subprocess
 import sys
 import time
-from collections import defaultdict
 
 ARMS = ("2", "2+cat", "3", "4", "4xf32", "7")
 VOTE = [
@@ -39,15 +34,13 @@ def worker(iterations: int, block: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.stats import rotation
+    from benchmarks.alternating import blocks, dump, new_times
 
     dist.init_process_group("gloo")
     a = torch.randn(384, 384)
     flag, loss = torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
-    times: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for it in range(iterations):
-        cycle, k = divmod(it // block, len(ARMS))
-        arm = rotation(ARMS, cycle)[k]
+    times = new_times()
+    for cycle, arm in blocks(ARMS, iterations, block):
         started = time.perf_counter()
         for _ in range(3):
             a = torch.tanh(a @ a * 1e-3)
@@ -62,42 +55,15 @@ def worker(iterations: int, block: int) -> None:
         dist.all_reduce(shared, async_op=True).wait()
         shared.tolist()
         times[cycle][arm].append(time.perf_counter() - started)
-    if dist.get_rank() == 0:
-        print(json.dumps({str(c): dict(v) for c, v in times.items()}))
+    dump(times)
     dist.destroy_process_group()
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=9000)
-    parser.add_argument("--block", type=int, default=10)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.iterations, args.block)
-        return 0
-    from benchmarks.stats import geomean_interval
-    from tests.integration.launch import REPO, worker_env
+    from benchmarks.alternating import main as run
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "benchmarks.allreduce_length", "--worker", f"--iterations={args.iterations}",
-           f"--block={args.block}"]  # fmt: skip
-    env = worker_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=True, timeout=900)
-    cycles = json.loads(out.stdout.strip().splitlines()[-1])
-    medians = {arm: statistics.median(t for c in cycles.values() for t in c.get(arm, [])) for arm in ARMS}
-    print("gloo all-reduce of a small vector after ~5 ms of compute, 2 processes, one thread each:")
-    for arm in ARMS:
-        print(f"  {arm:6s} median iteration {medians[arm] * 1e3:.3f} ms")
-    for arm in ARMS[1:]:
-        ratios = [
-            statistics.median(c[arm]) / statistics.median(c["2"])
-            for c in cycles.values()
-            if c.get(arm) and c.get("2")
-        ]
-        mean, lo, hi = geomean_interval(ratios)
-        print(f"  {arm} / 2, time per iteration: {mean:.4f} [{lo:.4f}, {hi:.4f}] over {len(ratios)} cycles")
-    return 0
+    title = "gloo all-reduce of a small vector after ~5 ms of compute, 2 processes, one thread each:"
+    return run(__doc__ or "", "benchmarks.allreduce_length", worker, arms=ARMS, title=title, throughput=False)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,9 @@ alone).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import statistics
-import subprocess
 import sys
 import time
-from collections import defaultdict
 from typing import Any
 
 ARMS = ("restart", "whole", "flag", "bucket", "hook", "early")
@@ -85,7 +80,7 @@ def worker(iterations: int, block: int) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from benchmarks.stats import rotation
+    from benchmarks.alternating import blocks, dump, new_times
     from worker.models import MLP
 
     dist.init_process_group("gloo")
@@ -107,10 +102,8 @@ def worker(iterations: int, block: int) -> None:
         ddps[arm] = ddp
     optimizers = {arm: torch.optim.SGD(models[arm].parameters(), lr=1e-3) for arm in ARMS}
     x, y = torch.randn(64, 64), torch.randn(64, 16)
-    times: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for it in range(iterations):
-        cycle, k = divmod(it // block, len(ARMS))
-        arm = rotation(ARMS, cycle)[k]
+    times = new_times()
+    for cycle, arm in blocks(ARMS, iterations, block):
         ddp, optimizer, rider = ddps[arm], optimizers[arm], riders[arm]
         started = time.perf_counter()
         early = early_work = None
@@ -140,42 +133,16 @@ def worker(iterations: int, block: int) -> None:
         times[cycle][arm].append(time.perf_counter() - started)
         if arm in ("bucket", "early"):
             assert summed[2:] == SUMMED, f"{arm}: the vote came back as {summed[2:]}"
-    if dist.get_rank() == 0:
-        print(json.dumps({str(c): dict(v) for c, v in times.items()}))
+    dump(times)
     dist.destroy_process_group()
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=9000)
-    parser.add_argument("--block", type=int, default=10)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.iterations, args.block)
-        return 0
-    from benchmarks.stats import geomean_interval
-    from tests.integration.launch import REPO, worker_env
+    from benchmarks.alternating import main as run
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "benchmarks.vote_carrier", "--worker", f"--iterations={args.iterations}",
-           f"--block={args.block}"]  # fmt: skip
-    env = worker_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=True, timeout=1800)
-    cycles = list(json.loads(out.stdout.strip().splitlines()[-1]).values())[2:]  # the first two warm up
-    medians = {arm: statistics.median(t for c in cycles for t in c.get(arm, [])) for arm in ARMS}
-    print("one DDP step of the benchmark MLP, 2 gloo processes, one thread each; the vote carried:")
-    for arm in ARMS:
-        print(f"  {arm:8s} median step {medians[arm] * 1e3:.3f} ms")
-    for arm in ARMS[1:]:
-        ratios = [
-            statistics.median(c["restart"]) / statistics.median(c[arm])
-            for c in cycles
-            if c.get(arm) and c.get("restart")
-        ]
-        mean, lo, hi = geomean_interval(ratios)
-        print(f"  {arm} / restart, throughput: {mean:.4f} [{lo:.4f}, {hi:.4f}] over {len(ratios)} cycles")
-    return 0
+    title = "one DDP step of the benchmark MLP, 2 gloo processes, one thread each; the vote carried:"
+    return run(__doc__ or "", "benchmarks.vote_carrier", worker, arms=ARMS, title=title, throughput=True,
+               warm_cycles=2)  # fmt: skip
 
 
 if __name__ == "__main__":
