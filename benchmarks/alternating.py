@@ -69,12 +69,11 @@ def main(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", module,
            "--worker", f"--iterations={args.iterations}", f"--block={args.block}"]  # fmt: skip
     env = worker_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    out = subprocess.run(
+    done = subprocess.run(
         cmd, env=env, cwd=REPO, capture_output=True, text=True, check=True, timeout=timeout_s
     )
-    cycles: list[dict[str, Any]] = list(json.loads(out.stdout.strip().splitlines()[-1]).values())[
-        warm_cycles:
-    ]
+    times = json.loads(done.stdout.strip().splitlines()[-1])  # dump()'s line: cycle -> arm -> seconds
+    cycles: list[dict[str, Any]] = list(times.values())[warm_cycles:]
     base = arms[0]
     print(title)
     for arm in arms:

@@ -39,9 +39,10 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.allreduce_length import VOTE  # the commit vote at W=2, as the step sends it
+
 ARMS = ("restart", "whole", "flag", "bucket", "hook", "early")
-VOTE = [0.0, 3.0, 5001.0, 3.0, 5001.0]  # at W=2: reform, then (generation + 1, version + 1) a rank
-SUMMED = [0.0, 6.0, 10002.0, 6.0, 10002.0]  # what both ranks' identical ballots sum to
+SUMMED = [2 * v for v in VOTE]  # what both ranks' identical ballots sum to
 
 
 class BucketRider:
