@@ -19,7 +19,7 @@ from pydantic import (
 
 from service.api.errors import ApiError
 from service.checkpoints.results import CheckpointEntry
-from service.jobs.events import WorkerEvent
+from service.jobs.events import WorkerEvent, merge_progress
 from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress, Recovery
 from service.jobs.recovery import phases_of
 from worker.errors import SpecError
@@ -284,6 +284,10 @@ def summary(record: JobRecord) -> JobSummary:
 
 
 def public(record: JobRecord, progress: Progress | None) -> JobPublic:
+    """A job as GET /v1/jobs/{id} shows it: the record with its newest progress merged in, as the
+    reconciler merges it at its next pass (the step, and the world size that trained it), so the
+    world size after a rescale or a recovery is as fresh as the step."""
+    record = merge_progress(record, progress)
     return JobPublic(
         **summary(record).model_dump(),
         reason=record.reason,

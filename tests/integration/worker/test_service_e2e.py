@@ -9,6 +9,7 @@ checks the failpoint's marker in the node's log, so it cannot pass without the f
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -246,10 +247,10 @@ def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
                 200,
             )
             assert svc.http.post(f"/v1/jobs/{job_id}/scale", json={"nodes": nodes}).status_code == 202
-            at_size = lambda n=nodes: (j := svc.job(job_id))["world_size"] == n and j["state"] == "RUNNING"  # noqa: E731
-            until(at_size, f"world size {nodes}", 200)
-            start = svc.job(job_id)["last_published_step"] or 0
-            until(lambda s=start: (svc.job(job_id)["last_published_step"] or 0) > s, "a checkpoint", 200)
+            # the rescale is over and the job trains at the new size (or, after the scale-down,
+            # finished there: it has about 3 s of training left), and saved there
+            until(functools.partial(at_world_size, svc, job_id, nodes), f"world size {nodes}", 200)
+            until(functools.partial(saved_at, svc, job_id, nodes), f"a checkpoint at world size {nodes}", 200)
         final = svc.finished(job_id)
     finally:
         svc.stop()
@@ -272,6 +273,19 @@ def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
     # The join kept the survivors' DDP wrappers (their buckets as they were: the newcomer's agreed)
     transfers = events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "state_transferred")
     assert any(t["ddp_carried_over"] for t in transfers), transfers
+
+
+def at_world_size(svc: Service, job_id: str, world_size: int) -> bool:
+    """The job trains at ``world_size`` (GET's world size is its newest progress's, as fresh as
+    its step), or finished there."""
+    job = svc.job(job_id)
+    return bool(job["world_size"] == world_size and job["state"] in ("RUNNING", "SUCCEEDED"))
+
+
+def saved_at(svc: Service, job_id: str, world_size: int) -> bool:
+    """A checkpoint saved at ``world_size`` is published (the job's last one counts too)."""
+    listed = svc.http.get(f"/v1/jobs/{job_id}/checkpoints").json()["checkpoints"]
+    return any(c["world_size"] == world_size for c in listed)
 
 
 def check_recovery_metrics(svc: Service, job_id: str) -> None:

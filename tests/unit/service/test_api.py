@@ -211,6 +211,23 @@ def test_worker_progress_and_events_show_in_status(client: TestClient) -> None:
     assert f'elastrain_job_step{{job_id="{job["id"]}"}} 7.0' in metrics
 
 
+def test_status_shows_the_world_size_that_trained_the_newest_step(client: TestClient) -> None:
+    """After a scale-down the group re-forms smaller, and its progress comes from the smaller group:
+    GET says so with the step it reports, not from the record the reconciler rewrites at its next
+    pass (a 2 -> 3 -> 1 scale test once waited on that pass past the job's end)."""
+    job = submit(client)
+    ctx = client.app.state.ctx  # type: ignore[attr-defined]
+    launched(ctx.jobs, job["id"], nodes=3)
+    base = f"/v1/jobs/{job['id']}/workers"
+    event = {"kind": "group_formed", "group_id": "g", "world_size": 3, "rank": 0}
+    assert client.post(f"{base}/events", json=event, headers=AUTH).status_code == 200
+    progress = {"step": 12, "samples_per_s": 10.0, "loss": 0.5, "world_size": 1}
+    assert client.post(f"{base}/progress", json=progress, headers=AUTH).status_code == 200
+    got = client.get(f"/v1/jobs/{job['id']}", headers=AUTH).json()
+    assert (got["state"], got["step"], got["world_size"]) == ("RUNNING", 12, 1)
+    assert ctx.jobs.get(job["id"]).world_size == 3, "the stored record waits for the reconciler"
+
+
 def test_openapi_documents_the_spec_body(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
     body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
