@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from service.etcd.kv import Entry, Fence, KVStore, Versioned, Write
+from service.jobs.events import merge_progress
 from service.jobs.model import JobRecord, JobState, Progress, Recovery
 from service.jobs.recovery import estimated_goodput, phases_of
 
@@ -183,7 +184,10 @@ class Metrics:
     def observe_job(
         self, record: JobRecord, progress: Progress | None, *, now: float, step_seconds: float | None = None
     ) -> None:
-        """Per-job gauges from the record and the newest progress; a finished job's are removed."""
+        """Per-job gauges from the record and the newest progress; a finished job's are removed.
+        The world size is the newest progress's, merged as the reconciler merges it (the API's
+        job view shows the same)."""
+        record = merge_progress(record, progress)
         per_job = (self.step, self.throughput, self.world_size, self.restarts, self.nodes, self.goodput)
         if record.state.terminal:
             for gauge in per_job:

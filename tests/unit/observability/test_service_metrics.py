@@ -156,6 +156,14 @@ def test_job_series_are_labelled_job_id_follow_the_record_and_go_when_it_ends() 
         assert sample(registry, name, job_id="job-1") is None, name
 
 
+def test_the_world_size_gauge_follows_the_newest_progress() -> None:
+    """After a scale-down the smaller group's progress says its size before the reconciler writes
+    it into the record: the gauge says the same as the API's job view, not the record's old size."""
+    metrics = Metrics()
+    metrics.observe_job(record(world_size=3), Progress(step=12, world_size=1, time=99.0), now=100.0)
+    assert sample(metrics.registry, "elastrain_job_world_size", job_id="job-1") == 1
+
+
 def test_one_registry_per_app() -> None:
     first, second = Metrics(), Metrics()  # several apps in one process (tests) do not clash
     first.publish.observe(0.02)
