@@ -298,7 +298,7 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
         peer_incidents=record.peer_incidents,
         cancel_requested=record.cancel_requested,
         nodes=[NodePublic.model_validate(n.model_dump()) for n in record.nodes],
-        step=progress.step if progress else record.last_step,
+        step=record.last_step,
         samples_seen=progress.samples_seen if progress else None,
         samples_per_s=progress.samples_per_s if progress else None,
         loss=progress.loss if progress else None,
