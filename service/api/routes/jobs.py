@@ -24,6 +24,7 @@ from service.api.schemas import (
     spec_from_body,
     summary,
 )
+from service.jobs.events import merge_progress
 from service.jobs.model import JobState
 
 router = APIRouter(prefix="/v1", tags=["jobs"], dependencies=[Depends(require_api)])
@@ -70,7 +71,10 @@ def list_jobs(
     ] = None,
 ) -> JobList:
     records, next_cursor = ctx.jobs.list(state=state, limit=limit, cursor=cursor)
-    return JobList(jobs=[summary(r) for r in records], next_cursor=next_cursor)
+    # A live job's world size as GET /v1/jobs/{id} shows it: its newest progress merged in (one
+    # read each; a finished job's record already holds its last progress)
+    merged = [r if r.state.terminal else merge_progress(r, ctx.progress.newest(r.id)) for r in records]
+    return JobList(jobs=[summary(r) for r in merged], next_cursor=next_cursor)
 
 
 @router.get("/jobs/{job_id}", response_model=JobPublic, responses=error_responses(*_JOB))

@@ -213,8 +213,9 @@ def test_worker_progress_and_events_show_in_status(client: TestClient) -> None:
 
 def test_status_shows_the_world_size_that_trained_the_newest_step(client: TestClient) -> None:
     """After a scale-down the group re-forms smaller, and its progress comes from the smaller group:
-    GET says so with the step it reports, not from the record the reconciler rewrites at its next
-    pass (a 2 -> 3 -> 1 scale test once waited on that pass past the job's end)."""
+    GET (the job and the job list) says so with the step it reports, not from the record the
+    reconciler rewrites at its next pass (a 2 -> 3 -> 1 scale test once waited on that pass past
+    the job's end)."""
     job = submit(client)
     ctx = client.app.state.ctx  # type: ignore[attr-defined]
     launched(ctx.jobs, job["id"], nodes=3)
@@ -225,6 +226,9 @@ def test_status_shows_the_world_size_that_trained_the_newest_step(client: TestCl
     assert client.post(f"{base}/progress", json=progress, headers=AUTH).status_code == 200
     got = client.get(f"/v1/jobs/{job['id']}", headers=AUTH).json()
     assert (got["state"], got["step"], got["world_size"]) == ("RUNNING", 12, 1)
+    # The job list says the same (it showed the record's 3 until the reconciler's next pass)
+    listed = {j["id"]: j for j in client.get("/v1/jobs", headers=AUTH).json()["jobs"]}
+    assert listed[job["id"]]["world_size"] == 1
     assert ctx.jobs.get(job["id"]).world_size == 3, "the stored record waits for the reconciler"
 
 
