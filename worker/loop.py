@@ -287,8 +287,9 @@ class PeerLoop:
 
     def _seat(self, info: GroupInfo, *, peer: bool, keep_save: bool = False) -> None:
         """Rank, world size, batch plan, checkpointer and reporter of the new generation. After a
-        ``peer`` outcome the checkpointer opens on a thread (the job's directory was claimed when
-        the group's state first came from storage or the seed; nothing reads it before a save);
+        ``peer`` outcome the checkpointer opens on a thread started after the generation's first
+        step, or by a save before it (the job's directory was claimed when the group's state
+        first came from storage or the seed; nothing reads it before a save);
         a ``storage`` outcome restores through it at once. ``keep_save``: the old generation's
         save in flight is completed before the new checkpointer's opening (see
         :func:`keeps_save_in_flight`)."""
@@ -382,6 +383,8 @@ class PeerLoop:
                 self.slots[spare] = slot
 
     def _first_step(self) -> None:
+        if self.trainer.checkpointer is not None:  # a peer outcome's opening, off the first window
+            self.trainer.checkpointer.start_opening()
         self.member.publish()  # this member's etcd entry, off the join's first window
         report, self.pending = self.pending, None
         if report is not None:  # the leader's (see _report_started)

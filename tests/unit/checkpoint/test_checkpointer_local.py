@@ -319,3 +319,38 @@ def test_other_dtypes_round_trip(tmp_path: Path) -> None:
     assert all(
         torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
     )
+
+
+def test_opened_on_a_thread_it_opens_when_started_or_first_used(tmp_path: Path) -> None:
+    """Peer mode starts a re-formed generation's opening after its first step: until then the
+    directory is not read (an orphan stays, no session), and start_opening opens it."""
+    (tmp_path / ".staging-00000004-3").mkdir(parents=True)
+    ck = checkpointer(tmp_path, open_on_thread=True)
+    assert ck.session == "off" and list(tmp_path.glob(".staging-*")), "opened before it was started"
+    ck.start_opening()
+    ck.start_opening()  # once
+    eventually("the opening collected the orphan", lambda: not list(tmp_path.glob(".staging-*")), timeout=30)
+    ck.close()
+    assert ck.stats.orphans_collected_total == 1 and ck.session != "off"
+
+
+def test_closed_before_its_opening_started_it_completes_the_save_it_waits_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation re-formed again before its first step: its checkpointer never opened. Closed
+    (by the next one's opening), it opens nothing and still lets the older save it was to wait for
+    publish."""
+    model, optim = model_and_optim()
+    train(model, optim, 1)
+    old = checkpointer(tmp_path, generation=0, async_save=True)
+    monkeypatch.setenv(failpoints.ENV, "during_shard_write=sleep:1#1")  # the writer holds, mid-shard
+    save(old, model, optim, 1)
+    eventually("the old save staged", lambda: bool(list(tmp_path.glob(".staging-00000001-0"))), timeout=30)
+    middle = checkpointer(tmp_path, generation=1, async_save=True, open_on_thread=True, after=old)
+    new = checkpointer(tmp_path, generation=2, async_save=True, open_on_thread=True, after=middle)
+    train(model, optim, 1)
+    save(new, model, optim, 2)
+    new.close()
+    assert middle.session == "off" and middle.stats.orphans_collected_total == 0
+    assert old.stats.saves_total == 1 and old.stats.aborts_total == 0
+    assert [s for s, _ in list_published(tmp_path)] == [1, 2] and not list(tmp_path.glob(".staging-*"))
