@@ -15,8 +15,9 @@ state transfer measured by the group (rank 0's ``peer_outcome`` phases, formed -
 Targets: longest <= 2 x median + transfer; the newcomer trains within 2 steps of joining (its
 first window's step against the survivors' first W=3 step). On this 2-core machine a third
 process makes every step slower (3 processes share 2 cores), so the ratio is printed against the
-median step at W=2 and at W=3 (the 200 windows from the fifth after the join). Prints each round
-and the medians with their spread.
+median step at W=2 and at W=3 (the 200 windows from the fifth after the join). Prints each round,
+the medians with their spread, and the geometric mean of the rounds' ratios with its 95% bootstrap
+interval (:mod:`benchmarks.stats`): the target is met when the whole interval is at most 1.
 
 ``--shape 1:2`` joins a second node to a one-node job instead (3 micro-steps a rank at both
 sizes): every process has a core of its own here, but the step at W=1 has no all-reduce, so the
@@ -50,7 +51,7 @@ from typing import Any
 
 from benchmarks.service_job import events_of, serving
 from benchmarks.service_job import spec as base_spec
-from benchmarks.stats import spread
+from benchmarks.stats import geomean_interval, spread, verdict
 from tests.integration.worker.test_service_e2e import Service, until
 
 WARM = 200  # windows before the scale: the survivors' median step comes from these
@@ -212,6 +213,9 @@ def main() -> int:
           f"{spread(by_key['floor_ratio'], 3)}")  # fmt: skip
     print(f"  noise floor: (transfer + the 90th percentile step at W={high}) / the same bound "
           f"{spread(by_key['noise_floor_ratio'], 3)}")  # fmt: skip
+    interval = geomean_interval(by_key["ratio"])
+    print(f"  geometric mean of the rounds' ratios {interval[0]:.3f}, 95% interval "
+          f"[{interval[1]:.3f}, {interval[2]:.3f}]: {verdict(interval, 1.0, at_most=True)}")  # fmt: skip
     met = sum(r <= 1 for r in by_key["ratio"])
     within = sum(1 < r <= f for r, f in zip(by_key["ratio"], by_key["noise_floor_ratio"], strict=True))
     print(f"  rounds met: {met} of {len(results)}; missed within the noise floor: {within}")

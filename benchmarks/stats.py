@@ -32,12 +32,13 @@ def geomean_interval(
     return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi)
 
 
-def verdict(interval: tuple[float, float, float], target: float) -> str:
-    """Whether an interval (mean, low, high) meets a lower bound ``target``. Pure."""
+def verdict(interval: tuple[float, float, float], target: float, *, at_most: bool = False) -> str:
+    """Whether an interval (mean, low, high) meets a lower bound ``target`` (``at_most``: an
+    upper bound). Pure."""
     _, lo, hi = interval
-    if lo >= target:
+    if (hi <= target) if at_most else (lo >= target):
         return "met"
-    if hi < target:
+    if (lo > target) if at_most else (hi < target):
         return "missed"
     return f"not settled by this run (the interval holds {target})"
 

@@ -44,6 +44,10 @@ def test_a_target_is_met_only_when_the_whole_interval_clears_it() -> None:
     assert verdict((1.01, 0.985, 1.03), 0.98) == "met"
     assert verdict((0.95, 0.93, 0.975), 0.98) == "missed"
     assert verdict((1.00, 0.96, 1.04), 0.98).startswith("not settled")
+    # an upper bound (the join's longest step against its bound): the interval's top decides
+    assert verdict((0.94, 0.92, 0.98), 1.0, at_most=True) == "met"
+    assert verdict((1.05, 1.01, 1.09), 1.0, at_most=True) == "missed"
+    assert verdict((0.98, 0.96, 1.01), 1.0, at_most=True).startswith("not settled")
 
 
 def test_ratios_that_are_no_ratios_are_refused() -> None:
