@@ -14,6 +14,7 @@ import torch
 from tests.unit.checkpoint.helpers import checkpointer, model_and_optim, save, state_equal, train
 from tests.unit.waiting import eventually
 from worker import failpoints
+from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.layout import list_published, read_latest
 from worker.checkpoint.verify import logical_digest, verify_checkpoint
 from worker.errors import CheckpointError
@@ -245,6 +246,19 @@ def test_opened_on_a_thread_it_collects_saves_and_restores_as_one_opened_at_once
     assert restored is not None and restored.step == 2 and state_equal(model, model2, optim, optim2)
 
 
+def save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Checkpointer]:
+    """A generation-0 checkpointer whose async save of step 1 is staged and held mid-shard."""
+    model, optim = model_and_optim()
+    train(model, optim, 1)
+    old = checkpointer(tmp_path, generation=0, async_save=True)
+    monkeypatch.setenv(failpoints.ENV, "during_shard_write=sleep:1#1")  # the writer holds, mid-shard
+    save(old, model, optim, 1)
+    eventually("the old save staged", lambda: bool(list(tmp_path.glob(".staging-00000001-0"))), timeout=30)
+    return model, optim, old
+
+
 @pytest.mark.parametrize("waits", [True, False], ids=["after", "alone"])
 def test_a_new_generation_keeps_the_save_in_flight_that_it_waits_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, waits: bool
@@ -253,12 +267,7 @@ def test_a_new_generation_keeps_the_save_in_flight_that_it_waits_for(
     generation's checkpointer opens in the same process. Opened ``after`` the old one, it lets
     that save publish before its orphan scan; opened alone, its scan removes the staging
     directory under the writer and the save is aborted (why ``after`` exists)."""
-    model, optim = model_and_optim()
-    train(model, optim, 1)
-    old = checkpointer(tmp_path, generation=0, async_save=True)
-    monkeypatch.setenv(failpoints.ENV, "during_shard_write=sleep:1#1")  # the writer holds, mid-shard
-    save(old, model, optim, 1)
-    eventually("the old save staged", lambda: bool(list(tmp_path.glob(".staging-00000001-0"))), timeout=30)
+    model, optim, old = save_in_flight(tmp_path, monkeypatch)
     new = checkpointer(
         tmp_path, generation=1, async_save=True, open_on_thread=waits, after=old if waits else None
     )
@@ -340,12 +349,7 @@ def test_closed_before_its_opening_started_it_completes_the_save_it_waits_for(
     """A generation re-formed again before its first step: its checkpointer never opened. Closed
     (by the next one's opening), it opens nothing and still lets the older save it was to wait for
     publish."""
-    model, optim = model_and_optim()
-    train(model, optim, 1)
-    old = checkpointer(tmp_path, generation=0, async_save=True)
-    monkeypatch.setenv(failpoints.ENV, "during_shard_write=sleep:1#1")  # the writer holds, mid-shard
-    save(old, model, optim, 1)
-    eventually("the old save staged", lambda: bool(list(tmp_path.glob(".staging-00000001-0"))), timeout=30)
+    model, optim, old = save_in_flight(tmp_path, monkeypatch)
     middle = checkpointer(tmp_path, generation=1, async_save=True, open_on_thread=True, after=old)
     new = checkpointer(tmp_path, generation=2, async_save=True, open_on_thread=True, after=middle)
     train(model, optim, 1)
