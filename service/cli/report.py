@@ -233,11 +233,12 @@ def _precision_lines(r: dict[str, Any]) -> list[str]:
     if env:
         versions = ", ".join(f"{k} {v}" for k, v in (env.get("versions") or {}).items() if v)
         lines.append(f"  environment    {versions}")
-        # The run record is written once, at the start: a run that changed size says so
-        at_start = " at the start" if len(r["world_sizes"]) > 1 else ""
+        # Each attempt writes the run record when it starts, and peer mode again at each new
+        # group's first step: a run that changed size says whose size this is
+        whose = " (the latest run record's)" if len(r["world_sizes"]) > 1 else ""
         lines.append(
             f"    device {env.get('device')} ({env.get('device_name') or '?'}), "
-            f"backend {env.get('backend')}, world size {env.get('world_size')}{at_start}, "
+            f"backend {env.get('backend')}, world size {env.get('world_size')}{whose}, "
             f"seed {env.get('seed')}"
         )
         det = env.get("determinism") or {}

@@ -338,4 +338,4 @@ def test_a_peer_job_that_re_forms_at_other_sizes_reports_each_size() -> None:
     assert [s["world_size"] for s in report["scaling"]] == [1, 2, 3]
     text = render_text(report)
     assert "world sizes    1, 2, 3" in text
-    assert "world size 2 at the start" in text  # the run record's size: its first group's
+    assert "world size 2 (the latest run record's)" in text  # the only record here: the first group's
