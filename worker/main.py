@@ -24,16 +24,13 @@ from typing import TYPE_CHECKING, NoReturn
 
 from worker import startgc
 from worker.errors import ElastrainError, SpecError
+from worker.wiring import die, job_checkpointer
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from worker.build import Built
-    from worker.checkpoint import Checkpointer
     from worker.dist import DistInfo
     from worker.events import Events
     from worker.service_client import EventForwarder, ServiceClient
-    from worker.spec import JobSpec
     from worker.trainer import Trainer
 
 EXIT_BAD_INPUT = 2
@@ -117,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         generation = dist.start_group(
             info,
             timeout_s=timeout_s,
-            on_timeout=lambda line: _die(
+            on_timeout=lambda line: die(
                 line + "\n", client, line=line, rank=info.rank, step=None, generation=None
             ),
         )
@@ -134,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             text = traceback.format_exc()
             line = text.strip().splitlines()[-1]
         step = trainer.progress.step if trainer is not None else None
-        _die(text, client, line=line, rank=info.rank, step=step, generation=generation)
+        die(text, client, line=line, rank=info.rank, step=step, generation=generation)
     assert trainer is not None
     if client is not None:
         client.close()
@@ -154,7 +151,7 @@ def exit_now(code: int) -> NoReturn:
     ``ThreadPoolExecutor`` workers, then a join of the non-daemon threads: an async save's writer
     included), the ``atexit`` handlers (``logging``'s flush and ``weakref.finalize`` among them),
     and a flush of every Python file object still open (a user's data or model code that left one
-    open loses nothing); then ``os._exit``. :func:`_die` exits at once for a failure; this is the
+    open loses nothing); then ``os._exit``. :func:`worker.wiring.die` exits at once for a failure; this is the
     end of a run."""
     threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
@@ -187,7 +184,7 @@ def _trainer(
         built,
         info,
         events=events,
-        checkpointer=_checkpointer(spec, info, events, client, generation, timeout_s),
+        checkpointer=job_checkpointer(spec, info, events, client, generation, timeout_s),
         generation=generation,
         metrics=WorkerMetrics.from_env(job=job, rank=info.rank, world_size=info.world_size),
     )
@@ -260,66 +257,3 @@ def _refused(line: str) -> None:
         attempt=service_client.attempt_id(os.environ, None),
     )
     client.close(drain_s=2.0)
-
-
-def _die(
-    message: str,
-    client: ServiceClient | None,
-    *,
-    line: str,
-    rank: int,
-    step: int | None,
-    generation: int | None,
-) -> NoReturn:
-    """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown)."""
-    if client is not None:
-        from worker.service_client import attempt_id
-
-        client.failed(line, rank=rank, step=step, attempt=attempt_id(os.environ, generation))
-        client.close(drain_s=2.0)
-    sys.stderr.write(message)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(1)
-
-
-def _checkpointer(
-    spec: JobSpec,
-    info: DistInfo,
-    events: Events,
-    client: ServiceClient | None,
-    generation: int,
-    timeout_s: float,
-    abandon: Callable[[], str | None] | None = None,
-    open_on_thread: bool = False,
-    after: Checkpointer | None = None,
-) -> Checkpointer | None:
-    """The job's checkpointer (the service coordinates publishing when it launched us), or None
-    when the spec has no checkpoint directory. Its waits for the other ranks (the restore
-    agreement, a save's reports) end after the collective timeout, like a collective's, or, for
-    a save's outcome, once ``abandon`` gives a reason (see :class:`HttpCoordinator`).
-    ``open_on_thread``, ``after``: see :class:`~worker.checkpoint.Checkpointer`."""
-    if spec.checkpoint.dir is None:
-        return None
-    from worker.checkpoint import Checkpointer
-    from worker.checkpoint.owner import job_identity
-    from worker.service_client import HttpCoordinator
-    from worker.setup import spec_hash
-
-    return Checkpointer(
-        spec.checkpoint,
-        job=job_identity(os.environ, spec.name),
-        spec_hash=spec_hash(spec),
-        data_version=spec.data.version,
-        rank=info.rank,
-        world_size=info.world_size,
-        generation=generation,
-        parallelism=spec.parallelism,
-        seed=spec.seed,
-        run_record={},
-        coordinator=HttpCoordinator(client, abandon=abandon) if client is not None else None,
-        timeout_s=timeout_s,
-        on_event=lambda name, fields: events.emit(name, **fields),
-        open_on_thread=open_on_thread,
-        after=after,
-    )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from worker import startgc
 from worker.errors import ElastrainError
-from worker.main import _checkpointer, _die
+from worker.wiring import die, job_checkpointer
 
 if TYPE_CHECKING:
     from worker.build import Built
@@ -58,7 +58,7 @@ def run_peer(
         seat: DistInfo, generation: int, on_thread: bool, after: Checkpointer | None
     ) -> Checkpointer | None:
         lost = member.lost_member if member is not None else None
-        return _checkpointer(
+        return job_checkpointer(
             spec, seat, events, client, generation, timeout_s, abandon=lost, open_on_thread=on_thread,
             after=after,
         )  # fmt: skip
@@ -126,4 +126,4 @@ def _fail(exc: BaseException, client: ServiceClient | None, trainer: object, inf
     step = progress.step if progress is not None else None
     generation = getattr(trainer, "generation", None)
     rank = getattr(getattr(trainer, "info", info), "rank", info.rank)
-    _die(text, client, line=line, rank=rank, step=step, generation=generation)
+    die(text, client, line=line, rank=rank, step=step, generation=generation)

@@ -1,8 +1,9 @@
 """The house rules that the code's shape must keep (ARCHITECTURE.md), checked on the source:
-``worker`` never imports ``service``; each part of ``service`` imports only the parts below it;
-the control plane reaches no torch when it is imported (only the rendezvous plugin, which runs
-inside torchrun agents, does); and the guard of tests/unit (conftest.py) trips on a socket or
-a process."""
+``worker`` never imports ``service``; each part of ``service`` imports only the parts below it,
+and of ``worker`` only the torch-free modules listed; no module of the project imports itself
+through others (no import cycle); the control plane reaches no torch when it is imported (only
+the rendezvous plugin, which runs inside torchrun agents, does); and the guard of tests/unit
+(conftest.py) trips on a socket or a process."""
 
 from __future__ import annotations
 
@@ -39,6 +40,27 @@ MAY_IMPORT: dict[str, set[str]] = {
     "service.cli": {"service.jobs", "service.report", "service.settings", "service.server"},
     "service.__main__": {"service.cli"},
 }
+# The torch-free modules of ``worker`` that the control plane may import (ARCHITECTURE.md).
+WORKER_FOR_SERVICE = {
+    "worker.errors",
+    "worker.etcdclient",
+    "worker.failpoints",
+    "worker.jsonlimits",
+    "worker.spec",
+    "worker.spec_recovery",
+    "worker.checkpoint.commit",
+    "worker.checkpoint.export",
+    "worker.checkpoint.layout",
+    "worker.checkpoint.loadplan",
+    "worker.checkpoint.manifest",
+    "worker.checkpoint.offline",
+    "worker.checkpoint.owner",
+    "worker.checkpoint.publish",
+    "worker.checkpoint.retention",
+    "worker.checkpoint.verify",
+}
+# The project's code, whose modules may not import one another in a cycle.
+PACKAGES = ("service", "worker", "scripts", "benchmarks")
 # The torchrun rendezvous plugin: runs inside torchrun agents, imports torch.
 TORCH_ALLOWED = {"service.rendezvous.handler", "service.rendezvous.store"}
 
@@ -49,11 +71,17 @@ def modules(package: str) -> Iterator[tuple[str, Path]]:
         yield name.removesuffix(".__init__"), path
 
 
-def imported(path: Path, *, top_level_only: bool = False) -> set[str]:
+def imported(path: Path, *, top_level_only: bool = False, skip_type_checking: bool = False) -> set[str]:
     """The absolute module names ``path`` imports (at import time only, with
-    ``top_level_only``: not inside functions, nor under ``if TYPE_CHECKING``)."""
+    ``top_level_only``: not inside functions, nor under ``if TYPE_CHECKING``; at run time, with
+    ``skip_type_checking``: not under ``if TYPE_CHECKING``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes = _top_level(tree.body) if top_level_only else list(ast.walk(tree))
+    if top_level_only:
+        nodes = _top_level(tree.body)
+    elif skip_type_checking:
+        nodes = list(ast.walk(_without_type_checking(tree)))
+    else:
+        nodes = list(ast.walk(tree))
     out: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -62,6 +90,17 @@ def imported(path: Path, *, top_level_only: bool = False) -> set[str]:
             out.add(node.module)
             out |= {f"{node.module}.{alias.name}" for alias in node.names}
     return out
+
+
+def _without_type_checking(tree: ast.Module) -> ast.AST:
+    class Drop(ast.NodeTransformer):
+        def visit_If(self, node: ast.If) -> ast.AST | list[ast.stmt]:
+            if "TYPE_CHECKING" in ast.unparse(node.test):
+                return node.orelse
+            self.generic_visit(node)
+            return node
+
+    return Drop().visit(tree)
 
 
 def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
@@ -106,6 +145,95 @@ def test_each_part_of_the_control_plane_imports_only_the_parts_below_it() -> Non
             if theirs.startswith("service.") and theirs != mine and theirs not in MAY_IMPORT[mine]:
                 offenders.append(f"{name} imports {target}")
     assert not offenders, "imports against ARCHITECTURE.md:\n" + "\n".join(offenders)
+
+
+def test_the_control_plane_imports_only_the_listed_modules_of_worker() -> None:
+    offenders = sorted(
+        {
+            f"{name} imports {_module_of(target, _WORKER)}"
+            for name, path in modules("service")
+            for target in imported(path)
+            if target.startswith("worker") and _module_of(target, _WORKER) not in WORKER_FOR_SERVICE
+        }
+    )
+    assert not offenders, (
+        "the control plane imports a module of worker that ARCHITECTURE.md does not list "
+        "(add it to WORKER_FOR_SERVICE and the text if it is torch-free):\n" + "\n".join(offenders)
+    )
+
+
+_WORKER = {name for name, _ in modules("worker")}
+
+
+def _module_of(target: str, known: set[str]) -> str:
+    """The module an import names: ``a.b.c`` for ``from a.b import c`` when ``a.b.c`` is a module,
+    else ``a.b``."""
+    return target if target in known else target.rpartition(".")[0]
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """Imports at run time (at the top or inside a function; not ``if TYPE_CHECKING``) form no
+    cycle among the project's modules: a cycle makes the order of imports matter and ties the
+    modules on it into one."""
+    sources = {name: path for package in PACKAGES for name, path in modules(package)}
+    graph = {
+        name: {_module_of(t, set(sources)) for t in imported(path, skip_type_checking=True)} & set(sources)
+        for name, path in sources.items()
+    }
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component of ``graph`` with more than one node
+    (or a node that imports itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node] - {node}):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(_path_within(graph, sorted(component)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _path_within(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """A cycle from the component's first module back to it, for the message."""
+    members, start = set(component), component[0]
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        node = todo.pop(0)
+        for nxt in sorted(graph[node] & members):
+            if nxt == start:
+                return [*paths[node], start]
+            if nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                todo.append(nxt)
+    return component
 
 
 def test_the_control_plane_reaches_no_torch_when_imported() -> None:
