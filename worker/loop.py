@@ -341,7 +341,7 @@ class PeerLoop:
         assert info is not None
         if not self.member.is_leader:
             return
-        decided = self.member.resolver.decisions if self.member.resolver is not None else []
+        decided = self.member.resolver.leader.decisions if self.member.resolver is not None else []
         lost_ranks = [old.members.index(m) for m in outcome.lost if m in old.members]
         launches = [old.launch_ids[r] for r in lost_ranks if r < len(old.launch_ids) and old.launch_ids[r]]
         phases = outcome.phases

@@ -5,10 +5,12 @@ the newest committed state, and hand it to whoever lacks it from memory.
 Pure deciders: :mod:`.vote` (the commit vote), :mod:`.plan` (who forms the next generation,
 which state wins, the trace rule), :mod:`.records` (the values exchanged), :mod:`.failure`
 (what an exception means). I/O: :mod:`.control` (the control channel), :mod:`.hub` (what a
-leader knows of its members), :mod:`.membership` (etcd keys), :mod:`.resolve` (finding the leader,
-deciding, writing the generation), :mod:`.group` (process groups), :mod:`.agree`,
+leader knows of its members), :mod:`.membership` (etcd keys), :mod:`.resolve` (a member finding the
+leader), :mod:`.answers` (what it is told), :mod:`.leader` (deciding, writing the generation),
+:mod:`.readahead` and :mod:`.joincommit` (a planned re-formation's read ahead, a join's
+compare-and-set after its announcement), :mod:`.group` (process groups), :mod:`.agree`,
 :mod:`.transfer` and :mod:`.handover` (state), :mod:`.rewrap` (DDP and its settle), :mod:`.rng`
-(per-window streams), :mod:`.spare`; :mod:`.recover` runs the sequence for one process
+(per-window streams); :mod:`.recover` runs the sequence for one process
 (:class:`~worker.recovery.recover.GroupMember`) and :mod:`.seam` is what the trainer provides and
 gets back. :mod:`worker.lifeline` (a worker dies with its agent) serves both recovery modes.
 The README's "Recovery without a restart: the workers' side" says why, with the measurements.

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker import lifeline
+from worker.recovery.answers import Order, Refused
 from worker.recovery.control import ControlServer, Link
 from worker.recovery.failure import Failure, classify, is_incident
 from worker.recovery.group import Group, GroupInfo, StoreHost, form, teardown
@@ -33,7 +34,7 @@ from worker.recovery.handover import Handed, Holding, hand_over
 from worker.recovery.hub import Hub
 from worker.recovery.membership import KeyValue, KeyValueUnavailable, Membership
 from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
-from worker.recovery.resolve import Order, Refused, Resolver
+from worker.recovery.resolve import Resolver
 from worker.recovery.seam import Outcome, RecoverableState, RecoveryConfig
 from worker.recovery.vote import Verdict, check, contribution, reduce_alone, request, stamps_due
 
@@ -146,7 +147,8 @@ class GroupMember:
         stamps on the generation's first window and every ``STAMPS_EVERY``-th after
         (:func:`~worker.recovery.vote.stamps_due`), counted in this member's ballots of the
         generation: every member casts one a window, or the group breaks. The leader of a join
-        first waits for its generation's compare-and-set (:meth:`Resolver.settle`; raises
+        first waits for its generation's compare-and-set
+        (:meth:`~worker.recovery.leader.Leader.settle`; raises
         :class:`~worker.recovery.vote.NotCommitted` when etcd does not hold it)."""
         record = self.record
         assert record is not None, "not in a generation yet: call join() first"
@@ -167,7 +169,7 @@ class GroupMember:
         :class:`~worker.recovery.vote.NotCommitted` when etcd does not hold it. A no-op
         otherwise, and once answered."""
         if self.resolver is not None and self.is_leader:
-            self.resolver.settle()
+            self.resolver.leader.settle()
 
     def verdict(self, summed: list[float], *, nonfinite: bool, version: int) -> Verdict:
         """The group's verdict on the window from the summed ballots. Raises
@@ -185,11 +187,12 @@ class GroupMember:
 
     def _admission_wanted(self) -> bool:
         """The leader asks for a re-formation when joiners wait and the group is below target,
-        once the re-formation's reads are done ahead (:meth:`Resolver.ahead`: a window or two
-        later, off this thread)."""
+        once the re-formation's reads are done ahead
+        (:meth:`~worker.recovery.readahead.ReadAhead.ahead`: a window or two later, off this
+        thread)."""
         if not self.hub.waiting("joiner") or self.resolver is None:
             return False
-        ahead = self.resolver.ahead()
+        ahead = self.resolver.leader.ahead()
         if ahead is None:
             return False
         assert self.record is not None
@@ -227,7 +230,7 @@ class GroupMember:
         old = self.record if self.record is not None and self.member_id in self.record.members else None
         first = old
         if self.resolver is not None:
-            self.resolver.decisions = []
+            self.resolver.leader.decisions = []
         for attempt in range(1, self.cfg.max_attempts + 1):
             order = self._resolve(state, old, since, failure, in_window)
             if isinstance(order, Refused):
@@ -298,10 +301,10 @@ class GroupMember:
             self.emit("group_formed", {"generation": info.generation, "rank": info.rank,
                                        "world_size": info.world_size, "at": phases["formed"]})  # fmt: skip
             # The leader of a join sends its generation's compare-and-set while it waits for the
-            # receivers in the hand-over's last all-gather (worker.recovery.resolve), or after it.
+            # receivers in the hand-over's last all-gather (worker.recovery.joincommit), or after it.
             write: Callable[[], None] | None = None
             if self.resolver is not None and order.host is not None:
-                write = self.resolver.write_pending
+                write = self.resolver.leader.write_pending
             handed = hand_over(state, info, mine, chunk_bytes=self.cfg.chunk_bytes, device=self.cfg.device,
                                emit=self.emit, invalidate=self._invalidate, before_agree=write)  # fmt: skip
             if write is not None:
@@ -337,7 +340,7 @@ class GroupMember:
         """The leader writes the incident (etcd ``incidents/g<broken generation>``) off the
         training thread; the service folds it with its own observations."""
         assert self.resolver is not None
-        decided = self.resolver.decisions
+        decided = self.resolver.leader.decisions
         incident = f"g{first.generation}"
         record: dict[str, Any] = {
             "incident": incident, "kind": outcome.kind, "reason": outcome.reason,

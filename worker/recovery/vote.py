@@ -72,7 +72,7 @@ class Fenced(RuntimeError):
 
 class NotCommitted(RuntimeError):
     """The leader announced this generation but etcd does not hold it (a join writes its record
-    while the group forms: :mod:`worker.recovery.resolve`). Raised on the leader before its part
+    while the group forms: :mod:`worker.recovery.joincommit`). Raised on the leader before its part
     of the generation's first vote, so that no member applies a window in it; the group breaks
     and re-forms from what etcd holds. The message says why."""
 

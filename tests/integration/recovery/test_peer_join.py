@@ -1,4 +1,4 @@
-"""A join whose generation was announced but never written to etcd (worker.recovery.resolve: a
+"""A join whose generation was announced but never written to etcd (worker.recovery.joincommit: a
 join's compare-and-set runs while the group forms), end to end with real processes (see
 test_peer_recovery.py).
 

@@ -150,7 +150,8 @@ def test_cli_reshard_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[st
 ROOTS = {pkg.__name__: Path(pkg.__file__ or "").resolve().parents[1] for pkg in (service, worker)}
 TORCH_FREE = [
     "service.cli.checkpoint", "worker.checkpoint.coordinator", "worker.checkpoint.retention",
-    "worker.checkpoint.interval", "worker.checkpoint.export", "worker.checkpoint.owner", "worker.jsonlimits",
+    "worker.checkpoint.interval", "worker.checkpoint.export", "worker.checkpoint.owner",
+    "worker.jsonlimits",
 ]  # fmt: skip
 
 

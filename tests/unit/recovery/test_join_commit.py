@@ -1,4 +1,4 @@
-"""A join's generation is announced first and written on a thread (worker.recovery.resolve): the
+"""A join's generation is announced first and written on a thread (worker.recovery.joincommit): the
 write's answer, the leader's refusal to vote in a generation etcd does not hold, and the two
 rules that keep such a generation harmless (the next number, and a record of the same number
 that is not the held one being newer)."""
@@ -11,10 +11,11 @@ import pytest
 
 from worker.recovery.failure import classify
 from worker.recovery.hub import Hub
+from worker.recovery.joincommit import PendingCommit, next_generation, supersedes
+from worker.recovery.leader import Leader
 from worker.recovery.membership import Membership, MemoryKeyValue
 from worker.recovery.plan import Policy
 from worker.recovery.records import GenRecord, MemberInfo
-from worker.recovery.resolve import PendingCommit, Resolver, next_generation, supersedes
 from worker.recovery.vote import NotCommitted
 
 
@@ -93,18 +94,18 @@ def test_the_leader_refuses_to_vote_in_a_generation_etcd_does_not_hold() -> None
     assert membership.commit_generation(record(1, leader="b"), revision=revision)
     events: list[tuple[str, dict[str, object]]] = []
     me = MemberInfo("a", "member", "h:a", "", 0, 0, 1)
-    resolver = Resolver(
+    leader = Leader(
         me=me, secret=b"s" * 32, advertise="127.0.0.1", policy=Policy(min_world=1, max_world=3),
         desired_world=3, store_timeout_s=5.0, hub=Hub(me), membership=membership,
         on_event=lambda name, fields: events.append((name, fields)),
     )  # fmt: skip
-    resolver.settle()  # nothing pending: nothing to wait for
-    resolver._pending = PendingCommit(membership, record(1, members=("a", "b", "c")), revision)
-    resolver.write_pending()
+    leader.settle()  # nothing pending: nothing to wait for
+    leader._pending = PendingCommit(membership, record(1, members=("a", "b", "c")), revision)
+    leader.write_pending()
     with pytest.raises(NotCommitted, match="generation 1 was announced, not written"):
-        resolver.settle()
+        leader.settle()
     assert events == [("generation_not_committed", {"generation": 1, "reason": events[0][1]["reason"]})]
-    resolver.settle()  # answered once: the next vote is the group's own business
+    leader.settle()  # answered once: the next vote is the group's own business
 
 
 def test_the_refusal_breaks_the_window_like_a_fence() -> None:

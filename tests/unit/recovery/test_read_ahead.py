@@ -1,11 +1,11 @@
-"""A leader's read-ahead of a planned re-formation (worker.recovery.resolve.Ahead): used only
+"""A leader's read-ahead of a planned re-formation (worker.recovery.readahead.Ahead): used only
 while it is fresh and was read while the generation being re-formed was the current one; else
 the re-formation reads etcd itself, as a recovery after a failure always does."""
 
 from __future__ import annotations
 
+from worker.recovery.readahead import AHEAD_FRESH_S, Ahead
 from worker.recovery.records import GenRecord
-from worker.recovery.resolve import AHEAD_FRESH_S, Ahead
 
 
 def record(generation: int) -> GenRecord:
