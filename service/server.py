@@ -90,12 +90,14 @@ def leader_fence(election: LeaderElection, *, wait_s: float) -> Fence | None:
 
 def build_scheduler(settings: Settings, endpoints: list[str]) -> Scheduler:
     from service.launch.apps import SchedulerSettings
+    from service.launch.hostgpus import host_gpus
     from service.launch.torchx_scheduler import TorchXScheduler
 
     config = SchedulerSettings.from_settings(
         settings,
         rdzv_endpoint=",".join(endpoints),
         log_root=str((settings.data_dir / "nodes").absolute()),
+        host_gpus=host_gpus() if settings.scheduler == "local_cwd" else 0,
     )
     return TorchXScheduler(config)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from service.jobs import peer
 from service.jobs.resources import parse_resources
-from service.launch import gpus
+from service.launch import gpus, hostgpus
 from service.settings import Settings
 from worker.errors import SpecError
 from worker.spec import JobSpec
@@ -21,7 +21,7 @@ def admit(spec: JobSpec, settings: Settings) -> tuple[str, ...]:
     Returns what the submitted event adds (where the local scheduler's nodes train)."""
     parse_resources(spec.resources)
     peer.check(spec)
-    reason = gpus.check(spec, gpus.host_gpus()) if settings.scheduler == "local_cwd" else None
+    reason = gpus.check(spec, hostgpus.host_gpus()) if settings.scheduler == "local_cwd" else None
     notes = (reason,) if reason is not None else ()
     allowed = settings.factory_prefixes
     if allowed is None:

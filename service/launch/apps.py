@@ -81,7 +81,8 @@ class SchedulerSettings:
     passed as ``ELASTRAIN_METRICS_PORT``); ``None`` declares none."""
     rdzv: RendezvousConfig = field(default_factory=RendezvousConfig)
     host_gpus: int = 0
-    """local_cwd: the GPUs this machine's nodes would see (:func:`service.launch.gpus.host_gpus`);
+    """local_cwd: the GPUs this machine's nodes would see (the caller reads them:
+    :func:`service.launch.hostgpus.host_gpus`);
     a job of several node apps has them hidden (:func:`service.launch.gpus.hide`)."""
 
     def __post_init__(self) -> None:
@@ -110,8 +111,6 @@ class SchedulerSettings:
             "checkpoint_claim": settings.checkpoint_claim or None,
             "checkpoint_mount": settings.checkpoint_mount,
         }
-        if settings.scheduler == "local_cwd":
-            values["host_gpus"] = gpus.host_gpus()
         if settings.k8s_etcd_tls_secret:
             values |= {"etcd_tls_secret": settings.k8s_etcd_tls_secret, "etcd_tls_dir": settings.etcd_tls_dir}
         values.update(overrides)

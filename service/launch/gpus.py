@@ -11,22 +11,18 @@ decides for itself. ``ddp.backend: nccl`` for a job whose GPUs would be hidden i
 submit. Several nodes of one job on a GPU each, on one host, would need the service to hand out
 GPU sets and follow them through spare promotions: not done (a cluster gives each pod its own).
 
-:func:`hidden_reason` is pure; :func:`host_gpus` reads the host once.
+Pure: what the host holds is read by :mod:`service.launch.hostgpus`.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Iterable, Mapping
 
 from service.jobs import peer
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_nodes
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
-NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
 def node_places(spec: JobSpec) -> int:
@@ -64,29 +60,19 @@ def hide(spec: JobSpec, gpus: int) -> Mapping[str, str]:
     return {VISIBLE: ""} if hidden_reason(spec, gpus) is not None else {}
 
 
-def count(env: Mapping[str, str], gpus_dir: Path, dev: Path = Path("/dev")) -> int:
-    """The GPUs a process started with ``env`` sees: ``CUDA_VISIBLE_DEVICES``' entries when it is
-    set (empty or ``-1`` first: none), else the NVIDIA driver's GPUs: ``gpus_dir``'s entries, or
-    where the driver shows no such directory (some sandboxes), the ``/dev/nvidiaN`` devices."""
-    if VISIBLE in env:
-        entries = [e.strip() for e in env[VISIBLE].split(",")]
-        seen = 0
-        for entry in entries:
-            if not entry or entry.startswith("-"):
-                break  # CUDA stops at the first invalid entry
-            seen += 1
-        return seen
-    try:
-        return sum(1 for _ in gpus_dir.iterdir())
-    except OSError:
-        pass
-    try:
-        return sum(1 for d in dev.iterdir() if d.name.startswith("nvidia") and d.name[6:].isdigit())
-    except OSError:
-        return 0
+def visible(env: Mapping[str, str]) -> int | None:
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` in ``env`` lets a process see (empty or ``-1`` first:
+    none; CUDA stops at the first invalid entry), or None when it is not set. Pure."""
+    if VISIBLE not in env:
+        return None
+    seen = 0
+    for entry in (e.strip() for e in env[VISIBLE].split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        seen += 1
+    return seen
 
 
-@functools.cache
-def host_gpus() -> int:
-    """The GPUs this service's nodes would see: read once (:func:`count`)."""
-    return count(os.environ, NVIDIA_GPUS)
+def nvidia_devices(names: Iterable[str]) -> int:
+    """How many of the device file ``names`` (of ``/dev``) are GPUs: ``nvidiaN``. Pure."""
+    return sum(1 for name in names if name.startswith("nvidia") and name[6:].isdigit())

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.launch import gpus
+from service.launch import gpus, hostgpus
 from service.launch.apps import SchedulerSettings, local_node_app
 from service.launch.protocol import NodeLaunch
 from worker.errors import SpecError
@@ -91,10 +91,17 @@ def test_the_host_count_reads_cuda_visible_devices_then_the_driver(
 ) -> None:
     for i in range(entries):
         (tmp_path / f"0000:0{i}:00.0").mkdir()
-    assert gpus.count(env, tmp_path, tmp_path / "dev") == seen
+    assert hostgpus.count(env, tmp_path, tmp_path / "dev") == seen
     dev = tmp_path / "dev"
     dev.mkdir()
     for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "null"):
         (dev / name).touch()
-    assert gpus.count({}, tmp_path / "absent", dev) == 2  # no driver directory: the GPU devices
-    assert gpus.count({}, tmp_path / "absent", tmp_path / "none") == 0
+    assert hostgpus.count({}, tmp_path / "absent", dev) == 2  # no driver directory: the GPU devices
+    assert hostgpus.count({}, tmp_path / "absent", tmp_path / "none") == 0
+
+
+def test_what_the_environment_and_the_device_names_say_is_decided_without_the_host() -> None:
+    assert gpus.visible({}) is None
+    assert gpus.visible({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    assert gpus.visible({"CUDA_VISIBLE_DEVICES": "1,0"}) == 2
+    assert gpus.nvidia_devices(["nvidia0", "nvidia12", "nvidiactl", "nvidia-uvm", "null"]) == 2
