@@ -16,6 +16,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.ports import free_port
+from tests.specs import raw_spec
+from tests.unit.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
 LAUNCHER = Path(__file__).with_name("svc_launcher.py")
@@ -136,16 +138,10 @@ class ServiceProcess:
 
 
 def wait_for(check: Any, *, timeout_s: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    """:func:`tests.unit.waiting.eventually`, asked every 0.1 s."""
+    return eventually(what, check, timeout_s, every=0.1)
 
 
 def job_spec(name: str, nodes: str, **more: Any) -> dict[str, Any]:
     """The small job the service tests submit: an MLP on synthetic data, 20 steps of 8 samples."""
-    base: dict[str, Any] = {"name": name, "model": {"name": "mlp"}, "data": {"name": "synthetic"}}
-    return base | {"micro_batch_size": 8, "max_steps": 20, "nodes": nodes} | more
+    return raw_spec(name, max_steps=20, nodes=nodes) | more

@@ -16,7 +16,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from service.jobs.recovery import PHASES
 from service.ports import free_port
 from tests.integration.launch import REPO, run_worker, worker_env, write_spec
 from tests.integration.worker.traces import committed
+from tests.unit.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -141,16 +141,8 @@ class Service:
 
 
 def until(check: Callable[[], Any], what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    """:func:`tests.unit.waiting.eventually` on the service's HTTP API (not answering yet: false)."""
+    return eventually(what, check, timeout, every=0.3, ignoring=(httpx.HTTPError,))
 
 
 @pytest.fixture

@@ -22,21 +22,13 @@ from service.launch.dryrun import kubernetes_dryrun, worker_pod
 from service.launch.protocol import NodeLaunch
 from service.rendezvous.config import RendezvousConfig
 from service.settings import Settings
+from tests.specs import raw_spec
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_spec
 
 
 def make_spec(**overrides: Any) -> JobSpec:
-    raw: dict[str, Any] = {
-        "name": "demo",
-        "model": {"name": "mlp"},
-        "data": {"name": "synthetic"},
-        "micro_batch_size": 8,
-        "max_steps": 10,
-        "nodes": "1:3",
-        "nproc_per_node": 2,
-        "max_restarts": 5,
-    }
+    raw: dict[str, Any] = raw_spec("demo", nodes="1:3", nproc_per_node=2, max_restarts=5)
     raw.update(overrides)
     return parse_spec(raw)
 

@@ -15,18 +15,10 @@ from service.launch.apps import SchedulerSettings, node_env
 from service.launch.dryrun import KubernetesLaunch, LocalLaunch, kubernetes_dryrun, worker_pod
 from service.launch.protocol import NodeLaunch
 from service.launch.torchx_scheduler import LOCAL_PREFIX, TorchXScheduler
+from tests.specs import make_spec
 from worker.spec import parse_spec
 
-SPEC = parse_spec(
-    {
-        "name": "demo",
-        "model": {"name": "mlp"},
-        "data": {"name": "synthetic"},
-        "micro_batch_size": 8,
-        "max_steps": 10,
-        "nodes": "1:2",
-    }
-)
+SPEC = make_spec("demo", nodes="1:2")
 NODE = NodeLaunch("job-7", SPEC, 1, "job-7-n1-a3", {"ELASTRAIN_SERVICE_URL": "http://svc:8080"})
 K8S = SchedulerSettings(
     scheduler="kubernetes", rdzv_endpoint="http://etcd:2379", worker_image="img:1", k8s_namespace="ml"

@@ -12,15 +12,13 @@ import pytest
 from service.launch import gpus, hostgpus
 from service.launch.apps import SchedulerSettings, local_node_app
 from service.launch.protocol import NodeLaunch
+from tests.specs import raw_spec
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_spec
 
 
 def spec(**overrides: Any) -> JobSpec:
-    raw: dict[str, Any] = {
-        "name": "g", "model": {"name": "mlp"}, "data": {"name": "synthetic"}, "micro_batch_size": 8,
-        "max_steps": 10, "nodes": "1", "nproc_per_node": 2,
-    } | overrides  # fmt: skip
+    raw: dict[str, Any] = raw_spec("g", nodes="1", nproc_per_node=2) | overrides  # fmt: skip
     return parse_spec(raw)
 
 

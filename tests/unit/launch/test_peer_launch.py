@@ -13,20 +13,9 @@ from service.launch.apps import SchedulerSettings, node_app
 from service.launch.dryrun import LocalLaunch, kubernetes_dryrun, worker_pod
 from service.launch.protocol import NodeLaunch
 from service.launch.torchx_scheduler import TorchXScheduler
-from worker.spec import parse_spec
+from tests.specs import make_spec
 
-SPEC = parse_spec(
-    {
-        "name": "demo",
-        "model": {"name": "mlp"},
-        "data": {"name": "synthetic"},
-        "micro_batch_size": 8,
-        "max_steps": 10,
-        "nodes": "1:3",
-        "nproc_per_node": 2,
-        "max_restarts": 4,
-    }
-)
+SPEC = make_spec("demo", nodes="1:3", nproc_per_node=2, max_restarts=4)
 ENV = {"ELASTRAIN_SERVICE_URL": "http://svc:8080", "ELASTRAIN_ETCD_ENDPOINTS": "http://etcd:2379"}
 RESTART = NodeLaunch("job-7", SPEC, 1, "job-7-n1-a0", ENV)
 MEMBER = dataclasses.replace(RESTART, recovery="peer")

@@ -13,18 +13,10 @@ from service.etcd.memory import MemoryStore
 from service.jobs.model import JobRecord, JobState, NodeRecord, Progress, Recovery
 from service.jobs.recovery import estimated_goodput, goodput, recovery_phases
 from service.metrics import InstrumentedStore, Metrics
+from tests.specs import make_spec
 from worker.etcdclient import EtcdUnavailableError
-from worker.spec import parse_spec
 
-SPEC = parse_spec(
-    {
-        "name": "j",
-        "model": {"name": "mlp"},
-        "data": {"name": "synthetic"},
-        "micro_batch_size": 1,
-        "max_steps": 1,
-    }
-)
+SPEC = make_spec("j", micro_batch_size=1, max_steps=1)
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:

@@ -7,6 +7,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from tests.specs import raw_spec
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
@@ -17,13 +19,7 @@ from service.settings import load_settings
 
 TOKEN = "t" * 32
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SPEC: dict[str, Any] = {
-    "name": "demo",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 8,
-    "max_steps": 20,
-}
+SPEC: dict[str, Any] = raw_spec("demo", max_steps=20)
 
 
 def api(data_dir: Path, store: MemoryStore | None = None, **settings: Any) -> TestClient:

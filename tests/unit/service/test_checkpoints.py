@@ -20,20 +20,13 @@ from service.jobs.errors import InvalidRequestError
 from service.jobs.model import JobRecord
 from service.jobs.parts import JobParts
 from service.metrics import Metrics
+from tests.specs import raw_spec
 from worker.checkpoint.commit import report_to_json
 from worker.checkpoint.layout import read_latest
 from worker.checkpoint.verify import verify_checkpoint
 from worker.spec import parse_spec
 
-SPEC = {
-    "name": "ck",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 4,
-    "max_steps": 10,
-    "nodes": "2",
-    "checkpoint": {"retention": {"keep_latest": 2}},
-}
+SPEC = raw_spec("ck", micro_batch_size=4, nodes="2", checkpoint={"retention": {"keep_latest": 2}})
 
 
 class World:

@@ -14,17 +14,9 @@ from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done
 from service.jobs.machine import Launch, Observation, Policy, confirm_launch, reconcile, request_scale
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeStatus, RecoveryMode
 from service.jobs.recovery import phases_of
-from worker.spec import parse_spec
+from tests.specs import make_spec
 
-SPEC = parse_spec(
-    {
-        "name": "j",
-        "model": {"name": "mlp"},
-        "data": {"name": "synthetic"},
-        "micro_batch_size": 1,
-        "max_steps": 1,
-    }
-)
+SPEC = make_spec("j", micro_batch_size=1, max_steps=1)
 S = JobState
 POLICY = Policy(heartbeat_timeout_s=60.0)  # a completed incident takes late news for 120 s
 Step = Callable[[JobRecord], JobRecord]

@@ -20,17 +20,9 @@ from service.jobs.machine import (
     request_scale,
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeStatus, Progress
-from worker.spec import parse_spec
+from tests.specs import make_spec
 
-SPEC = parse_spec(
-    {
-        "name": "j",
-        "model": {"name": "mlp"},
-        "data": {"name": "synthetic"},
-        "micro_batch_size": 1,
-        "max_steps": 1,
-    }
-)
+SPEC = make_spec("j", micro_batch_size=1, max_steps=1)
 
 S = JobState
 

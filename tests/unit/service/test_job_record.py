@@ -6,19 +6,17 @@ from __future__ import annotations
 import json
 
 from service.jobs.model import JobRecord
+from tests.specs import raw_spec
 from worker.spec import JobSpec, parse_spec
 
 SPEC = parse_spec(  # as JSON text: the API parses the body's JSON once, into the spec
     json.dumps(
-        {
-            "name": "rec",
-            "model": {"name": "mlp"},
-            "data": {"name": "synthetic"},
-            "micro_batch_size": 4,
-            "max_steps": 10,
-            "optimizer": {"betas": [0.9, 0.99]},
-            "checkpoint": {"dir": "/ck/rec-1", "async": True},
-        }
+        raw_spec(
+            "rec",
+            micro_batch_size=4,
+            optimizer={"betas": [0.9, 0.99]},
+            checkpoint={"dir": "/ck/rec-1", "async": True},
+        )
     )
 )
 

@@ -12,6 +12,7 @@ from service.etcd.memory import MemoryStore
 from service.jobs import keys
 from service.jobs.model import JobState, Progress
 from service.jobs.parts import JobParts
+from tests.specs import raw_spec
 from worker.spec import parse_spec
 
 
@@ -23,8 +24,7 @@ class Clock:
         return self.now
 
 
-SPEC = {"name": "p", "model": {"name": "mlp"}, "data": {"name": "synthetic"}, "micro_batch_size": 4,
-        "max_steps": 10}  # fmt: skip
+SPEC = raw_spec("p", micro_batch_size=4)  # fmt: skip
 
 
 def setup(tmp_path: Path) -> tuple[JobParts, MemoryStore, Clock, str]:

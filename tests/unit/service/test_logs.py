@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from svc_fakes import FakeScheduler
 
+from tests.specs import raw_spec
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
@@ -85,8 +87,7 @@ def test_the_route_serves_no_linked_file(node: Path, tmp_path: Path) -> None:
     settings = load_settings(data_dir=tmp_path)
     app = create_app(settings, MemoryStore(), api_token=TOKEN, scheduler=LoggingScheduler(node))
     with TestClient(app, raise_server_exceptions=False) as client:
-        spec = {"name": "demo", "model": {"name": "mlp"}, "data": {"name": "synthetic"},
-                "micro_batch_size": 8, "max_steps": 20}  # fmt: skip
+        spec = raw_spec("demo", max_steps=20)  # fmt: skip
         job = client.post("/v1/jobs", json=spec, headers=AUTH).json()
         ctx = client.app.state.ctx  # type: ignore[attr-defined]
 

@@ -21,18 +21,11 @@ from service.jobs.model import JobState, NodePhase
 from service.jobs.parts import JobParts
 from service.jobs.slots import spare_failure_limit
 from service.reconciler import LaunchContext, Reconciler
+from tests.specs import raw_spec
 from worker.errors import SpecError
 from worker.spec import JobSpec, parse_spec
 
-RAW: dict[str, Any] = {
-    "name": "peer",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 4,
-    "max_steps": 10,
-    "nodes": "2",
-    "max_restarts": 2,
-}
+RAW: dict[str, Any] = raw_spec("peer", micro_batch_size=4, nodes="2", max_restarts=2)
 
 
 def spec(**change: Any) -> JobSpec:

@@ -19,18 +19,11 @@ from service.jobs.model import JobState, NodePhase
 from service.jobs.parts import JobParts
 from service.launch.protocol import node_launch
 from service.reconciler import LaunchContext, Reconciler
+from tests.specs import raw_spec
 from worker.etcdclient import Credentials
 from worker.spec import parse_spec
 
-SPEC = {
-    "name": "demo",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 4,
-    "max_steps": 10,
-    "nodes": "1:3",
-    "max_restarts": 2,
-}
+SPEC = raw_spec("demo", micro_batch_size=4, nodes="1:3", max_restarts=2)
 
 
 class World:

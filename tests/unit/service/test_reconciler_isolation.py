@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from svc_fakes import Clock, FakeScheduler
 
+from tests.specs import raw_spec
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
@@ -30,14 +32,7 @@ from service.reconciler import LaunchContext, Reconciler
 from service.settings import load_settings
 from worker.spec import parse_spec
 
-SPEC = {
-    "name": "demo",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 4,
-    "max_steps": 10,
-    "nodes": "1",
-}
+SPEC = raw_spec("demo", micro_batch_size=4, nodes="1")
 TOKEN = "t" * 32
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.specs import raw_spec
 from worker import peermode
 from worker.dist import DistInfo
 from worker.errors import SpecError
@@ -21,16 +22,7 @@ from worker.service_client import EventForwarder
 from worker.spec import parse_spec
 from worker.spec_recovery import effective_mode, restart_note
 
-RAW: dict[str, Any] = {
-    "name": "peer",
-    "model": {"name": "mlp"},
-    "data": {"name": "synthetic"},
-    "micro_batch_size": 4,
-    "max_steps": 10,
-    "nodes": "1:3",
-    "initial_nodes": 2,
-    "nproc_per_node": 2,
-}
+RAW: dict[str, Any] = raw_spec("peer", micro_batch_size=4, nodes="1:3", initial_nodes=2, nproc_per_node=2)
 INFO = DistInfo(0, 2, 0, "gloo", "cpu", 0, True)
 ENV = {
     "ELASTRAIN_JOB_ID": "job-1",

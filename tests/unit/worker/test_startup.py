@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 
+from tests.unit.waiting import eventually
 from worker.checkpoint.coordinator import MemoryStore
 from worker.dist import backend_note, detect, init_group
 from worker.errors import SpecError
@@ -70,7 +69,7 @@ def test_rank_0_first_answers_a_stale_hello_then_the_fresh_one() -> None:
         target=lambda: out.update({0: agree_round(store, rank=0, world_size=2, base=BASE, timeout_s=20)})
     )
     leader.start()
-    wait_until(lambda: store.check([f"{BASE}/reply/old-nonce-1"]))
+    eventually("rank 0 answers the stale hello", lambda: store.check([f"{BASE}/reply/old-nonce-1"]), 20.0)
     out.update(run_ranks(store, 2, [1]))
     leader.join()
     assert out[0] == out[1] and out[0] != "old-token", out
@@ -135,14 +134,6 @@ def test_a_rank_without_the_store_address_is_told_what_to_set() -> None:
     info = detect({"RANK": "1", "WORLD_SIZE": "2"}, backend="gloo", gpus=0)
     with pytest.raises(SpecError, match="MASTER_ADDR and MASTER_PORT are not both set"):
         init_group(info, timeout_s=1)
-
-
-def wait_until(cond: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 def node(local: int, local_world: int) -> dict[str, str]:
