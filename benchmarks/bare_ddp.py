@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from worker.amp import DTYPES
-from worker.data import build_data, loss_sum
-from worker.models import build_model
-from worker.spec import load_spec
+from worker.datapath.datasets import build_data, loss_sum
+from worker.jobspec.spec import load_spec
+from worker.start.models import build_model
+from worker.train.amp import DTYPES
 
 
 def main() -> None:

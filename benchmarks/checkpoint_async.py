@@ -76,7 +76,7 @@ def _writer_process(conn: Any, shared: list[torch.Tensor], block_size: int) -> N
 
 def _checkpointer(root: Path, *, async_save: bool) -> Any:
     from worker.checkpoint import Checkpointer
-    from worker.spec import CheckpointSpec, RetentionSpec
+    from worker.jobspec.spec import CheckpointSpec, RetentionSpec
 
     cfg = CheckpointSpec(dir=str(root), async_save=async_save, retention=RetentionSpec(keep_latest=2))
     return Checkpointer(cfg, job="bench", spec_hash="", data_version="", rank=0, world_size=1, generation=0,

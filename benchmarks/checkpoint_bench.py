@@ -106,7 +106,7 @@ def _checkpointer(
     parallelism: str = "ddp",
 ) -> Any:
     from worker.checkpoint import Checkpointer
-    from worker.spec import CheckpointSpec, RetentionSpec
+    from worker.jobspec.spec import CheckpointSpec, RetentionSpec
 
     cfg = CheckpointSpec(
         dir=str(root), resume=resume, async_save=async_save, retention=RetentionSpec(keep_latest=99)

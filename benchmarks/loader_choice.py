@@ -1,11 +1,11 @@
 """Where slow batches are best prepared on this machine: the worker's background thread, or
 DataLoader-style worker processes? Measured side by side in one run (the choice behind
-:mod:`worker.feed`).
+:mod:`worker.datapath.feed`).
 
 One torchrun launch per kind of cost (``io``: waiting; ``cpu``: computing, see
 :mod:`benchmarks.slow_data`); in it every rank trains the benchmark MLP under DDP (as
 :mod:`benchmarks.bare_ddp` does) in segments of ``--steps`` steps, rotating through: free data;
-slow data loaded on the training thread; loaded ahead on one thread (``worker.feed.PrefetchFeed``,
+slow data loaded on the training thread; loaded ahead on one thread (``worker.datapath.feed.PrefetchFeed``,
 2 micro-batches deep); loaded ahead by ``torch.utils.data.DataLoader`` worker processes
 (``--procs``, prefetch factor 2, persistent). The same micro-batches in the same order everywhere;
 a slow ``batch()`` costs half the free step. Prints steps/s of each against free data.
@@ -35,11 +35,11 @@ def _child(kind: str, steps: int, rounds: int, procs: int) -> None:
     from torch.utils.data import DataLoader
 
     from benchmarks.slow_data import slow
-    from worker.data import loss_sum, synthetic
-    from worker.feed import Feed, PrefetchFeed
-    from worker.models import build_model
-    from worker.sampler import SamplerState
-    from worker.spec import ModelSpec
+    from worker.datapath.datasets import loss_sum, synthetic
+    from worker.datapath.feed import Feed, PrefetchFeed
+    from worker.datapath.sampler import SamplerState
+    from worker.jobspec.spec import ModelSpec
+    from worker.start.models import build_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -92,7 +92,7 @@ def traces(directory: Path, skip: set[Path]) -> dict[str, list[dict[str, Any]]]:
 def first_window(rows: list[dict[str, Any]], i: int) -> dict[str, float]:
     """Window ``rows[i]`` (a process's first at the new size) against the median of its windows
     from the fifth after it: the excess of its ``wall_s``, ``cpu_s`` and ``runq_s`` (the training
-    thread's, :mod:`worker.trace`), in ms; ``runq`` is absent where the trace could not read it."""
+    thread's, :mod:`worker.datapath.trace`), in ms; ``runq`` is absent where the trace could not read it."""
     later = rows[i + 5 : i + 5 + WARM]
     out = {}
     for key in ("wall_s", "cpu_s", "runq_s"):

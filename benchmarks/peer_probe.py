@@ -56,7 +56,7 @@ def mlp(
     keep: str = ",".join(PARTS),
     dummy: bool = False,
 ) -> Any:
-    from worker.models import MLP
+    from worker.start.models import MLP
 
     install(block=block, warm=warm, parts=parts, keep=frozenset(keep.split(",")) & set(PARTS), dummy=dummy)
     return MLP(int(meta["input_dim"]), int(meta["output_dim"]), hidden=hidden, depth=depth)
@@ -165,8 +165,8 @@ def install(
     if _installed:
         return
     _installed = True
-    from worker import lifeline
-    from worker.trainer import Trainer
+    from worker.start import lifeline
+    from worker.train.trainer import Trainer
 
     window, finish = Trainer.window, Trainer._finish
     glance, glancing = lifeline.glance, lifeline.glancing

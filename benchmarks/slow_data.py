@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.data import TensorData, synthetic
+from worker.datapath.datasets import TensorData, synthetic
 
 
 class Slow:

@@ -70,10 +70,10 @@ def timed(owner: Any, name: str, bucket: list[float], training: dict[str, int]) 
 
 
 def count_worker(path: Path, steps: int) -> dict[str, float]:
-    import worker.trainer as trainer_module
-    from worker.events import Events
+    import worker.train.trainer as trainer_module
     from worker.main import main
     from worker.metrics import WorkerMetrics
+    from worker.report.events import Events
 
     mode, counted = Ops(), {"steps": 0, "switches": 0, "finished": 0}
     original, finish = trainer_module.Trainer._train_window, trainer_module.Trainer._finish
@@ -111,9 +111,9 @@ def count_worker(path: Path, steps: int) -> dict[str, float]:
 def count_bare(steps: int) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from worker.data import build_data, loss_sum
-    from worker.models import build_model
-    from worker.spec import parse_spec
+    from worker.datapath.datasets import build_data, loss_sum
+    from worker.jobspec.spec import parse_spec
+    from worker.start.models import build_model
 
     spec = parse_spec(bench_spec("fp32", steps))
     torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)

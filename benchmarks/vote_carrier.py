@@ -82,7 +82,7 @@ def worker(iterations: int, block: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from benchmarks.alternating import blocks, dump, new_times
-    from worker.models import MLP
+    from worker.start.models import MLP
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)

@@ -36,15 +36,15 @@ def _child(spec_path: str, segment: int, modes: list[str]) -> None:
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import worker.step as step_module
-    from worker import dist
-    from worker.build import build
-    from worker.data import build_data, loss_sum
-    from worker.events import Events
+    import worker.train.step as step_module
+    from worker.datapath.datasets import build_data, loss_sum
+    from worker.jobspec.spec import load_spec
     from worker.metrics import WorkerMetrics
-    from worker.models import build_model
-    from worker.spec import load_spec
-    from worker.trainer import Trainer
+    from worker.report.events import Events
+    from worker.start import dist
+    from worker.start.build import build
+    from worker.start.models import build_model
+    from worker.train.trainer import Trainer
 
     spec = load_spec(spec_path)
     info = dist.detect(os.environ, backend="gloo", gpus=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.spec import JobSpec, parse_spec
+from worker.jobspec.spec import JobSpec, parse_spec
 
 
 def raw_spec(name: str = "job", **fields: Any) -> dict[str, Any]:

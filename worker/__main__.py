@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from worker import startgc
+from worker.start import startgc
 
-startgc.hold()  # the collector stays off until the run is built (worker/startgc.py)
+startgc.hold()  # the collector stays off until the run is built (worker/start/startgc.py)
 
 from worker.main import exit_now, main  # noqa: E402
 

@@ -32,8 +32,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from worker import lifeline
 from worker.errors import ElastrainError
+from worker.start import lifeline
 
 ENV = "ELASTRAIN_FAILPOINTS"
 _BUILTIN = ("kill", "raise", "enospc")

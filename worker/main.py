@@ -1,7 +1,7 @@
 """The worker's entry point: validate everything that can be validated, then train.
 
 Bad input (spec, options, batch that cannot be split, a model, data or loss that does not fit
-the worker: see worker.contract) is one line on stderr and exit code 2, before any process group
+the worker: see worker.start.contract) is one line on stderr and exit code 2, before any process group
 starts. Under torchrun every rank runs this; outside it, one process. Under the service a rank
 that stops reports why and at which step (a ``failed`` event), so that the same error in the
 next attempt fails the job instead of spending its restarts.
@@ -22,16 +22,16 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from worker import startgc
 from worker.errors import ElastrainError, SpecError
+from worker.start import startgc
 from worker.wiring import die, job_checkpointer
 
 if TYPE_CHECKING:
-    from worker.build import Built
-    from worker.dist import DistInfo
-    from worker.events import Events
-    from worker.service_client import EventForwarder, ServiceClient
-    from worker.trainer import Trainer
+    from worker.report.events import Events
+    from worker.report.service_client import EventForwarder, ServiceClient
+    from worker.start.build import Built
+    from worker.start.dist import DistInfo
+    from worker.train.trainer import Trainer
 
 EXIT_BAD_INPUT = 2
 
@@ -59,11 +59,11 @@ def _resuming(checkpoint_dir: str | None, resume: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     # Imported here so that `--help` and argument errors stay fast.
-    from worker import lifeline
+    from worker.start import lifeline
 
     if lifeline.should_install(os.environ):  # both modes: a worker dies with its torchrun agent
         lifeline.install()
-    from worker.spec import load_spec
+    from worker.jobspec.spec import load_spec
 
     try:  # before torch is imported (~4 s): a spec that cannot run says so at once
         spec = load_spec(args.config)
@@ -71,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         return _bad_input(exc)
     import torch
 
-    from worker import dist, peermode
-    from worker.build import build
-    from worker.events import Events
-    from worker.spec_recovery import restart_note
+    from worker.jobspec.recovery import restart_note
+    from worker.peer import member as peermode
+    from worker.report.events import Events
+    from worker.start import dist
+    from worker.start.build import build
 
     try:
         env_dir = os.environ.get("ELASTRAIN_CHECKPOINT_DIR")
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return _bad_input(exc)
     client, forwarder = _service(info, events)
     if peer:
-        from worker.peerrun import run_peer
+        from worker.peer.run import run_peer
 
         return run_peer(built, info, events=events, client=client, forwarder=forwarder, timeout_s=timeout_s)
     trainer: Trainer | None = None
@@ -176,7 +177,7 @@ def _trainer(
     """The Trainer, complete: its checkpointer, this group's generation and its metrics."""
     from worker.checkpoint.owner import job_identity
     from worker.metrics import WorkerMetrics
-    from worker.trainer import Trainer
+    from worker.train.trainer import Trainer
 
     spec = built.spec
     job = job_identity(os.environ, spec.name)
@@ -220,9 +221,9 @@ def _run_dir(path: str) -> Path:
 
 
 def _service(info: DistInfo, events: Events) -> tuple[ServiceClient | None, EventForwarder | None]:
-    """The control plane's client when the service launched us (see worker.service_client), and
+    """The control plane's client when the service launched us (see worker.report.service_client), and
     the sink that reports this rank's events to it."""
-    from worker import service_client
+    from worker.report import service_client
 
     client = service_client.from_env()
     if client is None:
@@ -244,7 +245,7 @@ def _bad_input(exc: SpecError) -> int:
 def _refused(line: str) -> None:
     """Bad input under the service: say so before exiting 2 (torchrun will start this rank again,
     and the service fails the job when the next attempt says the same)."""
-    from worker import service_client
+    from worker.report import service_client
 
     client = service_client.from_env()
     if client is None:

@@ -1,4 +1,4 @@
-"""What both run modes (:mod:`worker.main`, and peer mode's :mod:`worker.peerrun`) wire a rank
+"""What both run modes (:mod:`worker.main`, and peer mode's :mod:`worker.peer.run`) wire a rank
 with: the job's checkpointer, and the exit of a rank that failed (reported to the control plane
 first when it launched us)."""
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from worker.checkpoint import Checkpointer
-    from worker.dist import DistInfo
-    from worker.events import Events
-    from worker.service_client import ServiceClient
-    from worker.spec import JobSpec
+    from worker.jobspec.spec import JobSpec
+    from worker.report.events import Events
+    from worker.report.service_client import ServiceClient
+    from worker.start.dist import DistInfo
 
 
 def die(
@@ -28,7 +28,7 @@ def die(
 ) -> NoReturn:
     """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown)."""
     if client is not None:
-        from worker.service_client import attempt_id
+        from worker.report.service_client import attempt_id
 
         client.failed(line, rank=rank, step=step, attempt=attempt_id(os.environ, generation))
         client.close(drain_s=2.0)
@@ -58,8 +58,8 @@ def job_checkpointer(
         return None
     from worker.checkpoint import Checkpointer
     from worker.checkpoint.owner import job_identity
-    from worker.service_client import HttpCoordinator
-    from worker.setup import spec_hash
+    from worker.report.service_client import HttpCoordinator
+    from worker.start.parts import spec_hash
 
     return Checkpointer(
         spec.checkpoint,

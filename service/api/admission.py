@@ -9,7 +9,7 @@ from service.jobs.resources import parse_resources
 from service.launch import gpus, hostgpus
 from service.settings import Settings
 from worker.errors import SpecError
-from worker.spec import JobSpec
+from worker.jobspec.spec import JobSpec
 
 
 def admit(spec: JobSpec, settings: Settings) -> tuple[str, ...]:

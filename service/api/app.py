@@ -26,7 +26,7 @@ from service.jobs.tokens import hash_token
 from service.launch.protocol import Scheduler
 from service.metrics import Metrics
 from service.settings import Settings
-from worker.spec import JobSpec
+from worker.jobspec.spec import JobSpec
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 

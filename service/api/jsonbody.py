@@ -4,7 +4,7 @@ Python's ``json`` (which FastAPI uses) and pydantic's parser both accept ``NaN``
 and literals that overflow to infinity (``1e999``); a non-finite number stored in a record is
 written back as ``null`` and breaks every later read of it. They also let the last of two equal
 keys win, and Python's ``int`` refuses more than 4,300 digits with a message meant for Python
-programmers. So every body is first read by :func:`worker.jsonlimits.loads` (the project's one
+programmers. So every body is first read by :func:`worker.jobspec.jsonlimits.loads` (the project's one
 JSON reader with limits): at most ``MAX_DEPTH`` levels deep, finite numbers only, each key once
 per object, integers of at most ``sys.get_int_max_str_digits()`` digits. A refused body is a
 4xx naming the field (found by :func:`_locate`, which runs only on the refusal path); a body
@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from worker.jsonlimits import JSONRefused, json_depth, loads
+from worker.jobspec.jsonlimits import JSONRefused, json_depth, loads
 
 MAX_DEPTH = 64
 """The deepest nesting of arrays and objects a request body may have (no document of this API

@@ -1,4 +1,4 @@
-"""Request and response bodies of the REST API (the JobSpec itself is worker/spec.py)."""
+"""Request and response bodies of the REST API (the JobSpec itself is worker/jobspec/spec.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from service.jobs.events import WorkerEvent, merge_progress
 from service.jobs.model import JobEvent, JobRecord, JobState, NodePhase, Progress, Recovery
 from service.jobs.recovery import phases_of
 from worker.errors import SpecError
-from worker.spec import JobSpec, describe
+from worker.jobspec.spec import JobSpec, describe
 
 
 def body_of(component: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Records are frozen pydantic models serialised as JSON; a change is a ``model_copy`` that the
 caller writes back with a compare-and-set on the key's mod_revision. A record carries its spec
-as the :class:`~worker.spec.JobSpec` value (parsed once, at the API's edge), stored as the
+as the :class:`~worker.jobspec.spec.JobSpec` value (parsed once, at the API's edge), stored as the
 spec's JSON with its aliases, as submitted. :meth:`JobRecord.from_json` is the one place a
 stored record is decoded.
 """
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
-from worker.spec import JobSpec
+from worker.jobspec.spec import JobSpec
 
 MAX_EVENTS = 50
 MAX_RECOVERIES = 20

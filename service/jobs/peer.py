@@ -19,8 +19,8 @@ import json
 from service.jobs.model import JobRecord, RecoveryMode
 from service.jobs.resources import parse_resources
 from worker.errors import SpecError
-from worker.spec import JobSpec
-from worker.spec_recovery import effective_mode
+from worker.jobspec.recovery import effective_mode
+from worker.jobspec.spec import JobSpec
 
 
 def peer_mode(spec: JobSpec) -> bool:

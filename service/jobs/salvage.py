@@ -25,8 +25,8 @@ from pydantic import ValidationError
 from service.jobs import keys
 from service.jobs.machine import fail
 from service.jobs.model import JobRecord, NodeRecord
-from worker.jsonlimits import JSONRefused, loads
-from worker.spec import JobSpec
+from worker.jobspec.jsonlimits import JSONRefused, loads
+from worker.jobspec.spec import JobSpec
 
 _MAX_PROBLEM = 400
 

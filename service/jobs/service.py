@@ -35,7 +35,7 @@ from service.jobs.writes import LeaderWrites
 from worker.checkpoint.owner import claim
 from worker.errors import SpecError
 from worker.failpoints import failpoint
-from worker.spec import JobSpec, parse_nodes, spec_json
+from worker.jobspec.spec import JobSpec, parse_nodes, spec_json
 
 log = logging.getLogger("elastrain.jobs")
 

@@ -40,7 +40,7 @@ from service.launch import gpus
 from service.launch.protocol import NodeLaunch
 from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
 from worker.errors import SpecError
-from worker.spec import JobSpec, parse_nodes, spec_json
+from worker.jobspec.spec import JobSpec, parse_nodes, spec_json
 
 ROLE_NAME = "node"
 SPEC_ENV = "ELASTRAIN_SPEC_JSON"
@@ -168,7 +168,7 @@ def node_env(node: NodeLaunch) -> dict[str, str]:
     """The environment of a node's torchrun agent (and so of its workers): the spec's ``env``
     (the team's, e.g. ``PYTHONPATH``), what the service says (``node.env``), then what no caller
     overrides: the rendezvous variable and who the node is. (The spec cannot name the service's
-    variables: :func:`worker.spec_limits.check_env_name`.) In peer mode: the recovery and the
+    variables: :func:`worker.jobspec.limits.check_env_name`.) In peer mode: the recovery and the
     node's role."""
     peer = {RECOVERY_ENV: "peer", ROLE_ENV: node.role} if node.recovery == "peer" else {}
     return {

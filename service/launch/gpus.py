@@ -1,7 +1,7 @@
 """GPUs on one machine: the local scheduler runs every node of a job on the service's own host.
 
 NCCL gives each rank a GPU of its own and refuses two ranks on one. A node's workers take GPUs
-``0 .. nproc_per_node - 1`` of what they see (``worker.dist.detect``), so two nodes of one job on
+``0 .. nproc_per_node - 1`` of what they see (``worker.start.dist.detect``), so two nodes of one job on
 one host would take the same GPUs and fail at their first collective. The local scheduler
 therefore hides the host's GPUs (``CUDA_VISIBLE_DEVICES=""``) from the nodes of a job that can
 have more than one node app at a time (``nodes`` above 1, or warm spares in peer mode): they train
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 from service.jobs import peer
 from worker.errors import SpecError
-from worker.spec import JobSpec, parse_nodes
+from worker.jobspec.spec import JobSpec, parse_nodes
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 

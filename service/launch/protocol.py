@@ -11,7 +11,7 @@ from typing import Protocol
 
 from service.jobs.errors import InvalidRequestError
 from service.jobs.model import JobRecord, NodeRecord, NodeRole, NodeState, NodeStatus, RecoveryMode
-from worker.spec import JobSpec
+from worker.jobspec.spec import JobSpec
 
 __all__ = ["UNKNOWN", "NodeLaunch", "NodeState", "NodeStatus", "Scheduler", "node_launch"]
 

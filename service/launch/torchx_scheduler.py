@@ -39,7 +39,7 @@ from service.launch.dryrun import KUBERNETES, LOCAL, KubernetesLaunch, LocalLaun
 from service.launch.node_exec import EXIT_FILE, NODE_FILE
 from service.launch.protocol import NodeLaunch, NodeStatus
 from worker.errors import ElastrainError
-from worker.spec import spec_json
+from worker.jobspec.spec import spec_json
 
 log = logging.getLogger("elastrain.scheduler")
 LOCAL_PREFIX = "local_cwd:"

@@ -24,7 +24,7 @@ from tests.deploy.helpers import (
     helm,
     one,
 )
-from worker.spec import parse_spec
+from worker.jobspec.spec import parse_spec
 
 # Oldest supported (Chart.yaml kubeVersion) and the kubectl the tests use.
 K8S_VERSIONS = ("1.27.0", "1.35.0")

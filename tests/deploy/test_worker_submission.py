@@ -23,7 +23,7 @@ from tests.deploy.netpol import selector_matches
 from tests.deploy.pss import restricted_violations
 from tests.tls_certs import make_certs
 from worker.etcdclient import TLS_ENV, EtcdTLS
-from worker.spec import JobSpec, parse_spec
+from worker.jobspec.spec import JobSpec, parse_spec
 
 POD_IP = "10.1.2.3"
 

@@ -1,6 +1,6 @@
 """SIGSTOP a worker, then SIGCONT: the job finishes with the uninterrupted run's digest.
 
-What torch 2.13 + gloo does (worker/dist.py init_group takes the collective timeout,
+What torch 2.13 + gloo does (worker/start/dist.py init_group takes the collective timeout,
 ``ELASTRAIN_COLLECTIVE_TIMEOUT_S``, 12 s in these rows; torchrun's local agent watches only exit
 codes, not liveness): a stop shorter than the timeout stalls the peers inside the all-reduce and
 the group simply carries on after SIGCONT -- nothing re-forms (one group, no resume). A stop

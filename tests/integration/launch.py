@@ -46,7 +46,7 @@ class Run:
 
 
 # Not inherited by the workers: the tests run what a user gets. torchrun's agent then shares its
-# store with the workers across restarts (the worker protects itself: worker/dist.py), and sets
+# store with the workers across restarts (the worker protects itself: worker/start/dist.py), and sets
 # OMP_NUM_THREADS=1 only when a node runs several processes (`python -m worker` and one-process
 # runs use torch's default thread count, as they do for users). No PYTHONPATH either: `service`
 # and `worker` are the installed distribution's (editable from `make venv`, a wheel in `make

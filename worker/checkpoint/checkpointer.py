@@ -43,7 +43,7 @@ from worker.checkpoint.rng import capture_rng
 from worker.checkpoint.state import capture, optimizer_owned
 from worker.errors import CheckpointError
 from worker.failpoints import failpoint
-from worker.spec import CheckpointSpec
+from worker.jobspec.spec import CheckpointSpec
 
 log = logging.getLogger("elastrain.checkpoint")
 EventHook = Callable[[str, dict[str, Any]], None]

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from worker.checkpoint.manifest import FileEntry, Manifest, Piece, TensorEntry, validate
 from worker.errors import CorruptCheckpointError
-from worker.jsonlimits import finite
+from worker.jobspec.jsonlimits import finite
 
 Action = Literal["publish", "wait", "abort"]
 

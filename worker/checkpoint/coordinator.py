@@ -11,7 +11,7 @@ through ``set``, ``get``, ``check``, ``wait``, ``add`` and ``delete_key``, which
 background thread (unlike collectives on the training process group).
 
 The generation is the number the worker group agreed on when it formed
-(:func:`worker.dist.agree_generation`: rank 0's clock in milliseconds, broadcast), so every
+(:func:`worker.start.dist.agree_generation`: rank 0's clock in milliseconds, broadcast), so every
 group of a job has its own and all its ranks share it. It is not ``TORCHELASTIC_RESTART_COUNT``:
 each torchrun agent counts its own restarts, and an agent that joined later counts differently.
 """

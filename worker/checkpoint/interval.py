@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from worker.spec import CheckpointSpec
+from worker.jobspec.spec import CheckpointSpec
 
 DEFAULT_MTBF_SECONDS = 24 * 3600.0
 #: Assumed save cost before the first save has been measured.

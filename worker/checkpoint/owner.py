@@ -43,7 +43,7 @@ from pathlib import Path
 
 from worker.checkpoint.layout import fsync_dir, write_durable
 from worker.errors import SpecError
-from worker.jsonlimits import JSONRefused, loads
+from worker.jobspec.jsonlimits import JSONRefused, loads
 
 OWNER_FILE = "OWNER.json"
 FORMAT = "elastrain-checkpoint-owner/1"

@@ -22,7 +22,7 @@ from worker.checkpoint.layout import list_published, load_manifest, remove_tree,
 from worker.checkpoint.owner import owned_by_other
 from worker.errors import CheckpointError
 from worker.failpoints import failpoint
-from worker.spec import RetentionSpec
+from worker.jobspec.spec import RetentionSpec
 
 log = logging.getLogger("elastrain.checkpoint")
 

@@ -12,6 +12,6 @@ compare-and-set after its announcement), :mod:`.group` (process groups), :mod:`.
 :mod:`.transfer` and :mod:`.handover` (state), :mod:`.rewrap` (DDP and its settle), :mod:`.rng`
 (per-window streams); :mod:`.recover` runs the sequence for one process
 (:class:`~worker.recovery.recover.GroupMember`) and :mod:`.seam` is what the trainer provides and
-gets back. :mod:`worker.lifeline` (a worker dies with its agent) serves both recovery modes.
+gets back. :mod:`worker.start.lifeline` (a worker dies with its agent) serves both recovery modes.
 The README's "Recovery without a restart: the workers' side" says why, with the measurements.
 """

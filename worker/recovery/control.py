@@ -70,7 +70,7 @@ BYE_MAX_AGE_S = 60.0
 
 def bye_time(msg: Message, now: float) -> float | None:
     """The time a ``bye`` message gives (its sender's node died then: its torchrun agent, seen by
-    :mod:`worker.lifeline`), or None when it is not a number in ``[now - BYE_MAX_AGE_S, now]`` --
+    :mod:`worker.start.lifeline`), or None when it is not a number in ``[now - BYE_MAX_AGE_S, now]`` --
     a later time than its arrival means nothing, a far older one is a broken clock."""
     at = msg.get("at")
     if isinstance(at, bool) or not isinstance(at, (int, float)):

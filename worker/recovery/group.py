@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from worker.dist import DistInfo
 from worker.recovery.control import split_address
+from worker.start.dist import DistInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class GroupInfo:
     device: str = "cpu"
 
     def dist_info(self, base: DistInfo) -> DistInfo:
-        """``base`` (from :func:`worker.dist.detect`) with this generation's rank and world size."""
+        """``base`` (from :func:`worker.start.dist.detect`) with this generation's rank and world size."""
         return dataclasses.replace(
             base, rank=self.rank, world_size=self.world_size, backend=self.backend, device=self.device
         )

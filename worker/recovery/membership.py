@@ -86,7 +86,7 @@ class Keys:
         self.gen = self.prefix + "gen"
         self.desired = self.prefix + "desired"
         self.incidents = self.prefix + "incidents/"
-        self.finished = self.prefix + "finished"  # written once training finished (worker.loop)
+        self.finished = self.prefix + "finished"  # written once training finished (worker.peer.loop)
 
     def member(self, member_id: str) -> str:
         return self.members + member_id

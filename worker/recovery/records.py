@@ -1,7 +1,7 @@
 """The values the group's members exchange, and their JSON forms (pure, torch-free).
 
 Everything read from outside the process (etcd values, control-channel lines) goes through
-:func:`parse`: size and depth limits, no duplicate keys, no NaN (:mod:`worker.jsonlimits`), then a
+:func:`parse`: size and depth limits, no duplicate keys, no NaN (:mod:`worker.jobspec.jsonlimits`), then a
 field-by-field check that names the field it refuses (:class:`RecordError`).
 """
 
@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from worker.jsonlimits import JSONRefused, loads
+from worker.jobspec.jsonlimits import JSONRefused, loads
 
 MAX_RECORD_BYTES = 1 << 20  # a generation record of ~10k members; control lines are smaller
 MAX_DEPTH = 8

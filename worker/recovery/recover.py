@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from worker import lifeline
 from worker.recovery.answers import Order, Refused
 from worker.recovery.control import ControlServer, Link
 from worker.recovery.failure import Failure, classify, is_incident
@@ -37,6 +36,7 @@ from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 from worker.recovery.resolve import Resolver
 from worker.recovery.seam import Outcome, RecoverableState, RecoveryConfig
 from worker.recovery.vote import Verdict, check, contribution, reduce_alone, request, stamps_due
+from worker.start import lifeline
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -374,7 +374,7 @@ class GroupMember:
         return min(decided, known)
 
     def last_words(self, when: float) -> None:
-        """This process's node died at ``when`` (its torchrun agent, seen by :mod:`worker.lifeline`;
+        """This process's node died at ``when`` (its torchrun agent, seen by :mod:`worker.start.lifeline`;
         this process stops right after): tell the leader and whoever is connected here, so that the
         incident is timed from then and not from this process's own end."""
         bye = {"t": "bye", "at": when}

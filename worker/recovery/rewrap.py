@@ -35,9 +35,9 @@ import xxhash
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from worker.dist import DistInfo
 from worker.recovery.group import release
-from worker.setup import wrap_ddp
+from worker.start.dist import DistInfo
+from worker.start.parts import wrap_ddp
 
 Forward = Callable[[nn.Module], torch.Tensor]
 
@@ -60,7 +60,7 @@ def rewrap(
     model: nn.Module, info: DistInfo, *, bucket_cap_mb: float, forward: Forward | None, agreed: bool = True
 ) -> DistributedDataParallel:
     """DDP around ``model`` on the current default group (the trainer's own
-    :func:`worker.setup.wrap_ddp`), settled when ``forward`` is given. ``agreed``: the members
+    :func:`worker.start.parts.wrap_ddp`), settled when ``forward`` is given. ``agreed``: the members
     hold a state they agreed on by digest (:mod:`worker.recovery.handover`), so DDP's broadcast
     of rank 0's parameters at construction is skipped (its buffers go before every forward
     anyway); a state each member loaded itself (``agreed=False``) keeps that broadcast."""

@@ -31,7 +31,7 @@ from torch import nn
 from worker.checkpoint.state import LiveState, apply, capture
 from worker.errors import ElastrainError
 from worker.failpoints import failpoint
-from worker.jsonlimits import JSONRefused, loads
+from worker.jobspec.jsonlimits import JSONRefused, loads
 
 CHUNK_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 1 << 30

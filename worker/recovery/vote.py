@@ -1,7 +1,7 @@
 """The commit vote: what rides on the all-reduce every window already pays for.
 
 Every window ends with one SUM all-reduce of a small float64 vector
-(:func:`worker.step.optimizer_step`: the non-finite flag, the loss, the save votes). Peer
+(:func:`worker.train.step.optimizer_step`: the non-finite flag, the loss, the save votes). Peer
 recovery makes that reduction the window's commit point. A member's ballot is::
 
     [ reform ]                                                        (most windows)

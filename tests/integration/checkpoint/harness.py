@@ -46,7 +46,7 @@ class Run:
 
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The worker environment of tests/integration/launch.py: what a user gets (torchrun's agent
-    shares its store across restarts; the toy creates its group with worker.dist.init_group,
+    shares its store across restarts; the toy creates its group with worker.start.dist.init_group,
     which survives that, pytorch/pytorch#135712): the kill test proves no restart is lost."""
     return worker_env(extra)
 

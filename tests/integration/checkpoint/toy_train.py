@@ -31,8 +31,8 @@ from torch import nn
 from worker.checkpoint import Checkpointer
 from worker.checkpoint.layout import read_latest
 from worker.checkpoint.verify import logical_digest, verify_checkpoint
-from worker.dist import detect, init_group
-from worker.spec import CheckpointSpec
+from worker.jobspec.spec import CheckpointSpec
+from worker.start.dist import detect, init_group
 
 BATCH = 4
 VOCAB = 64

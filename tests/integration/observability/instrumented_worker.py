@@ -1,4 +1,4 @@
-"""The real worker (its exporter is wired in ``worker/trainer.py``), held open after training.
+"""The real worker (its exporter is wired in ``worker/train/trainer.py``), held open after training.
 
 Run it like the worker: ``torchrun ... instrumented_worker.py --config SPEC``. After training,
 each rank keeps serving its metrics until the file ``$ELASTRAIN_TEST_RELEASE`` exists (at most
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from worker import main as worker_main
-from worker.trainer import Trainer
+from worker.train.trainer import Trainer
 
 _run = Trainer.run
 

@@ -2,7 +2,7 @@
 will do, in miniature. ``python -m tests.integration.recovery.driver`` with ``DRIVER_ARGS`` (JSON).
 
 A small MLP with dropout under DDP (small buckets: several of them, so the bucket layout matters
-at W=3), AdamW, windows of ``accum`` micro-steps planned by worker.sampler from a global cursor,
+at W=3), AdamW, windows of ``accum`` micro-steps planned by worker.datapath.sampler from a global cursor,
 random streams derived per window, the commit vote, and on a group failure: void the window,
 tear down outside the except block, recover, carry on. Faults are injected by the process
 itself: ``kill_at`` (SIGKILL at a random moment of that window), ``stop_at`` (SIGSTOP before
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from worker.dist import DistInfo
+from worker.datapath.sampler import SamplerState, indices, plan_window
 from worker.recovery.etcdkv import connect
 from worker.recovery.failure import Failure, classify
 from worker.recovery.group import GroupInfo, teardown
@@ -40,8 +40,8 @@ from worker.recovery.plan import Policy
 from worker.recovery.recover import GroupMember, Outcome, RecoveryConfig
 from worker.recovery.rewrap import NO_LAYOUT, bucket_layout, rewrap
 from worker.recovery.rng import derive_window_rng
-from worker.sampler import SamplerState, indices, plan_window
-from worker.setup import params_digest
+from worker.start.dist import DistInfo
+from worker.start.parts import params_digest
 
 DIM, HIDDEN, OUT = 32, 128, 8
 BUCKET_MB = 0.02
@@ -52,7 +52,7 @@ def warm_up(
 ) -> None:
     """A spare's start-up costs paid ahead: one DDP wrap (its first in a process imports
     ``torch._dynamo``, ~1.8 s here) and one ``step(ddp)`` on a private world-of-one gloo group,
-    torn down after. (The worker's spare builds its trainer in such a world: worker.peerrun.)"""
+    torn down after. (The worker's spare builds its trainer in such a world: worker.peer.run.)"""
     teardown()
     dist.init_process_group(
         "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
@@ -257,7 +257,7 @@ def run(args: dict[str, Any]) -> None:
         if failure is None:
             if first:
                 first = False
-                member.publish()  # as worker.loop does after a generation's first step
+                member.publish()  # as worker.peer.loop does after a generation's first step
                 log.emit("first_step", {"version": state.ver, "generation": member.info.generation})
             if not planned:
                 continue

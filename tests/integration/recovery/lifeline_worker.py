@@ -1,5 +1,5 @@
 """A worker that only arms the lifeline and idles ("trains") until killed; torchrun starts it.
-argv: REPORT_PATH MODE (both: worker.lifeline.install; watchdog: the getppid thread alone). Its
+argv: REPORT_PATH MODE (both: worker.start.lifeline.install; watchdog: the getppid thread alone). Its
 last words (the agent's end as the lifeline saw it) go to REPORT_PATH + ".bye", with the looks
 that bracket it (the last that found the agent alive, the first that found it dying) after them."""
 
@@ -11,8 +11,8 @@ import sys
 import threading
 import time
 
-from worker import lifeline
-from worker.lifeline import install, on_last_words, watch
+from worker.start import lifeline
+from worker.start.lifeline import install, on_last_words, watch
 
 report, mode = sys.argv[1], sys.argv[2]
 

@@ -28,11 +28,11 @@ def _member(rank: int, path: str, port: int, out: Any) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from worker.dist import DistInfo
     from worker.recovery import agree
     from worker.recovery.group import teardown
     from worker.recovery.rewrap import NO_LAYOUT, carry_over, layout_digest, prepare, rewrap
-    from worker.setup import wrap_ddp
+    from worker.start.dist import DistInfo
+    from worker.start.parts import wrap_ddp
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ from service.etcd.server import EtcdServer
 from service.launch.apps import SchedulerSettings
 from service.launch.protocol import NodeLaunch, NodeStatus
 from service.launch.torchx_scheduler import LOCAL_PREFIX, TorchXScheduler
-from worker.spec import JobSpec, parse_spec
+from worker.jobspec.spec import JobSpec, parse_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 WORKER_MODULE = "tests.integration.rendezvous.rdzv_worker"

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.ports import free_port
 from tests.specs import raw_spec
-from tests.unit.waiting import eventually
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
 LAUNCHER = Path(__file__).with_name("svc_launcher.py")
@@ -138,7 +138,7 @@ class ServiceProcess:
 
 
 def wait_for(check: Any, *, timeout_s: float = 30.0, what: str = "condition") -> Any:
-    """:func:`tests.unit.waiting.eventually`, asked every 0.1 s."""
+    """:func:`tests.waiting.eventually`, asked every 0.1 s."""
     return eventually(what, check, timeout_s, every=0.1)
 
 

@@ -33,7 +33,7 @@ from service.settings import SettingsError, load_settings
 from tests.integration.worker.test_service_e2e import Service, job_spec
 from tests.tls_certs import make_certs
 from worker.etcdclient import TLS_ENV, EtcdTLS
-from worker.spec import parse_spec
+from worker.jobspec.spec import parse_spec
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """The port picker against the kernel: the ports it hands out bind, avoid the ephemeral range
 and never repeat, and a port someone else holds is not handed out. (Its pure parts are
-tests/unit/service/test_ports.py.)"""
+tests/unit/service/server/test_ports.py.)"""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from service.etcd.memory import MemoryStore
 from service.jobs.errors import NotLeaderError
 from service.jobs.parts import JobParts
 from worker.etcdclient import EtcdUnavailableError
-from worker.spec import parse_spec
+from worker.jobspec.spec import parse_spec
 
 pytestmark = pytest.mark.integration
 

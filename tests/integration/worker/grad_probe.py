@@ -14,15 +14,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from worker import dist as wdist
-from worker.data import build_data
-from worker.feed import Feed
-from worker.models import build_model
-from worker.objective import Objective
-from worker.sampler import SamplerState, plan_window
-from worker.setup import seed_all, wrap
-from worker.spec import DataSpec, ModelSpec
-from worker.step import forward_backward
+from worker.datapath.datasets import build_data
+from worker.datapath.feed import Feed
+from worker.datapath.sampler import SamplerState, plan_window
+from worker.jobspec.spec import DataSpec, ModelSpec
+from worker.start import dist as wdist
+from worker.start.models import build_model
+from worker.start.parts import seed_all, wrap
+from worker.train.objective import Objective
+from worker.train.step import forward_backward
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ and at a new world size with every sample once. A corrupt newest checkpoint and 
 save are fault-matrix rows (tests/faults/test_worker_faults.py), which run in ``make test`` too.
 
 The model draws from the RNG in training (dropout), so a resumed run is equal only if it continues
-the very generator streams: the trace (ELASTRAIN_TRACE_SAMPLES, worker.trace) fingerprints every
+the very generator streams: the trace (ELASTRAIN_TRACE_SAMPLES, worker.datapath.trace) fingerprints every
 generator right before each window, and the first window after a resume must start from the state
 the checkpoint holds, which is the uninterrupted run's state at that step.
 
@@ -134,7 +134,7 @@ def test_sigkill_of_a_rank_resumes_bit_for_bit(
 
 
 def consumed(trace: Path) -> Counter[int]:
-    """Every dataset index the ranks' data paths loaded (worker.trace records at batch())."""
+    """Every dataset index the ranks' data paths loaded (worker.datapath.trace records at batch())."""
     seen: Counter[int] = Counter()
     for path in trace.glob("*.jsonl"):
         for line in path.read_text().splitlines():

@@ -30,7 +30,7 @@ from service.jobs.recovery import PHASES
 from service.ports import free_port
 from tests.integration.launch import REPO, run_worker, worker_env, write_spec
 from tests.integration.worker.traces import committed
-from tests.unit.waiting import eventually
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -141,7 +141,7 @@ class Service:
 
 
 def until(check: Callable[[], Any], what: str, timeout: float) -> Any:
-    """:func:`tests.unit.waiting.eventually` on the service's HTTP API (not answering yet: false)."""
+    """:func:`tests.waiting.eventually` on the service's HTTP API (not answering yet: false)."""
     return eventually(what, check, timeout, every=0.3, ignoring=(httpx.HTTPError,))
 
 

@@ -173,7 +173,7 @@ def test_a_killed_agent_is_one_recovery_timed_from_the_kill(
     The record starts at the agent's death as its orphan saw it: the orphan's lifeline looks at
     /proc/<agent>/stat, where a pending SIGKILL shows the moment kill() returns, and says ``bye``
     over its control connections before the process stops, with the middle of its last look
-    that found the agent alive and its first that found it dying (worker/lifeline.py). History
+    that found the agent alive and its first that found it dying (worker/start/lifeline.py). History
     of this 10%: the record once started when the agent's pidfd became readable, after the
     kernel had torn the agent's memory down (44 ms late on a loaded CI machine); then at the
     orphan's last live look, 2-24 ms early with a CPU hog beside the job, but 36 ms early on a

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests.integration.launch import REPO, run_worker, worker_env, write_spec
-from worker.schedule import lr_at
-from worker.spec import LRScheduleSpec
+from worker.jobspec.spec import LRScheduleSpec
+from worker.train.schedule import lr_at
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,7 @@ def test_run_record_says_how_it_computed(tmp_path: Path) -> None:
     assert record["determinism"]["use_deterministic_algorithms"] is True
     assert record["batch"]["accum_steps"] == 2 and record["spec"]["seed"] == 3
     assert {"python", "torch", "numpy"} <= record["versions"].keys()
-    # The collector, off while the process started (worker/startgc.py), runs again in training,
+    # The collector, off while the process started (worker/start/startgc.py), runs again in training,
     # and what start-up left alive (torch's modules and the like) was frozen out of its passes.
     assert record["gc"]["enabled"] is True and record["gc"]["frozen_at_start"] > 100_000, record["gc"]
     (note,) = [n for n in record["notes"] if n.startswith("recovery.mode is 'peer'")]

@@ -1,4 +1,4 @@
-"""Reading what the workers' data paths loaded (ELASTRAIN_TRACE_SAMPLES, see worker.trace)."""
+"""Reading what the workers' data paths loaded (ELASTRAIN_TRACE_SAMPLES, see worker.datapath.trace)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.integration.launch import Run
-from worker.trace import rng_fingerprint
+from worker.datapath.trace import rng_fingerprint
 
 
 def trace_rows(directory: Path) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.nn import functional
 
-from worker.data import tokens
+from worker.datapath.datasets import tokens
 
 
 def gpt2(
@@ -75,6 +75,6 @@ def file_tokens(samples: int | None, seed: int, split: str = "train", *, path: s
     rows = (len(ids) - 1) // seq_len
     x = torch.from_numpy(ids[: rows * seq_len].reshape(rows, seq_len))
     y = torch.from_numpy(ids[1 : rows * seq_len + 1].reshape(rows, seq_len))
-    from worker.data import TensorData
+    from worker.datapath.datasets import TensorData
 
     return TensorData(x, y, "lm", {"vocab_size": int(ids.max()) + 1, "seq_len": seq_len, "task": "lm"})

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from worker.checkpoint.checkpointer import Checkpointer
-from worker.spec import CheckpointSpec
+from worker.jobspec.spec import CheckpointSpec
 
 
 def model_and_optim(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.unit.checkpoint.helpers import checkpointer, model_and_optim, save, state_equal, train
-from tests.unit.waiting import eventually
+from tests.waiting import eventually
 from worker import failpoints
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.layout import list_published, read_latest
@@ -299,7 +299,7 @@ def test_saving_the_same_step_twice_is_a_no_op(tmp_path: Path) -> None:
 
 def test_disabled_without_dir(tmp_path: Path) -> None:
     from worker.checkpoint.checkpointer import Checkpointer
-    from worker.spec import CheckpointSpec
+    from worker.jobspec.spec import CheckpointSpec
 
     ck = Checkpointer(CheckpointSpec(), job="j", spec_hash="", data_version="", rank=0, world_size=1,
                       generation=0, parallelism="ddp", seed=0, run_record={})  # fmt: skip

@@ -14,7 +14,7 @@ from worker.checkpoint.interval import (
     should_save,
     young_daly_seconds,
 )
-from worker.spec import CheckpointSpec
+from worker.jobspec.spec import CheckpointSpec
 
 
 def test_young_daly() -> None:

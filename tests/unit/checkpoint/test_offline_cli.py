@@ -151,7 +151,7 @@ ROOTS = {pkg.__name__: Path(pkg.__file__ or "").resolve().parents[1] for pkg in 
 TORCH_FREE = [
     "service.cli.checkpoint", "worker.checkpoint.coordinator", "worker.checkpoint.retention",
     "worker.checkpoint.interval", "worker.checkpoint.export", "worker.checkpoint.owner",
-    "worker.jsonlimits",
+    "worker.jobspec.jsonlimits",
 ]  # fmt: skip
 
 

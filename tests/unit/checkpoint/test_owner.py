@@ -23,7 +23,7 @@ from worker.checkpoint.owner import (
 )
 from worker.checkpoint.retention import apply_retention
 from worker.errors import CheckpointError, SpecError
-from worker.spec import RetentionSpec
+from worker.jobspec.spec import RetentionSpec
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from worker.checkpoint.retention import CheckpointInfo, plan_retention
-from worker.spec import RetentionSpec
+from worker.jobspec.spec import RetentionSpec
 
 
 def _ckpts(steps: list[int], loss: dict[int, float] | None = None) -> list[CheckpointInfo]:

@@ -24,7 +24,7 @@ from service.rendezvous.config import RendezvousConfig
 from service.settings import Settings
 from tests.specs import raw_spec
 from worker.errors import SpecError
-from worker.spec import JobSpec, parse_spec
+from worker.jobspec.spec import JobSpec, parse_spec
 
 
 def make_spec(**overrides: Any) -> JobSpec:

@@ -16,7 +16,7 @@ from service.launch.dryrun import KubernetesLaunch, LocalLaunch, kubernetes_dryr
 from service.launch.protocol import NodeLaunch
 from service.launch.torchx_scheduler import LOCAL_PREFIX, TorchXScheduler
 from tests.specs import make_spec
-from worker.spec import parse_spec
+from worker.jobspec.spec import parse_spec
 
 SPEC = make_spec("demo", nodes="1:2")
 NODE = NodeLaunch("job-7", SPEC, 1, "job-7-n1-a3", {"ELASTRAIN_SERVICE_URL": "http://svc:8080"})

@@ -14,7 +14,7 @@ from service.launch.apps import SchedulerSettings, local_node_app
 from service.launch.protocol import NodeLaunch
 from tests.specs import raw_spec
 from worker.errors import SpecError
-from worker.spec import JobSpec, parse_spec
+from worker.jobspec.spec import JobSpec, parse_spec
 
 
 def spec(**overrides: Any) -> JobSpec:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from worker import lifeline
-from worker.lifeline import Sight, dying, on_last_words, say_last_words, should_install, watch
+from worker.start import lifeline
+from worker.start.lifeline import Sight, dying, on_last_words, say_last_words, should_install, watch
 
 
 def test_installed_only_under_a_torchrun_agent() -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.unit.waiting import eventually
+from tests.waiting import eventually
 from worker.recovery.membership import Keys, KeyValueUnavailable, Membership, MemoryKeyValue
 from worker.recovery.records import Desired, GenRecord, MemberInfo, RecordError, dump
 
@@ -110,7 +110,7 @@ def test_memory_store_semantics() -> None:
 
 
 def test_a_re_formed_members_entry_is_written_when_it_is_published_not_at_the_re_formation() -> None:
-    """The entry's new role, generation and version wait for publish() (worker.loop calls it
+    """The entry's new role, generation and version wait for publish() (worker.peer.loop calls it
     after the generation's first step): the lease thread's write kept off the join's window."""
     from worker.recovery.handover import Handed
     from worker.recovery.plan import Policy

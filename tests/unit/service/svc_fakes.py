@@ -13,7 +13,7 @@ from worker.checkpoint.layout import shard_file_name, staging_dir_name
 from worker.checkpoint.manifest import TensorEntry
 from worker.checkpoint.saveplan import TensorInfo, split_replicated
 from worker.checkpoint.shardio import write_shard
-from worker.spec import JobSpec
+from worker.jobspec.spec import JobSpec
 
 
 def with_recovery(

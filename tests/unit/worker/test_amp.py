@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.amp import ScalerState, next_scale
-from worker.spec import LossScaleSpec
+from worker.jobspec.spec import LossScaleSpec
+from worker.train.amp import ScalerState, next_scale
 
 CFG = LossScaleSpec(init_scale=1024.0, growth_interval=3, min_scale=1.0)
 
@@ -30,7 +30,7 @@ def test_the_precision_table_draws_from_no_generator() -> None:
     """It runs between the RNG restore and the first step of a resumed run (issue 12, item 2)."""
     import torch
 
-    from worker.amp import precision_table
+    from worker.train.amp import precision_table
 
     before = torch.get_rng_state()
     table = precision_table("bf16", torch.device("cpu"), {"params": ["fp32"], "optimizer_state": []})
@@ -41,7 +41,7 @@ def test_the_precision_table_draws_from_no_generator() -> None:
 def test_the_optimizer_entry_reports_the_real_master_state() -> None:
     import torch
 
-    from worker.amp import OPTIMIZER_ROW, precision_table, state_dtypes
+    from worker.train.amp import OPTIMIZER_ROW, precision_table, state_dtypes
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())

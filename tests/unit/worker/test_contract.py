@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from worker.contract import check_contract
-from worker.data import TensorData, synthetic, tokens
+from worker.datapath.datasets import TensorData, synthetic, tokens
 from worker.errors import SpecError
-from worker.models import MLP, TinyGPT
-from worker.objective import Objective
+from worker.start.contract import check_contract
+from worker.start.models import MLP, TinyGPT
+from worker.train.objective import Objective
 
 CPU = torch.device("cpu")
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.data import DEFAULT_SAMPLES, build_data
+from worker.datapath.datasets import DEFAULT_SAMPLES, build_data
 from worker.errors import SpecError
-from worker.models import build_model
-from worker.spec import DataSpec, ModelSpec
+from worker.jobspec.spec import DataSpec, ModelSpec
+from worker.start.models import build_model
 
 FILE_FACTORY = "tests.integration.worker.user_models:file_tokens"
 

@@ -14,10 +14,18 @@ import pytest
 import torch
 
 from worker.checkpoint.rng import capture_rng
-from worker.data import synthetic, tokens
-from worker.feed import DEFAULT_DEPTH, RANDOM_BATCH_NOTE, Feed, PrefetchFeed, choose_depth, make_feed, probe
-from worker.sampler import SamplerState
-from worker.trace import rng_fingerprint
+from worker.datapath.datasets import synthetic, tokens
+from worker.datapath.feed import (
+    DEFAULT_DEPTH,
+    RANDOM_BATCH_NOTE,
+    Feed,
+    PrefetchFeed,
+    choose_depth,
+    make_feed,
+    probe,
+)
+from worker.datapath.sampler import SamplerState
+from worker.datapath.trace import rng_fingerprint
 
 
 def feed(data: Any, depth: int, *, rank: int = 1, world: int = 3, b: int = 4, a: int = 2) -> Feed:

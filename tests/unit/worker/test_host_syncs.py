@@ -2,7 +2,7 @@
 
 No GPU here, so the step runs on PyTorch's ``meta`` device instead: tensors with shapes and no
 memory the host can read. Any read of a device value there (``.item()``, ``float()``, ``bool()``,
-``.tolist()``, ``.cpu()``...) raises, except through :func:`worker.step.to_host`, the step's one
+``.tolist()``, ``.cpu()``...) raises, except through :func:`worker.train.step.to_host`, the step's one
 read, which this test replaces by a counter that returns zeros (a finite, not-skipped step). On a
 GPU each of those reads is a wait for every kernel queued before it.
 """
@@ -17,16 +17,16 @@ import pytest
 import torch
 from torch import nn
 
-from worker import step
-from worker.amp import DynamicLossScaler
-from worker.data import tokens
-from worker.feed import Feed
-from worker.models import build_model
-from worker.monitor import GradMonitor
-from worker.objective import Objective
-from worker.sampler import SamplerState
-from worker.setup import Wrapped
-from worker.spec import LossScaleSpec, ModelSpec
+from worker.datapath.datasets import tokens
+from worker.datapath.feed import Feed
+from worker.datapath.sampler import SamplerState
+from worker.jobspec.spec import LossScaleSpec, ModelSpec
+from worker.start.models import build_model
+from worker.start.parts import Wrapped
+from worker.train import step
+from worker.train.amp import DynamicLossScaler
+from worker.train.monitor import GradMonitor
+from worker.train.objective import Objective
 
 META = torch.device("meta")
 

@@ -1,4 +1,4 @@
-"""worker.jsonlimits: JSON from outside the process is read with a size cap and a depth cap,
+"""worker.jobspec.jsonlimits: JSON from outside the process is read with a size cap and a depth cap,
 and (opt-in) without duplicate keys or non-finite numbers; every refusal is one clear line."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from worker.jsonlimits import JSONRefused, json_depth, loads
+from worker.jobspec.jsonlimits import JSONRefused, json_depth, loads
 
 
 def _reference_depth(data: bytes) -> int:

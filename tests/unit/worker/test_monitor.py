@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from worker.monitor import GradMonitor, pending_stats
+from worker.train.monitor import GradMonitor, pending_stats
 
 CPU = torch.device("cpu")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.nn import functional
 
-from worker.data import loss_sum
+from worker.datapath.datasets import loss_sum
 from worker.errors import SpecError
-from worker.objective import Objective, describe, per_sample
+from worker.train.objective import Objective, describe, per_sample
 
 LOGITS = torch.randn(4, 5, 7, generator=torch.Generator().manual_seed(0))
 TARGETS = torch.randint(0, 7, (4, 5), generator=torch.Generator().manual_seed(1))

@@ -1,6 +1,6 @@
-"""Peer mode's start from the service's launch environment (worker.peermode), the reporter that
-follows the group's rank 0 and its recoveries' leader (worker.service_client.EventForwarder,
-worker.events.Events.record), and the spec fields that choose the mode (worker.spec_recovery)."""
+"""Peer mode's start from the service's launch environment (worker.peer.member), the reporter that
+follows the group's rank 0 and its recoveries' leader (worker.report.service_client.EventForwarder,
+worker.report.events.Events.record), and the spec fields that choose the mode (worker.jobspec.recovery)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from typing import Any
 import pytest
 
 from tests.specs import raw_spec
-from worker import peermode
-from worker.dist import DistInfo
 from worker.errors import SpecError
-from worker.events import Events
-from worker.loop import keeps_save_in_flight, merge_slots
+from worker.jobspec.recovery import effective_mode, restart_note
+from worker.jobspec.spec import parse_spec
+from worker.peer import member as peermode
+from worker.peer.loop import keeps_save_in_flight, merge_slots
 from worker.recovery.failure import Failure
 from worker.recovery.seam import Outcome
-from worker.service_client import EventForwarder
-from worker.spec import parse_spec
-from worker.spec_recovery import effective_mode, restart_note
+from worker.report.events import Events
+from worker.report.service_client import EventForwarder
+from worker.start.dist import DistInfo
 
 RAW: dict[str, Any] = raw_spec("peer", micro_batch_size=4, nodes="1:3", initial_nodes=2, nproc_per_node=2)
 INFO = DistInfo(0, 2, 0, "gloo", "cpu", 0, True)

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from worker.sampler import SamplerState, epoch_order, indices, plan_window, split_evenly
+from worker.datapath.sampler import SamplerState, epoch_order, indices, plan_window, split_evenly
 
 
 def consume(

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from worker.errors import SpecError
-from worker.schedule import lr_at, plan_batch
-from worker.spec import LRScheduleSpec, parse_spec
+from worker.jobspec.spec import LRScheduleSpec, parse_spec
+from worker.train.schedule import lr_at, plan_batch
 
 
 def spec(**over: object) -> object:

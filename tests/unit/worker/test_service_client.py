@@ -12,8 +12,8 @@ import threading
 import httpx
 
 from worker.checkpoint.commit import Report
-from worker.jsonlimits import finite, loads
-from worker.service_client import HttpCoordinator, ServiceClient, ServiceConfig
+from worker.jobspec.jsonlimits import finite, loads
+from worker.report.service_client import HttpCoordinator, ServiceClient, ServiceConfig
 
 CFG = ServiceConfig(url="http://svc", token="t", job_id="job-1", launch_id="job-1-n0", node_index=0)
 
@@ -115,7 +115,7 @@ def test_a_rank_that_stops_says_why_where_and_in_which_attempt() -> None:
     """What the service needs to tell a deterministic error (same line, same step, next attempt)
     from a one-off; the body is a valid WorkerEvent."""
     from service.jobs.events import WorkerEvent
-    from worker.service_client import attempt_id
+    from worker.report.service_client import attempt_id
 
     seen = Recorder()
     client = ServiceClient(CFG, heartbeat_s=3600, progress_s=3600, transport=httpx.MockTransport(seen))

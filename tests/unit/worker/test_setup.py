@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.setup import params_digest, shared_parameters
+from worker.start.parts import params_digest, shared_parameters
 
 
 class Tied(nn.Module):

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from worker import sizing
-from worker.data import build_data
+from worker.datapath import sizing
+from worker.datapath.datasets import build_data
 from worker.errors import SpecError
-from worker.models import build_model
-from worker.spec import DataSpec, ModelSpec
+from worker.jobspec.spec import DataSpec, ModelSpec
+from worker.start.models import build_model
 
 GIB = 1 << 30
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from worker.errors import SpecError
-from worker.spec import parse_nodes, parse_spec
+from worker.jobspec.spec import parse_nodes, parse_spec
 
 EXAMPLE = (
     '{"name": "demo", "model": {"name": "mlp"}, "data": {"name": "synthetic", "samples": 2048}, '

@@ -1,4 +1,4 @@
-"""worker/startgc.py: the collector off while a worker starts, frozen and on again after."""
+"""worker/start/startgc.py: the collector off while a worker starts, frozen and on again after."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker import startgc
+from worker.start import startgc
 
 
 @pytest.fixture

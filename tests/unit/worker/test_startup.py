@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from tests.unit.waiting import eventually
+from tests.waiting import eventually
 from worker.checkpoint.coordinator import MemoryStore
-from worker.dist import backend_note, detect, init_group
 from worker.errors import SpecError
-from worker.startup import StartupTimeout, Watchdog, agree_round
+from worker.start.dist import backend_note, detect, init_group
+from worker.start.rounds import StartupTimeout, Watchdog, agree_round
 
 BASE = "elastrain/round/job"
 

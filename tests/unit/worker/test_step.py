@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from worker.amp import DynamicLossScaler
-from worker.spec import LossScaleSpec
-from worker.step import StepResult, optimizer_step
+from worker.jobspec.spec import LossScaleSpec
+from worker.train.amp import DynamicLossScaler
+from worker.train.step import StepResult, optimizer_step
 
 
 def model_with_grad(grad: list[float]) -> nn.Linear:
@@ -99,7 +99,7 @@ class FakeCommit:
 
 
 def test_the_commit_vote_decides_and_a_refused_vote_changes_nothing() -> None:
-    """Peer mode's commit point (worker.loop): the ballot rides on the step's reduction and comes
+    """Peer mode's commit point (worker.peer.loop): the ballot rides on the step's reduction and comes
     back after the save votes; the group's verdict replaces the local flag, and a vote that raises
     (the group broke) leaves weights, moments and the scaler as they were."""
     model = model_with_grad([1.0, 2.0])

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.data import build_data, has_eval
+from worker.datapath.datasets import build_data, has_eval
 from worker.errors import SpecError
-from worker.spec import DataSpec, JobSpec, parse_spec
+from worker.jobspec.spec import DataSpec, JobSpec, parse_spec
 
 
 def write(path: Path, ids: Any, dtype: str = "uint16") -> Path:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from worker.checkpoint.rng import capture_rng
-from worker.data import synthetic
-from worker.feed import Feed, make_feed
-from worker.sampler import SamplerState, epoch_order
-from worker.trace import LoadRecorder, rng_fingerprint, spent, thread_clock
+from worker.datapath.datasets import synthetic
+from worker.datapath.feed import Feed, make_feed
+from worker.datapath.sampler import SamplerState, epoch_order
+from worker.datapath.trace import LoadRecorder, rng_fingerprint, spent, thread_clock
 
 
 def feed(data: object, depth: int) -> Feed:

@@ -16,7 +16,7 @@ from worker.checkpoint.manifest.model import (
 )
 from worker.checkpoint.manifest.rules import validate
 from worker.errors import CorruptCheckpointError
-from worker.jsonlimits import JSONRefused, loads
+from worker.jobspec.jsonlimits import JSONRefused, loads
 
 _MAX_INT = 1 << 63
 

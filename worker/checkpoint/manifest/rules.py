@@ -18,7 +18,7 @@ from worker.checkpoint.manifest.model import (
     manifest_cap,
 )
 from worker.errors import CheckpointError, CorruptCheckpointError
-from worker.jsonlimits import json_depth
+from worker.jobspec.jsonlimits import json_depth
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")

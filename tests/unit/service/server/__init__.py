@@ -1,0 +1,1 @@
+"""Unit tests of ``service/server.py``, its settings and ports."""

@@ -1,0 +1,171 @@
+"""The built-in ``token-file`` dataset: a flat binary file of token ids, read through a memory map.
+
+The format nanoGPT's ``prepare.py`` (and many other tokenizing scripts) writes: token ids one after
+another, ``uint16`` or ``uint32``, little-endian, no header (``np.array(ids, np.uint16).tofile``).
+Nothing is read into memory up front: ``np.memmap`` maps the file and ``batch()`` copies the few
+windows a micro-batch needs, so a file larger than memory trains as well as a small one, and the
+ranks of a machine share its pages.
+
+Sample ``i`` is the window ``tokens[i*L : i*L + L + 1]`` (``L`` = ``seq_len``): its first ``L``
+ids are the inputs, the ``L`` after the first one the targets (the next token at every position).
+Windows do not overlap (the last token of one is the first of the next), so a file of ``n``
+tokens holds ``(n - 1) // L`` samples, and a tail shorter than a window is not trained on. The
+sampler indexes windows, so every window is trained exactly once per epoch, at any world size and
+across restarts, as with any dataset. (nanoGPT draws random offsets instead: a sample there is
+not a unit that can be counted once.)
+
+Held-out data: ``eval_path`` (a second file in the same format: its windows, the first
+``eval_samples`` of them if that is given), or else the last ``eval_samples`` windows of ``path``,
+which training then does not use. ``samples`` trains on the first ``samples`` windows.
+``vocab_size`` (the model's vocabulary, ``meta["vocab_size"]``): the field, or else the largest id
+in the file(s) plus one, found by one pass over them when the run starts (give the field for a
+large file). A window holding an id at or above a given ``vocab_size`` stops the run with a line
+naming the window.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.errors import SpecError
+from worker.jobspec.spec import DataSpec
+
+DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_SCAN_CHUNK = 1 << 24  # ids per chunk when looking for the largest one
+
+
+@dataclass
+class TokenFile:
+    """Windows ``first .. first + count - 1`` of a token file (see the module)."""
+
+    tokens: np.ndarray
+    seq_len: int
+    first: int
+    count: int
+    path: str
+    vocab_size: int | None = None
+    """Checked against every window loaded when given by the spec (None: derived, so no id is
+    out of range)."""
+    task: str = "lm"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.count):
+            raise IndexError(f"window index out of range 0..{self.count - 1}: {idx.min()}..{idx.max()}")
+        span = self.seq_len + 1
+        rows = np.empty((idx.size, span), dtype=np.int64)
+        for row, i in enumerate(idx):
+            start = (int(i) + self.first) * self.seq_len
+            rows[row] = self.tokens[start : start + span]
+        if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:
+            bad = int(np.argmax(rows.max(axis=1) >= self.vocab_size))
+            raise SpecError(
+                f"field 'data.vocab_size': window {int(idx[bad]) + self.first} of {self.path!r} holds "
+                f"token id {int(rows[bad].max())}, not below {self.vocab_size}; give the tokenizer's "
+                "vocabulary size, or leave data.vocab_size unset to take the largest id + 1"
+            )
+        seq = torch.from_numpy(rows)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def open_tokens(path: str, dtype: str, *, field: str) -> np.ndarray:
+    """Map a token file read-only. Raises SpecError naming ``field`` (or data.dtype) and the fix."""
+    item = DTYPES[dtype].itemsize
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise SpecError(
+            f"field '{field}': no file at {path!r}; give the path of a flat binary file of token "
+            "ids, as the rank sees it (nanoGPT's prepare.py writes train.bin and val.bin)"
+        ) from None
+    except OSError as exc:
+        raise SpecError(f"field '{field}': cannot read {path!r}: {exc.strerror}") from None
+    if not Path(path).is_file():
+        raise SpecError(f"field '{field}': {path!r} is not a file; give a flat binary file of token ids")
+    if size == 0:
+        raise SpecError(f"field '{field}': {path!r} is empty; it holds no token ids")
+    if size % item:
+        hint = "; uint16 would fit" if dtype == "uint32" and size % 2 == 0 else ""
+        raise SpecError(
+            f"field 'data.dtype': {path!r} is {size} bytes, not a whole number of {dtype} ids "
+            f"({item} bytes each){hint}; give the dtype the file was written with"
+        )
+    try:
+        return np.memmap(path, dtype=DTYPES[dtype], mode="r")
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"field '{field}': cannot map {path!r}: {exc}") from None
+
+
+def windows_in(tokens: np.ndarray, seq_len: int, *, field: str, path: str) -> int:
+    """How many windows of ``seq_len`` a file holds; SpecError on data.seq_len when none fit."""
+    count = (len(tokens) - 1) // seq_len
+    if count < 1:
+        raise SpecError(
+            f"field 'data.seq_len': {seq_len} needs at least {seq_len + 1} tokens, and {path!r} "
+            f"({field}) holds {len(tokens)}; give a smaller seq_len or a longer file"
+        )
+    return count
+
+
+@functools.lru_cache(maxsize=8)
+def _largest_id(path: str, dtype: str, size: int, mtime_ns: int) -> int:
+    tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")
+    return max(int(tokens[i : i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK))
+
+
+def largest_id(path: str, dtype: str) -> int:
+    """The largest token id in a file (one pass; cached for the file as it is now)."""
+    st = os.stat(path)
+    return _largest_id(path, dtype, st.st_size, st.st_mtime_ns)
+
+
+def token_file(spec: DataSpec, split: str) -> TokenFile:
+    """The ``split`` ("train" or "eval") of a token-file spec. Raises SpecError naming the field."""
+    assert spec.path is not None and spec.dtype is not None and spec.seq_len is not None  # the schema
+    seq_len, dtype = spec.seq_len, spec.dtype
+    tokens = open_tokens(spec.path, dtype, field="data.path")
+    total = windows_in(tokens, seq_len, field="data.path", path=spec.path)
+    held_out = spec.eval_samples if spec.eval_path is None else 0
+    if held_out >= total:
+        raise SpecError(
+            f"field 'data.eval_samples': holding out {held_out} of the {total} windows of "
+            f"{spec.path!r} (seq_len {seq_len}) leaves none to train on; give fewer, or an eval_path"
+        )
+    trainable = total - held_out
+    if spec.samples is not None and spec.samples > trainable:
+        raise SpecError(
+            f"field 'data.samples': {spec.path!r} holds {trainable} windows of seq_len {seq_len}"
+            + (f" besides the {held_out} held out" if held_out else "")
+            + f", not {spec.samples}; give at most {trainable}, or leave it unset to train on all"
+        )
+    eval_tokens = open_tokens(spec.eval_path, dtype, field="data.eval_path") if spec.eval_path else None
+    vocab = spec.vocab_size
+    if vocab is None:
+        vocab = 1 + max(largest_id(p, dtype) for p in (spec.path, spec.eval_path) if p is not None)
+    meta = {"vocab_size": vocab, "seq_len": seq_len, "task": "lm"}
+    checked = spec.vocab_size  # a derived vocabulary holds every id
+    if split == "train":
+        count = spec.samples if spec.samples is not None else trainable
+        return TokenFile(tokens, seq_len, 0, count, spec.path, checked, meta=meta)
+    if eval_tokens is None:
+        return TokenFile(tokens, seq_len, trainable, held_out, spec.path, checked, meta=meta)
+    assert spec.eval_path is not None
+    available = windows_in(eval_tokens, seq_len, field="data.eval_path", path=spec.eval_path)
+    if spec.eval_samples > available:
+        raise SpecError(
+            f"field 'data.eval_samples': {spec.eval_path!r} holds {available} windows of seq_len "
+            f"{seq_len}, not {spec.eval_samples}; give at most {available}, or 0 for all of them"
+        )
+    count = spec.eval_samples or available
+    return TokenFile(eval_tokens, seq_len, 0, count, spec.eval_path, checked, meta=meta)

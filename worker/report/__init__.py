@@ -1,0 +1,2 @@
+"""What a worker tells the outside: its events (stdout, stderr, the run's log) and the
+control plane's client."""
