@@ -59,6 +59,16 @@ WORKER_FOR_SERVICE = {
     "worker.checkpoint.retention",
     "worker.checkpoint.verify",
 }
+# worker's top level: the entry point, what both run modes share, and the torch-free modules the
+# control plane shares; every other module lives in its part (ARCHITECTURE.md).
+WORKER_TOP = {
+    "worker.__main__",
+    "worker.main",
+    "worker.wiring",
+    "worker.errors",
+    "worker.failpoints",
+    "worker.etcdclient",
+}
 # The project's code, whose modules may not import one another in a cycle.
 PACKAGES = ("service", "worker", "scripts", "benchmarks")
 # The torchrun rendezvous plugin: runs inside torchrun agents, imports torch.
@@ -145,6 +155,15 @@ def test_each_part_of_the_control_plane_imports_only_the_parts_below_it() -> Non
             if theirs.startswith("service.") and theirs != mine and theirs not in MAY_IMPORT[mine]:
                 offenders.append(f"{name} imports {target}")
     assert not offenders, "imports against ARCHITECTURE.md:\n" + "\n".join(offenders)
+
+
+def test_every_module_of_worker_lives_in_its_part() -> None:
+    loose = sorted(
+        name
+        for name, path in modules("worker")
+        if name.count(".") == 1 and path.name != "__init__.py" and name not in WORKER_TOP
+    )
+    assert not loose, f"modules at worker/'s top level: put each in its part (ARCHITECTURE.md): {loose}"
 
 
 def test_the_control_plane_imports_only_the_listed_modules_of_worker() -> None:
