@@ -25,9 +25,10 @@ import torch
 from torch.nn import functional
 
 from worker.errors import SpecError
-from worker.models import check_kwargs, load_factory
+from worker.models import check_kwargs
 from worker.sizing import check_builtin_fits, is_out_of_memory, out_of_memory
 from worker.spec import DataSpec
+from worker.usercode import load_factory
 
 TASKS = ("regression", "classification", "lm")
 

@@ -29,8 +29,9 @@ from torch import nn
 
 from worker.data import TASKS, Dataset, loss_sum
 from worker.errors import SpecError
-from worker.models import check_kwargs, load_factory
+from worker.models import check_kwargs
 from worker.spec import JobSpec
+from worker.usercode import load_factory
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 
