@@ -105,10 +105,10 @@ def open_tokens(path: str, dtype: str, *, field: str, vocab_size: int | None = N
     if size == 0:
         raise SpecError(f"field '{field}': {path!r} is empty; it holds no token ids")
     if size % item:
-        hint = "; uint16 would fit" if dtype == "uint32" and size % 2 == 0 else ""
+        fix = "give data.dtype 'uint16'" if dtype == "uint32" and size % 2 == 0 else "give the dtype"
         raise SpecError(
             f"field 'data.dtype': {path!r} is {size} bytes, not a whole number of {dtype} ids "
-            f"({item} bytes each){hint}; give the dtype the file was written with"
+            f"({item} bytes each); {fix} the file was written with"
         )
     try:
         tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")

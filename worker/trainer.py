@@ -17,7 +17,7 @@ from worker.build import Built
 from worker.checkpoint.rng import capture_rng
 from worker.dist import DistInfo
 from worker.evaluation import evaluate
-from worker.events import Events, progress_line
+from worker.events import Events, progress_line, resumed_line
 from worker.feed import Feed, make_feed
 from worker.metrics import WorkerMetrics, peak_memory_bytes
 from worker.monitor import GradMonitor, GradStats
@@ -149,6 +149,12 @@ class Trainer:
             rng_restored=restored.rng_restored,
             batch_plan=self.plan.to_json(),
         )
+        self.events.say(
+            resumed_line(
+                step=restored.step, checkpoint=str(restored.path), samples=self.progress.samples_seen,
+                world_size=self.info.world_size, saved_at=restored.saved_world_size, note=self.plan.note,
+            )
+        )  # fmt: skip
 
     def _write_record(self, record: dict[str, Any]) -> None:
         out = self.spec.checkpoint.dir

@@ -96,8 +96,8 @@ def test_eval_path_is_evaluated_whole_or_its_first_eval_samples(train: Path, tmp
         (
             lambda p: p.write_bytes(b"\0" * 22),
             {"dtype": "uint32"},
-            r"^field .data.dtype.: .* is 22 bytes, not a whole number of uint32 ids \(4 bytes each\); uint16 "
-            "would fit",
+            r"^field .data.dtype.: .* is 22 bytes, not a whole number of uint32 ids \(4 bytes each\); give "
+            "data.dtype 'uint16' the file was written with",
         ),
         (
             lambda p: write(p, np.arange(10)),
