@@ -2,7 +2,9 @@
 
 Starts ``elastrain serve`` (embedded etcd, local TorchX scheduler), submits a small job on 2 of
 1..3 nodes, SIGKILLs one worker once a checkpoint is published, shows the recovery, scales the
-job to 3 nodes, lets it finish and prints where the checkpoints and metrics are.
+job to 3 nodes, lets it finish and prints where the checkpoints and the report are. Run from a
+terminal, the service then stays up (its URL, metrics and API token file printed) until Ctrl-C;
+run without one (CI, a pipe), it stops at once and prints no URL that is about to go away.
 """
 
 from __future__ import annotations
@@ -118,14 +120,22 @@ def main() -> int:
     WORKDIR.mkdir(parents=True)
     port, token = free_port(), secrets.token_urlsafe(24)
     url = f"http://127.0.0.1:{port}"
-    env = os.environ | {"ELASTRAIN_API_TOKEN": token, "OMP_NUM_THREADS": "1"}
+    token_file = WORKDIR / "api-token"  # where `elastrain serve` reads it; never printed
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
     log = (WORKDIR / "service.log").open("w")
     say(f"starting elastrain serve on {url} (embedded etcd, data dir {WORKDIR})")
     cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--data-dir", str(WORKDIR)]
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
     try:
-        return run(http, url)
+        code = run(http)
+        finish(url, token_file, interactive=sys.stdin.isatty() and sys.stdout.isatty(), wait=server.wait)
+        return code
+    except KeyboardInterrupt:
+        return 130
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -135,6 +145,17 @@ def main() -> int:
         say("service stopped")
 
 
+def finish(url: str, token_file: Path, *, interactive: bool, wait: Callable[[], object]) -> None:
+    """After the job: from a terminal, say where the running service is and keep it up until
+    Ctrl-C (``wait`` returns when the service ends on its own); otherwise return at once, and the
+    service is stopped without its URL having been offered."""
+    if not interactive:
+        return
+    say(f"the service stays up at {url} (metrics: {url}/metrics) until you press Ctrl-C; try")
+    say(f"  .venv/bin/elastrain jobs --url {url} --token-file {token_file}")
+    wait()
+
+
 def ok(http: httpx.Client, path: str) -> bool:
     try:
         return http.get(path).status_code == 200
@@ -142,7 +163,7 @@ def ok(http: httpx.Client, path: str) -> bool:
         return False
 
 
-def run(http: httpx.Client, url: str) -> int:
+def run(http: httpx.Client) -> int:
     wait_for("the service to be ready", lambda: ok(http, "/readyz"), timeout=120)
     answer = http.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": "demo"})
     answer.raise_for_status()
@@ -201,9 +222,8 @@ def run(http: httpx.Client, url: str) -> int:
     say(f"job {job_id} {final['state']}" + (f": {reason}" if reason else ""))
     for ck in checkpoints.get("checkpoints", []):
         say(f"  checkpoint step {ck.get('step')} world size {ck.get('world_size')} bytes {ck.get('bytes')}")
-    say(f"checkpoints: {final['checkpoint_dir']}")
-    say(f"metrics: {url}/metrics (service); worker logs and metrics targets under {WORKDIR}")
-    say(f"report (works offline, from the run directory): elastrain report {final['checkpoint_dir']}")
+    say(f"checkpoints: {final['checkpoint_dir']}; worker logs and metrics targets under {WORKDIR}")
+    say(f"report (offline, from the run directory): .venv/bin/elastrain report {final['checkpoint_dir']}")
     return 0 if final["state"] == "SUCCEEDED" else 1
 
 

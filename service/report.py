@@ -12,12 +12,14 @@ samples_per_second, world_size; and, from :meth:`worker.metrics.WorkerMetrics.pr
 ``step_seconds`` list, ``data_wait_seconds``, ``comm_exposed_seconds``, ``tokens``,
 ``peak_memory_bytes``), ``started``, ``group_formed``, ``checkpoint_restored``, ``resumed``,
 ``run_record``, ``first_step``, ``skipped_step``, ``checkpoint_published``,
-``checkpoint_aborted``, ``finished``; in peer mode (issue 14) ``recovery_incident`` (one per
+``checkpoint_aborted``, ``finished``; in peer mode ``recovery_incident`` (one per
 incident, from the leader that repaired the group: ``incident``, ``kind``, ``lost_launch_ids``,
 ``failed_at``, ``detected_at``, ``phases`` with the Unix times ``formed``, ``transferred``,
-``ready``, ``bytes_from_peers``, ``voided_windows``, ``world_before``, ``world_after``). A
-``group_formed`` with a ``generation`` is a peer generation formed by processes that kept
-running, not the start of an attempt. Everything here is pure except :func:`load_run`.
+``ready``, ``bytes_from_peers``, ``voided_windows``, ``world_before``, ``world_after``),
+``recovery`` and ``batch_replanned`` (the size of a re-formed group). A ``group_formed`` with a
+``generation`` is a peer generation formed by processes that kept running, not the start of an
+attempt. The run's world sizes are those it finished a step at. Everything here is pure except
+:func:`load_run`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ _TRAIN = {
     *("checkpoint_aborted", "checkpoint_retention_deleted", "finished"),
 }
 _STEP_DONE = ("progress", "first_step", "skipped_step")
+# Where an event says the size of the group that wrote it (or, for a peer recovery's record,
+# the group it formed). In peer mode a re-formed group's rank 0 may have been another rank
+# when the group formed, so its ``group_formed`` is not always in the file: the recovery's
+# record (its leader writes it whatever its rank) and the batch plan say the size too.
+_SIZE_KEYS = {
+    **dict.fromkeys(("run_record", "progress", "group_formed", "finished"), "world_size"),
+    **dict.fromkeys(("batch_replanned", "peer_outcome"), "world_size"),
+    **dict.fromkeys(("recovery_incident", "recovery"), "world_after"),
+}
 
 
 class ReportError(ElastrainError):
@@ -137,16 +148,20 @@ class Attempt:
     finished: bool = False
     progress: list[dict[str, Any]] = field(default_factory=list)
     world_sizes: list[int] = field(default_factory=list)  # in the order the attempt ran at them
+    trained_at: list[int] = field(default_factory=list)  # those it finished a step at
 
     @classmethod
     def of(cls, events: list[dict[str, Any]]) -> Attempt:
         a = cls(events, start=events[0]["time"], end=events[-1]["time"])
         a.progress = [e for e in events if e["event"] == "progress"]
         for e in events:
-            if e.get("world_size") and e["event"] in ("run_record", "progress", "group_formed", "finished"):
-                a.world_size = int(e["world_size"])  # the last one
-                if a.world_size not in a.world_sizes:
-                    a.world_sizes.append(a.world_size)
+            size = e.get(_SIZE_KEYS.get(e["event"], ""))
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+                a.world_size = size  # the last one
+                if size not in a.world_sizes:
+                    a.world_sizes.append(size)
+            if e["event"] in _STEP_DONE and a.world_size and a.world_size not in a.trained_at:
+                a.trained_at.append(a.world_size)
             if e["event"] == "resumed":
                 a.resumed_step = int(e.get("step", 0))
             if e["event"] in _TRAIN and isinstance(e.get("step"), int):
@@ -311,7 +326,7 @@ def build_report(run: Run, *, target_loss: float | None = None, others: Sequence
         "samples_seen": progress[-1].get("samples_seen"),
         "wall_seconds": round(t_end - t0, 3),
         "goodput": goodput(wall_seconds=t_end - t0, productive_seconds=productive),
-        "world_sizes": sorted({w for a in attempts for w in a.world_sizes}),
+        "world_sizes": sorted({w for a in attempts for w in a.trained_at}),
         "throughput": tp,
         "step_seconds": _latency(times, source),
         "comm_exposed_seconds": _share(progress, "comm_exposed_seconds", step_total),

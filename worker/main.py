@@ -18,6 +18,7 @@ import io
 import os
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -126,12 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         startgc.release()
         trainer.run()
     except BaseException as exc:
-        text = f"elastrain worker (rank {info.rank}): error: {exc}\n"
-        line = f"error: {exc}"
-        if not isinstance(exc, ElastrainError):
-            text = traceback.format_exc()
-            line = text.strip().splitlines()[-1]
         step = trainer.progress.step if trainer is not None else None
+        text, line = _stopped(exc, info, spec.checkpoint.dir, step)
         die(text, client, line=line, rank=info.rank, step=step, generation=generation)
     assert trainer is not None
     if client is not None:
@@ -141,6 +138,41 @@ def main(argv: list[str] | None = None) -> int:
     del trainer  # the DDP reducer holds the group: release it before the group goes
     dist.shutdown()
     return 0
+
+
+def _stopped(exc: BaseException, info: DistInfo, run_dir: str | None, step: int | None) -> tuple[str, str]:
+    """What a rank that stops on ``exc`` prints, and the line it reports (call it in the
+    ``except`` block). A group broken by a lost peer is one line saying who and what happens next
+    (the traceback, the transport's and not the run's, goes to the run directory's
+    ``worker-errors.log``); our own errors are one line; anything else is its traceback."""
+    from worker.recovery.failure import classify
+    from worker.report.events import lost_peer_line, torchrun_restarts
+
+    if isinstance(exc, ElastrainError):
+        return f"elastrain worker (rank {info.rank}): error: {exc}\n", f"error: {exc}"
+    text = traceback.format_exc()
+    line = text.strip().splitlines()[-1]
+    if info.world_size < 2 or classify(exc).kind != "crash":
+        return text, line
+    kept = _keep_traceback(run_dir, info.rank, text)
+    said = lost_peer_line(
+        rank=info.rank, world_size=info.world_size, step=step, error=line,
+        restarts=torchrun_restarts(os.environ), checkpoints=run_dir is not None, traceback_at=kept,
+    )  # fmt: skip
+    return said + "\n", line
+
+
+def _keep_traceback(run_dir: str | None, rank: int, text: str) -> str | None:
+    """Append ``text`` to the run directory's ``worker-errors.log``; its path, None without one."""
+    if run_dir is None:
+        return None
+    path = Path(run_dir) / "worker-errors.log"
+    try:
+        with path.open("a", encoding="utf-8") as out:
+            out.write(f"--- rank {rank}, pid {os.getpid()}, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n{text}")
+    except OSError:
+        return None
+    return str(path)
 
 
 def exit_now(code: int) -> NoReturn:

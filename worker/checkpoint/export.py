@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,9 @@ def _write_safetensors(reader: ShardReader, plan: ExportPlan, path: Path) -> int
             for name, stored, dtype in plan.items
         }
         serialize_file(specs, path, metadata=metadata)
+    # The serializer creates its file 0600; give it the mode of a file created as usual (0666
+    # less the umask, as the torch format, config.json and the marker have), read from ours.
+    os.chmod(path, stat.S_IMODE(data_path.stat().st_mode))
     data_path.unlink()
     _fsync(path)
     return total

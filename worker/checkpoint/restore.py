@@ -70,6 +70,7 @@ class Restored:
     notes: list[str] = field(default_factory=list)
     bytes_read: int = 0
     origin: str = ""  # what the steps saved after this load record as their origin
+    saved_world_size: int = 0  # the world size that wrote it
 
 
 def _candidates(ctx: RestoreContext) -> tuple[list[Path], bool]:
@@ -197,6 +198,7 @@ def restore(
         notes=notes,
         bytes_read=nbytes,
         origin=origin_of(ctx.resume, manifest),
+        saved_world_size=manifest.world_size,
     )
 
 

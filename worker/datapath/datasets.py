@@ -27,7 +27,8 @@ from torch.nn import functional
 from worker.datapath.sizing import check_builtin_fits, is_out_of_memory, out_of_memory
 from worker.errors import SpecError
 from worker.jobspec.spec import DataSpec
-from worker.start.models import check_kwargs, load_factory
+from worker.start.models import check_kwargs
+from worker.start.usercode import load_factory
 
 TASKS = ("regression", "classification", "lm")
 

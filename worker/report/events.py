@@ -6,9 +6,10 @@ Only rank 0 speaks unless told otherwise. One JSON object per line, always with 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +61,56 @@ def progress_line(
         f"step {step}/{max_steps}  samples {samples}  loss {loss:.5f}  "
         f"{rate:,.0f} samples/s  loss-scale {scale:g}  skipped {skipped}"
     )
+
+
+def resumed_line(
+    *, step: int, checkpoint: str, samples: int, world_size: int, saved_at: int, note: str
+) -> str:
+    """What a person reads when a run resumes: from which checkpoint and step, at which world
+    size (and the one that saved it, when another), and the batch plan there."""
+    sizes = f"world size {world_size}" + (
+        f" (saved at {saved_at})" if saved_at and saved_at != world_size else ""
+    )
+    return f"resumed from step {step} ({checkpoint}, {samples} samples seen) at {sizes}: {note}"
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ")  # gloo's and c10d's "[file.cc:537] "
+
+
+def lost_peer_line(
+    *,
+    rank: int,
+    world_size: int,
+    step: int | None,
+    error: str,
+    restarts: tuple[int, int] | None,
+    checkpoints: bool,
+    traceback_at: str | None,
+) -> str:
+    """One line for a rank whose group broke under it (a peer died or stalled: see
+    :func:`worker.recovery.failure.classify`): who was lost, when, the transport's words, and what
+    happens next. ``restarts``: torchrun's (restarts done, most allowed), None outside torchrun.
+    Pure."""
+    peer = f"rank {1 - rank}" if world_size == 2 else f"a peer of its group of {world_size}"
+    kind, _, words = error.partition(": ")
+    words = _SOURCE_PREFIX.sub("", words).split(". ")[0] or kind
+    when = "before its first step" if step is None else f"after step {step}"
+    resume = (
+        "resumes from the newest published checkpoint" if checkpoints else "starts over (no checkpoint.dir)"
+    )
+    if restarts is None:
+        then = "the run stops"
+    elif restarts[0] < restarts[1]:
+        then = f"torchrun restarts the group (restart {restarts[0] + 1} of {restarts[1]}), which {resume}"
+    else:
+        then = f"no torchrun restart is left (--max-restarts={restarts[1]}): the run stops"
+    where = f"; traceback in {traceback_at}" if traceback_at else ""
+    return f"elastrain worker (rank {rank}): lost {peer} {when} ({words}); {then}{where}"
+
+
+def torchrun_restarts(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """torchrun's (restarts done, most allowed) from a worker's environment; None outside it."""
+    try:
+        return int(env["TORCHELASTIC_RESTART_COUNT"]), int(env["TORCHELASTIC_MAX_RESTARTS"])
+    except (KeyError, ValueError):
+        return None

@@ -9,7 +9,6 @@ arguments) and returns what it returns: a tensor, a tuple, a mapping or an objec
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from torch import nn
 from worker.datapath.sizing import is_out_of_memory, out_of_memory
 from worker.errors import SpecError
 from worker.jobspec.spec import ModelSpec
+from worker.start.usercode import load_factory
 
 
 def _dropout(p: float) -> nn.Module:
@@ -130,21 +130,6 @@ def _tiny_gpt(meta: dict[str, Any], **kwargs: Any) -> nn.Module:
 
 
 BUILTIN: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "tiny-gpt": _tiny_gpt}
-
-
-def load_factory(path: str, field: str) -> Callable[..., Any]:
-    """Import ``package.module:function``; a failure is a SpecError naming ``field``."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SpecError(
-            f"field '{field}': cannot import module {module_name!r} ({exc}); check PYTHONPATH"
-        ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise SpecError(f"field '{field}': {module_name!r} has no callable {attr!r}")
-    return factory
 
 
 def check_kwargs(target: Callable[..., Any], kwargs: dict[str, Any], field: str, skip: int) -> None:

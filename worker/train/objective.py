@@ -30,7 +30,8 @@ from torch import nn
 from worker.datapath.datasets import TASKS, Dataset, loss_sum
 from worker.errors import SpecError
 from worker.jobspec.spec import JobSpec
-from worker.start.models import check_kwargs, load_factory
+from worker.start.models import check_kwargs
+from worker.start.usercode import load_factory
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 

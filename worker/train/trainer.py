@@ -16,7 +16,7 @@ from worker.datapath.feed import Feed, make_feed
 from worker.datapath.sampler import Window
 from worker.datapath.trace import LoadRecorder, SampleTrace, rng_fingerprint, spent, thread_clock
 from worker.metrics import WorkerMetrics, peak_memory_bytes
-from worker.report.events import Events, progress_line
+from worker.report.events import Events, progress_line, resumed_line
 from worker.start import lifeline, startgc
 from worker.start.build import Built
 from worker.start.dist import DistInfo
@@ -149,6 +149,12 @@ class Trainer:
             rng_restored=restored.rng_restored,
             batch_plan=self.plan.to_json(),
         )
+        self.events.say(
+            resumed_line(
+                step=restored.step, checkpoint=str(restored.path), samples=self.progress.samples_seen,
+                world_size=self.info.world_size, saved_at=restored.saved_world_size, note=self.plan.note,
+            )
+        )  # fmt: skip
 
     def _write_record(self, record: dict[str, Any]) -> None:
         out = self.spec.checkpoint.dir

@@ -2,7 +2,8 @@
 
 A Hugging Face ``GPT2LMHeadModel`` built from a config (no download): tied embeddings
 (``lm_head.weight`` is ``transformer.wte.weight``), dropout in training, and a forward that
-returns a ``CausalLMOutputWithCrossAttentions``. Plus the losses and datasets a team writes.
+returns a ``CausalLMOutputWithCrossAttentions``; a ``GPTNeoXForCausalLM`` the same way (untied,
+rotary positions). Plus the losses and datasets a team writes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ def gpt2(
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # its own loss (with labels); else transformers warns at every call
+    return model
+
+
+def gpt_neox(meta: dict[str, Any], *, layers: int = 2, hidden: int = 32, heads: int = 2) -> Any:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=int(meta["vocab_size"]), max_position_embeddings=int(meta["seq_len"]), hidden_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = GPTNeoXForCausalLM(config)
+    model.loss_type = "ForCausalLM"
     return model
 
 

@@ -6,6 +6,8 @@ once, a wrapper prefix stripped, and the Hugging Face ``config.json`` the checkp
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -151,3 +153,20 @@ def test_a_prefix_that_matches_nothing_is_refused(trained: tuple[nn.Module, Path
     with pytest.raises(CheckpointError, match=r"no model tensor starts with 'hf\.'.*transformer\."):
         export_weights(job, tmp_path / "out", strip_prefix="hf.")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_both_formats_are_written_with_the_mode_of_any_new_file(
+    trained: tuple[nn.Module, Path], tmp_path: Path, umask: int
+) -> None:
+    """0666 less the umask, as the other files of the export: a model shared through a group's
+    directory is readable by whoever may read the rest of it."""
+    _, job = trained
+    old = os.umask(umask)
+    try:
+        paths = [export_weights(job, tmp_path / fmt, fmt=fmt).path for fmt in ("safetensors", "torch")]
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in paths}
+    modes |= {"config.json": stat.S_IMODE((tmp_path / "safetensors" / "config.json").stat().st_mode)}
+    assert modes == dict.fromkeys(["model.safetensors", "pytorch_model.bin", "config.json"], 0o666 & ~umask)

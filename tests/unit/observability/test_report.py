@@ -339,3 +339,26 @@ def test_a_peer_job_that_re_forms_at_other_sizes_reports_each_size() -> None:
     text = render_text(report)
     assert "world sizes    1, 2, 3" in text
     assert "world size 2 (the latest run record's)" in text  # the only record here: the first group's
+
+
+def test_every_world_size_a_step_was_trained_at_is_listed_even_without_a_progress_event_there() -> None:
+    """A peer job shrinks 2 -> 1 when rank 0 dies: the survivor, rank 1 when the group formed,
+    does not write that ``group_formed``, and the few steps at 1 end before a progress event
+    (a large log_every_steps); the recovery's record and the batch plan say the size. A group
+    formed at 4 that failed before its first step is not a size the run trained at."""
+    events = [ev("run_record", 0.0, world_size=2, restart_count=0), ev("first_step", 0.5, step=1)]
+    events += [progress(1.0 + s, s, world=2) for s in (10, 20)]
+    events += [
+        ev("recovery_incident", 25.0, generation=1, world_before=2, world_after=1),
+        ev("batch_replanned", 25.1, world_size=1),
+        ev("first_step", 25.2, step=21),
+        ev("recovery_incident", 27.0, generation=2, world_before=1, world_after=4),
+        ev("recovery_incident", 29.0, generation=3, world_before=4, world_after=3),
+        ev("group_formed", 29.1, generation=3, rank=0, world_size=3),
+        ev("first_step", 29.2, step=24),
+    ]
+    events += [progress(30.0 + s, s, world=3) for s in (30, 40)]
+    events.append(ev("finished", 80.0, step=40, world_size=3))
+    report = build_report(Run("r", events))
+    assert report["world_sizes"] == [1, 2, 3]
+    assert "world sizes    1, 2, 3" in render_text(report)

@@ -3,6 +3,7 @@ its held-out data, its vocabulary, and refusals that name the field and the fix.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from worker.datapath.datasets import build_data, has_eval
+from worker.datapath.tokenfile import written_as
 from worker.errors import SpecError
 from worker.jobspec.spec import DataSpec, JobSpec, parse_spec
 
@@ -94,8 +96,8 @@ def test_eval_path_is_evaluated_whole_or_its_first_eval_samples(train: Path, tmp
         (
             lambda p: p.write_bytes(b"\0" * 22),
             {"dtype": "uint32"},
-            r"^field .data.dtype.: .* is 22 bytes, not a whole number of uint32 ids \(4 bytes each\); uint16 "
-            "would fit",
+            r"^field .data.dtype.: .* is 22 bytes, not a whole number of uint32 ids \(4 bytes each\); give "
+            "data.dtype 'uint16' the file was written with",
         ),
         (
             lambda p: write(p, np.arange(10)),
@@ -178,3 +180,74 @@ def test_the_documented_token_file_spec_is_accepted() -> None:
     raw = BASE | {"data": {"name": "token-file", "path": "/data/train.bin", "eval_path": "/data/val.bin",
                            "dtype": "uint16", "seq_len": 1024, "vocab_size": 50304}}  # fmt: skip
     assert isinstance(parse_spec(raw), JobSpec)
+
+
+def text_like(count: int, vocab: int = 50_304, seed: int = 0) -> np.ndarray:
+    """Ids as a tokenizer gives them: spread over the vocabulary, a few of them 0."""
+    return np.random.default_rng(seed).integers(0, vocab, count)
+
+
+@pytest.mark.parametrize(
+    ("written", "vocab", "declared", "looks", "give"),
+    [
+        ("int64", 50_304, "uint16", "int64", "uint16"),  # np.array(ids).tofile, as nanoGPT reads it
+        ("int64", 100_277, "uint16", "int64", "uint32"),
+        ("int64", 50_304, "uint32", "int64", "uint16"),
+        ("int32", 50_304, "uint16", "uint32", "uint32"),
+        ("uint32", 100_277, "uint16", "uint32", "uint32"),
+        ("uint16", 50_304, "uint32", "uint16", "uint16"),
+    ],
+)
+@pytest.mark.parametrize("given_vocab", [False, True])
+def test_a_file_read_with_another_width_than_written_is_refused_naming_data_dtype(
+    tmp_path: Path, written: str, vocab: int, declared: str, looks: str, give: str, given_vocab: bool
+) -> None:
+    """int64 read as uint16 would train on 0 at three of every four places; uint16 read as
+    uint32 on ids no vocabulary holds: the line says so with the dtype that fits (and how to
+    write the file again when no dtype reads it), whether or not data.vocab_size is given."""
+    path = write(tmp_path / "train.bin", text_like(2000, vocab), dtype=written)
+    vocab_size = vocab if given_vocab else None
+    with pytest.raises(SpecError) as info:
+        build_data(spec(path, dtype=declared, vocab_size=vocab_size), seed=0)
+    line = str(info.value)
+    assert re.match(rf"^field 'data.dtype': '.*train.bin' looks written as {looks}, not {declared} \(", line)
+    assert line.endswith(f"give data.dtype '{give}'") and "vocab_size" not in line, line
+    if looks == "int64":
+        assert f"write it again with np.array(ids, dtype=np.{give}).tofile(path)" in line, line
+
+
+def test_a_held_out_file_of_another_width_is_refused_with_its_path(train: Path, tmp_path: Path) -> None:
+    val = write(tmp_path / "val.bin", text_like(400), dtype="int64")
+    with pytest.raises(
+        SpecError, match=r"^field 'data.dtype': '.*val.bin' looks written as int64, not uint16"
+    ):
+        build_data(spec(train, eval_path=str(val)), seed=0, split="eval")
+
+
+def test_the_width_is_read_from_the_middle_of_a_large_file_too(tmp_path: Path) -> None:
+    """A file whose head is not token ids (here: zeros, as padding would be) still shows its
+    width in its middle."""
+    ids = np.concatenate([np.zeros(40_000, dtype=np.int64), text_like(40_000)])
+    path = write(tmp_path / "train.bin", ids, dtype="int64")
+    with pytest.raises(SpecError, match=r"looks written as int64, not uint16"):
+        build_data(spec(path), seed=0)
+
+
+@pytest.mark.parametrize(
+    ("ids", "dtype"),
+    [
+        (text_like(2000), "uint16"),
+        (text_like(2000, vocab=32), "uint16"),  # a small vocabulary: small ids at every position
+        (text_like(16, vocab=4), "uint16"),  # too short to tell
+        (np.arange(101), "uint16"),
+        (np.arange(1000) % 50, "uint16"),
+        (np.zeros(1000), "uint16"),  # all 0: no pattern to read
+        (text_like(2000, vocab=100_277), "uint32"),
+        (np.arange(70_000, 72_000), "uint32"),
+        (text_like(2000, vocab=32), "uint32"),
+    ],
+)
+def test_a_file_read_as_written_is_not_taken_for_another_width(ids: np.ndarray, dtype: str) -> None:
+    raw = np.asarray(ids, dtype=dtype).view(np.uint8)
+    assert written_as(raw, dtype) is None
+    assert written_as(raw, dtype, vocab_size=int(np.max(ids)) + 1) is None
