@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from worker import startgc
-from worker.errors import ElastrainError, SpecError
+from worker.errors import ElastrainError, FinalCheckpointError, SpecError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             text = traceback.format_exc()
             line = text.strip().splitlines()[-1]
         step = trainer.progress.step if trainer is not None else None
-        _die(text, client, line=line, rank=info.rank, step=step, generation=generation)
+        again = not isinstance(exc, FinalCheckpointError)
+        _die(text, client, line=line, rank=info.rank, step=step, generation=generation, restartable=again)
     assert trainer is not None
     if client is not None:
         client.close()
@@ -270,12 +271,16 @@ def _die(
     rank: int,
     step: int | None,
     generation: int | None,
+    restartable: bool = True,
 ) -> NoReturn:
-    """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown)."""
+    """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown).
+    ``restartable``: False tells the service that a restart cannot help (see
+    :class:`~worker.errors.FinalCheckpointError`)."""
     if client is not None:
         from worker.service_client import attempt_id
 
-        client.failed(line, rank=rank, step=step, attempt=attempt_id(os.environ, generation))
+        attempt = attempt_id(os.environ, generation)
+        client.failed(line, rank=rank, step=step, attempt=attempt, restartable=restartable)
         client.close(drain_s=2.0)
     sys.stderr.write(message)
     sys.stderr.flush()

@@ -13,7 +13,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from worker import startgc
-from worker.errors import ElastrainError
+from worker.errors import ElastrainError, FinalCheckpointError
 from worker.main import _checkpointer, _die
 
 if TYPE_CHECKING:
@@ -126,4 +126,5 @@ def _fail(exc: BaseException, client: ServiceClient | None, trainer: object, inf
     step = progress.step if progress is not None else None
     generation = getattr(trainer, "generation", None)
     rank = getattr(getattr(trainer, "info", info), "rank", info.rank)
-    _die(text, client, line=line, rank=rank, step=step, generation=generation)
+    again = not isinstance(exc, FinalCheckpointError)
+    _die(text, client, line=line, rank=rank, step=step, generation=generation, restartable=again)

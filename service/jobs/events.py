@@ -11,7 +11,9 @@ died and torchrun restarted the group) opens one. Which incident a report belong
 A rank that stops says why (``failed``: one line, the step, its attempt). The same line at the
 same step from the next attempt is an error that restarting will not fix (a model that does not
 fit the worker, a bad sample, a bug): the job fails with that line at once instead of spending
-the rest of ``max_restarts`` on it. Reports of one attempt's ranks are recorded once.
+the rest of ``max_restarts`` on it. A rank that says a restart cannot help (``restartable``
+False: its final checkpoint could not be published, so the run's output does not exist) fails
+the job with its line at once. Reports of one attempt's ranks are recorded once.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class WorkerEvent(BaseModel):
     world_before: int | None = Field(default=None, ge=1, le=100_000)
     world_after: int | None = Field(default=None, ge=1, le=100_000)
     launch_id: LaunchId | None = None
+    restartable: bool = True
+    """``failed``: False when a restart cannot help (the run trained to its end and its final
+    checkpoint could not be published): the job fails at once with the rank's line."""
 
 
 def apply_worker_event(
@@ -284,6 +289,8 @@ def _failed(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
     if not failure.line or failure in earlier:
         return job  # another rank of the same attempt said the same
     job = job.with_event(now, FAILED_KIND, failure.entry(event.rank))
+    if not event.restartable:
+        return fail(job, now, reason=failure.entry(event.rank))
     before = repeated(failure, earlier)
     if before is None:
         return job
