@@ -329,7 +329,8 @@ class EventForwarder:
                 restart_count=int(fields.get("restart_count", 0)),
             )
         elif event == "resumed":
-            client.event("state_loaded", rank=0, step=int(fields["step"]))
+            read = int(fields.get("bytes_read") or 0)
+            client.event("state_loaded", rank=0, step=int(fields["step"]), bytes_from_storage=read)
         elif event == "progress":
             client.progress(
                 step=int(fields["step"]),

@@ -150,6 +150,7 @@ class Trainer:
             checkpoint=str(restored.path),
             rng_restored=restored.rng_restored,
             batch_plan=self.plan.to_json(),
+            bytes_read=restored.bytes_read,
         )
 
     def _write_record(self, record: dict[str, Any]) -> None:
