@@ -173,9 +173,7 @@ class Checkpointer:
         """The previous generation's save (``after``), then the job directory's checks, the store's
         session, the coordinator, the orphans."""
         assert self.job_dir is not None
-        after, self._after = self._after, None
-        if after is not None:
-            after.close()
+        self._close_after()
         job, rank, world_size, generation = self.job, self.rank, self.world_size, self.generation
         # Before anything is written there: the directory belongs to this job or to none.
         if rank == 0:
@@ -198,6 +196,17 @@ class Checkpointer:
             self.stats.orphans_collected_total += len(removed)
             if removed:
                 self.event("checkpoint_orphans_collected", removed=removed)
+
+    def _close_after(self) -> None:
+        """Close the previous generation's checkpointer (``after``); its newest save counts as
+        this one's until this one saves (a run's final save may be that one: see
+        :meth:`final_problem`)."""
+        after, self._after = self._after, None
+        if after is None:
+            return
+        after.close()
+        if self._last_step is None:
+            self._last_step, self._abort_reason = after._last_step, after._abort_reason
 
     def _open_quietly(self, store: KeyValueStore | None) -> None:
         try:
@@ -452,9 +461,7 @@ class Checkpointer:
         generation is over): it closes the one it was to wait for (``after``)."""
         if self._opening is not None and self._opening.ident is None:
             self._opening = None
-            after, self._after = self._after, None
-            if after is not None:
-                after.close()
+            self._close_after()
         self._join_opening()  # its error, if any, is nobody's now: nothing was saved
         self._writer.wait()
 

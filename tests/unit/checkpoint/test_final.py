@@ -81,3 +81,21 @@ def test_a_final_save_that_published_is_no_problem(tmp_path: Path) -> None:
     save(ck, model, optim, 1)
     ck.close()
     assert ck.final_problem(1) is None and ck.stats.no_space_aborts_total == 0
+
+
+def test_a_final_save_in_the_generation_before_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Peer mode: the final window asked for a join, so the final save ran in the old
+    generation's checkpointer, which the new one closes (``after``); its outcome is the run's."""
+    model, optim = model_and_optim()
+    old = checkpointer(tmp_path, async_save=True)
+    save(old, model, optim, 1)
+    old.close()  # step 1 published
+    monkeypatch.setenv(failpoints.ENV, "async_before_write=enospc")
+    train(model, optim, 1)
+    save(old, model, optim, 2)
+    new = checkpointer(tmp_path, generation=1, after=old, open_on_thread=True)
+    new.close()
+    line = new.final_problem(2)
+    assert line is not None and "step 2" in line and "newest published checkpoint is step 1" in line
