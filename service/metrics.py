@@ -92,6 +92,12 @@ class Metrics:
             "elastrain_checkpoints_published_total", "Checkpoints published by the service", registry=r
         )
         self.aborted = Counter("elastrain_checkpoints_aborted_total", "Checkpoint steps aborted", registry=r)
+        self.no_space = Counter(
+            "elastrain_checkpoints_no_space_aborts_total",
+            "Checkpoint steps aborted because a volume (or a quota) was full",
+            JOB,
+            registry=r,
+        )
         self.publish = Histogram(
             "elastrain_checkpoint_publish_duration_seconds",
             "Phase 2 of a checkpoint publish: manifest written and staging renamed into place",

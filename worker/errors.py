@@ -17,3 +17,9 @@ class CheckpointError(ElastrainError):
 
 class CorruptCheckpointError(CheckpointError):
     """A published checkpoint whose bytes do not match its manifest."""
+
+
+class FinalCheckpointError(CheckpointError):
+    """The run trained to its end but its final checkpoint could not be published. A restart
+    would train the same steps again towards the same save (a full volume stays full): the
+    service fails the job at once instead of restarting it."""

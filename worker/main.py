@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from worker.errors import ElastrainError, SpecError
+from worker.errors import ElastrainError, FinalCheckpointError, SpecError
 from worker.start import startgc
 from worker.wiring import die, job_checkpointer
 
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         step = trainer.progress.step if trainer is not None else None
         text, line = _stopped(exc, info, spec.checkpoint.dir, step)
-        die(text, client, line=line, rank=info.rank, step=step, generation=generation)
+        again = not isinstance(exc, FinalCheckpointError)
+        die(text, client, line=line, rank=info.rank, step=step, generation=generation, restartable=again)
     assert trainer is not None
     if client is not None:
         client.close()

@@ -25,12 +25,16 @@ def die(
     rank: int,
     step: int | None,
     generation: int | None,
+    restartable: bool = True,
 ) -> NoReturn:
-    """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown)."""
+    """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown).
+    ``restartable``: False tells the service that a restart cannot help (see
+    :class:`~worker.errors.FinalCheckpointError`)."""
     if client is not None:
         from worker.report.service_client import attempt_id
 
-        client.failed(line, rank=rank, step=step, attempt=attempt_id(os.environ, generation))
+        attempt = attempt_id(os.environ, generation)
+        client.failed(line, rank=rank, step=step, attempt=attempt, restartable=restartable)
         client.close(drain_s=2.0)
     sys.stderr.write(message)
     sys.stderr.flush()

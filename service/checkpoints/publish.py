@@ -30,6 +30,7 @@ from service.jobs.model import JobRecord
 from service.jobs.writes import LeaderWrites
 from service.metrics import Metrics
 from worker.checkpoint.commit import Expected, Report, build_manifest, decide, report_from_json
+from worker.checkpoint.final import no_space
 from worker.checkpoint.layout import file_sizes, staging_dir_name
 from worker.checkpoint.publish import abort_staged, publish_staged
 from worker.errors import ElastrainError
@@ -172,10 +173,21 @@ class Publisher:
         key = keys.outcome(record.id, step, generation, seq)
         drop = Write(keys.report_round(record.id, step, generation, seq), None, None, prefix=True)
         if self._writes.commit([Write(key, result.model_dump_json().encode(), 0), drop]):
-            self._metrics.aborted.inc()
+            self._counted_abort(record, step, reason)
             self._collect(record, step, generation, reason)
             self._prune_outcomes(record)
         return self.outcome(record, step, generation, seq=seq)
+
+    def _counted_abort(self, record: JobRecord, step: int, reason: str) -> None:
+        """An aborted step, counted once (a full volume also on its own counter) and said in
+        the job's events."""
+        self._metrics.aborted.inc()
+        if no_space(reason):
+            self._metrics.no_space.labels(record.id).inc()
+        try:
+            self._registry.aborted(record, step, reason)
+        except ElastrainError as exc:  # the outcome is recorded; the event line is not worth failing it
+            log.warning("job %s: could not record the abort of step %s: %s", record.id, step, exc)
 
     def _collect(self, record: JobRecord, step: int, generation: int, reason: str) -> None:
         try:
@@ -219,7 +231,7 @@ class Publisher:
         """Record a claimed step as aborted and collect its staging."""
         result = CheckpointOutcome.of("aborted", step, generation, reason)
         self._writes.put(key, result.model_dump_json().encode())
-        self._metrics.aborted.inc()
+        self._counted_abort(record, step, reason)
         with contextlib.suppress(OSError):
             abort_staged(Path(record.checkpoint_dir) / staging_dir_name(step, generation), reason)
         return result

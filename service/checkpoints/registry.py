@@ -65,6 +65,11 @@ class Registry:
 
         self._jobs.update(record.id, newest)
 
+    def aborted(self, record: JobRecord, step: int, reason: str) -> None:
+        """Say in the job's events that ``step`` was aborted, and why (one line per step)."""
+        message = f"step {step} aborted in {record.checkpoint_dir}: {reason}"[:1000]
+        self._jobs.update(record.id, lambda r: r.with_event(self._clock(), "checkpoint_aborted", message))
+
     def drop(self, job_id: str, step: int) -> None:
         """Forget a step (its directory is gone). Idempotent."""
         self._jobs.writes.commit([Write(keys.checkpoint(job_id, step), None, None)])

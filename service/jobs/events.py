@@ -11,12 +11,15 @@ died and torchrun restarted the group) opens one. Which incident a report belong
 A rank that stops says why (``failed``: one line, the step, its attempt). The same line at the
 same step from the next attempt is an error that restarting will not fix (a model that does not
 fit the worker, a bad sample, a bug): the job fails with that line at once instead of spending
-the rest of ``max_restarts`` on it. Reports of one attempt's ranks are recorded once.
+the rest of ``max_restarts`` on it. A rank that says a restart cannot help (``restartable``
+False: its final checkpoint could not be published, so the run's output does not exist) fails
+the job with its line at once. Reports of one attempt's ranks are recorded once.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -46,7 +49,9 @@ class WorkerEvent(BaseModel):
     repaired group formed, ``done`` after its first committed step; ``incident`` names it,
     ``recovery_kind`` says which recovery it was, ``lost`` / ``lost_ranks`` what was lost, the
     ``*_at`` fields when each phase ended (Unix seconds), ``step`` the committed step the group
-    resumes from. ``spare_promoted``: the spare ``launch_id`` now fills slot ``node_index``."""
+    resumes from, ``step_before`` the step it had reached. ``state_loaded`` (restart mode):
+    ``step`` the step restored, ``bytes_from_storage`` the bytes the restore read.
+    ``spare_promoted``: the spare ``launch_id`` now fills slot ``node_index``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -74,7 +79,12 @@ class WorkerEvent(BaseModel):
     voided_windows: int | None = Field(default=None, ge=0, le=1 << 31)
     world_before: int | None = Field(default=None, ge=1, le=100_000)
     world_after: int | None = Field(default=None, ge=1, le=100_000)
+    step_before: int | None = Field(default=None, ge=0, le=1 << 62)
+    """``recovery``: the step the group had reached when it failed (the reporter's own count)."""
     launch_id: LaunchId | None = None
+    restartable: bool = True
+    """``failed``: False when a restart cannot help (the run trained to its end and its final
+    checkpoint could not be published): the job fails at once with the rank's line."""
 
 
 def apply_worker_event(
@@ -84,23 +94,28 @@ def apply_worker_event(
     *,
     progress_at: float | None = None,
     window_s: float = WINDOW_S,
+    heard: Mapping[str, float] | None = None,
 ) -> JobRecord:
     """Fold one worker event into the record. Events for a finished job change nothing.
     ``progress_at``: when the newest progress came (the old group's last sign of life);
-    ``window_s``: how long a completed incident still takes late reports of it."""
+    ``window_s``: how long a completed incident still takes late reports of it; ``heard``: by
+    launch id, when each node's quietest rank last sent a heartbeat (a lost node's last sign of
+    life: see :func:`service.jobs.incidents.fold_report`)."""
     if job.state.terminal:
         return job
     if event.kind == "group_formed":
         return _group_formed(job, event, now, progress_at=progress_at)
     if event.kind == "state_loaded":
-        job = _update_recovery(job, state_loaded_at=now, resumed_step=event.step)
+        job = _update_recovery(
+            job, state_loaded_at=now, resumed_step=event.step, bytes_from_storage=event.bytes_from_storage
+        )
         return job.with_event(now, "worker", f"state loaded at step {event.step}")
     if event.kind == "first_step":
         return first_step_done(job, event.step, now, new_group=True)
     if event.kind == "failed":
         return _failed(job, event, now)
     if event.kind == "recovery":
-        return _recovery(job, event, now, window_s=window_s)
+        return _recovery(job, event, now, window_s=window_s, heard=heard, progress_at=progress_at)
     if event.kind == "spare_promoted":
         return _spare_promoted(job, event, now)
     who = f"rank {event.rank}" if event.rank is not None else "worker"
@@ -172,7 +187,15 @@ def _group_formed(job: JobRecord, event: WorkerEvent, now: float, *, progress_at
     return job
 
 
-def _recovery(job: JobRecord, event: WorkerEvent, now: float, *, window_s: float) -> JobRecord:
+def _recovery(
+    job: JobRecord,
+    event: WorkerEvent,
+    now: float,
+    *,
+    window_s: float,
+    heard: Mapping[str, float] | None,
+    progress_at: float | None,
+) -> JobRecord:
     """A worker's ``recovery`` report (see :mod:`service.jobs.incidents` for the merge rules). A
     re-formation that only drops nodes the service stopped is the rescale, not an incident."""
     if event.phase is None or event.incident is None or event.recovery_kind is None:
@@ -188,9 +211,12 @@ def _recovery(job: JobRecord, event: WorkerEvent, now: float, *, window_s: float
         source_rank=event.source_rank, bytes_from_peers=event.bytes_from_peers,
         bytes_from_storage=event.bytes_from_storage, voided_windows=event.voided_windows,
         world_before=event.world_before, world_after=event.world_after, step=event.step,
+        step_before=event.step_before,
     )  # fmt: skip
     before = job.peer_incidents
-    job, index = incidents.fold_report(job, report, now=now, window_s=window_s)
+    job, index = incidents.fold_report(
+        job, report, now=now, window_s=window_s, heard=heard, progress_at=progress_at
+    )
     recovery = job.recoveries[index]
     what = f"{recovery.kind} recovery {recovery.incident} {event.phase}"
     job = job.with_event(now, "recovery", f"{what}: lost {', '.join(recovery.lost) or 'no node'}")
@@ -281,9 +307,13 @@ def _failed(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
     stopped the same way (see the module docstring)."""
     failure = Failure.of(event)
     earlier = recorded_failures(job)
+    if event.step is not None and event.step > (job.reached_step or 0):  # the step it completed
+        job = job.model_copy(update={"reached_step": event.step})
     if not failure.line or failure in earlier:
         return job  # another rank of the same attempt said the same
     job = job.with_event(now, FAILED_KIND, failure.entry(event.rank))
+    if not event.restartable:
+        return fail(job, now, reason=failure.entry(event.rank))
     before = repeated(failure, earlier)
     if before is None:
         return job

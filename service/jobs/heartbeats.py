@@ -26,12 +26,15 @@ class Heartbeats:
         self._written: dict[str, float] = {}
         self._heard: dict[str, dict[str, float]] = {}
         """Per job, per launch id: the newest beat this instance took."""
+        self._ranks: dict[str, dict[tuple[str, int], float]] = {}
+        """Per job, per (launch id, local rank): the newest beat this instance took."""
         self._pruned_at = -math.inf
 
     def beat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
         """A rank is alive: written to etcd when its stored beat is older than ``write_every_s``."""
         now = self._clock()
         self._heard.setdefault(job_id, {})[launch_id] = now
+        self._ranks.setdefault(job_id, {})[(launch_id, local_rank)] = now
         key = keys.heartbeat(job_id, launch_id, local_rank)
         if now - self._written.get(key, -math.inf) < self._write_every_s:
             return
@@ -62,6 +65,25 @@ class Heartbeats:
             newest[launch_id] = max(newest.get(launch_id, seen), seen)
         return oldest, newest
 
+    def quietest(self, job_id: str) -> dict[str, float]:
+        """Per launch id, the oldest of its ranks' newest beats, stored or taken by this instance
+        since: when the service last heard from the node's quietest rank (a stopped rank's last
+        sign of life, while the node's other ranks beat on)."""
+        prefix = keys.heartbeats(job_id)
+        newest = dict(self._ranks.get(job_id, {}))
+        for entry in self._writes.store.list_prefix(prefix):
+            launch_id, _, rank = entry.key[len(prefix) :].partition("/")
+            try:
+                seen, local_rank = float(json.loads(entry.value)["time"]), int(rank)
+            except (ValueError, KeyError, TypeError):
+                continue
+            newest[(launch_id, local_rank)] = max(newest.get((launch_id, local_rank), seen), seen)
+        out: dict[str, float] = {}
+        for (launch_id, _), seen in newest.items():
+            out[launch_id] = min(out.get(launch_id, seen), seen)
+        return out
+
     def forget(self, job_id: str) -> None:
         """The job ended: drop what this instance holds of its beats."""
         self._heard.pop(job_id, None)
+        self._ranks.pop(job_id, None)

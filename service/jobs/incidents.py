@@ -22,7 +22,15 @@ The rules (the peer contract's, ``/work/notes/peer-contract.md``):
   (the re-formation it caused came first). Otherwise it opens a recovery.
 * ``failed_at`` is the last sign of life of what was lost: the workers' measurement once a report
   gave one (the earliest of the reports'), else the earliest lost node's (a group re-formation's
-  placeholder, the old group's newest progress, gives way to the first node that joins).
+  placeholder, the old group's newest progress, gives way to the first node that joins). A
+  worker measures a lost member's end (its connection closed); a member that stopped (SIGSTOP)
+  or hung closes nothing, and the workers' time is then when they noticed. So when the service
+  last heard from a lost node (its quietest rank's newest heartbeat, or the group's newest
+  progress) more than :data:`BEAT_S` before the workers' time, that sign of life is the failure
+  (:func:`last_sign`).
+* ``step_before`` is the step the group had reached: the workers' own count once a report gave
+  one, else the newest of the progress and of the steps ranks reported as they stopped
+  (:func:`step_reached`).
 * Restarts: a recovery that restarted the workers uses one of ``max_restarts`` (in restart mode
   when it opens; in peer mode when it completes without a report, i.e. the workers fell back to
   a restart); a report of a peer or storage recovery gives it back. Peer incidents are counted
@@ -32,7 +40,7 @@ The rules (the peer contract's, ``/work/notes/peer-contract.md``):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,6 +55,9 @@ from service.jobs.model import (
 )
 
 Join = Literal["lost", "member", "replacement"]
+BEAT_S = 5.0
+"""How often a worker sends its heartbeat (and, rank 0, its progress at most every 2 s): a lost
+node silent for longer than this before the workers' failure time was not alive until then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +89,7 @@ class Report:
     world_before: int | None = None
     world_after: int | None = None
     step: int | None = None
+    step_before: int | None = None
 
 
 @dataclass(slots=True)
@@ -154,11 +166,26 @@ def open_for_losses(
         incident=f"node:{first.node.launch_id}",
         lost=tuple(loss.node.launch_id for loss in losses),
         detected_at=now,
-        step_before=job.last_step,
+        step_before=step_reached(job),
         world_before=job.world_size,
         charged=charged,
     )
     return _append(job, recovery)
+
+
+def step_reached(job: JobRecord) -> int | None:
+    """The step the group had reached: the newest progress, or a step a stopping rank reported
+    beyond it (:attr:`~service.jobs.model.JobRecord.reached_step`)."""
+    return _newest(job.last_step, job.reached_step)
+
+
+def last_sign(measured: float, heard: float | None, *, beat_s: float = BEAT_S) -> float:
+    """When what was lost was last alive: the workers' ``measured`` time, unless the service's
+    newest sign of it (``heard``) is older by more than a beat: a stopped or hung member closes
+    no connection, and the workers' time is their detection then."""
+    if heard is None or measured - heard <= beat_s:
+        return measured
+    return heard
 
 
 def open_for_reformation(
@@ -170,7 +197,7 @@ def open_for_reformation(
         reason=reason,
         failed_at=min(last_alive, now),
         incident=f"group:{group_id or '?'}",
-        step_before=job.last_step,
+        step_before=step_reached(job),
         group_formed_at=now,
         world_before=job.world_size,
         charged=True,
@@ -189,12 +216,27 @@ def claimable(recovery: Recovery, report: Report, *, now: float, window_s: float
     return bool(set(recovery.lost) & set(report.lost)) or (recovery.open and not recovery.lost)
 
 
-def fold_report(job: JobRecord, report: Report, *, now: float, window_s: float) -> tuple[JobRecord, int]:
+def fold_report(
+    job: JobRecord,
+    report: Report,
+    *,
+    now: float,
+    window_s: float,
+    heard: Mapping[str, float] | None = None,
+    progress_at: float | None = None,
+) -> tuple[JobRecord, int]:
     """Fold a worker's report into its incident (opening one when none claims it). Returns the
-    job and the index of the incident's recovery."""
+    job and the index of the incident's recovery. ``heard``: by launch id, when the service last
+    heard from each rank of a node (the oldest of its ranks' newest heartbeats); ``progress_at``:
+    when the newest progress came. The lost nodes' last sign of life is the later of the two,
+    and it moves the report's failure time earlier (:func:`last_sign`)."""
     known = {n.launch_id for n in job.nodes}
     lost = tuple(dict.fromkeys(lid for lid in report.lost if lid in known))
     report = dataclasses.replace(report, lost=lost)
+    if report.failed_at is not None:
+        signs = [heard[lid] for lid in lost if heard is not None and lid in heard]
+        life = max(min(signs), progress_at or 0.0) if signs else None
+        report = dataclasses.replace(report, failed_at=last_sign(report.failed_at, life))
     for i in range(len(job.recoveries) - 1, -1, -1):
         if claimable(job.recoveries[i], report, now=now, window_s=window_s):
             job, claimed = _claim(job, job.recoveries[i], report, now)
@@ -202,7 +244,7 @@ def fold_report(job: JobRecord, report: Report, *, now: float, window_s: float) 
     fresh = Recovery(
         reason=f"{report.kind} recovery of {', '.join(lost) or 'ranks ' + _ranks(report.lost_ranks)}",
         failed_at=report.failed_at if report.failed_at is not None else now,
-        step_before=job.last_step,
+        step_before=step_reached(job),
     )
     job, claimed = _claim(job, fresh, report, now)
     job = _append(job, claimed)
@@ -237,6 +279,8 @@ def _claim(job: JobRecord, recovery: Recovery, report: Report, now: float) -> tu
         "voided_windows": report.voided_windows,
         "world_before": report.world_before,
         "world_after": report.world_after,
+        # the workers' count; the service's (its newest progress) lags it, never passes it
+        "step_before": _newest(recovery.step_before, report.step_before),
     }
     update |= {k: v for k, v in pairs.items() if v is not None}
     if report.phase == "done":
@@ -247,6 +291,11 @@ def _claim(job: JobRecord, recovery: Recovery, report: Report, now: float) -> tu
         job = job.model_copy(update={"restarts": max(0, job.restarts - 1)})
         update["charged"] = False
     return job, recovery.model_copy(update=update)
+
+
+def _newest(*steps: int | None) -> int | None:
+    known = [s for s in steps if s is not None]
+    return max(known) if known else None
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -267,6 +316,7 @@ def close(job: JobRecord, index: int, first_step_at: float, *, resumed_step: int
     if job.recovery_mode == "peer" and not recovery.reported and not recovery.charged:
         update["charged"] = True
         job = job.model_copy(update={"restarts": job.restarts + 1})
+    job = job.model_copy(update={"reached_step": None})  # the new group counts from its own start
     return _replace(job, index, recovery.model_copy(update=update))
 
 

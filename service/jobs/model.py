@@ -206,6 +206,11 @@ class JobRecord(_Frozen):
     cancel_requested: bool = False
     world_size: int | None = None
     last_step: int | None = None
+    reached_step: int | None = None
+    """The newest step a rank of the current group said it had completed when it stopped (its
+    ``failed`` report): the newest progress lags the group by up to its reporting period, so a
+    recovery's ``step_before`` takes the larger (:func:`service.jobs.incidents.step_reached`).
+    Cleared when a recovery completes."""
     last_published_step: int | None = None
     last_group_id: str | None = None
     groups_formed: int = 0

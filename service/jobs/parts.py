@@ -56,17 +56,18 @@ class JobParts:
         views = TTLCache[bytes](VIEW_CACHE_S)
         writes = LeaderWrites(store, fence_source=fence_source, on_refused=on_fence_refused)
         progress = ProgressBuffer(writes, flush_s=progress_flush_s, on_change=views.drop, clock=clock)
+        heartbeats = Heartbeats(writes, write_every_s=heartbeat_write_s, clock=clock)
         records = JobService(
             writes,
             storage_root=storage_root,
             secret=secret,
             progress=progress,
+            heartbeats=heartbeats,
             clock=clock,
             on_change=views.drop,
             on_job_write=on_job_write,
             merge_window_s=merge_window_s,
         )
-        heartbeats = Heartbeats(writes, write_every_s=heartbeat_write_s, clock=clock)
         return cls(
             writes=writes,
             records=records,

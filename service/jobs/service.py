@@ -25,6 +25,7 @@ from service.jobs.cache import TTLCache
 from service.jobs.claims import check_free, claim_write
 from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.events import WINDOW_S, WorkerEvent, apply_worker_event, first_step_done, merge_progress
+from service.jobs.heartbeats import Heartbeats
 from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.paths import checkpoint_dir, resume_source
@@ -75,6 +76,7 @@ class JobService:
         storage_root: Path,
         secret: bytes,
         progress: ProgressBuffer,
+        heartbeats: Heartbeats | None = None,
         clock: Callable[[], float] = time.time,
         on_change: Callable[[str], None] = lambda job_id: None,
         on_job_write: Callable[[str], None] = lambda job_id: None,
@@ -86,6 +88,8 @@ class JobService:
         self.secret = secret
         self.progress = progress
         """The jobs' newest progress (a worker event merges its step into the record)."""
+        self.heartbeats = heartbeats
+        """The ranks' heartbeats (a recovery report's lost nodes' last sign of life)."""
         self.clock = clock
         self._on_change = on_change
         self._on_job_write = on_job_write
@@ -353,12 +357,15 @@ class JobService:
     def worker_event(self, job_id: str, event: WorkerEvent) -> JobRecord:
         progress = self.progress.newest(job_id)
         progress_at = progress.time if progress is not None else None
+        beats = self.heartbeats
+        heard = beats.quietest(job_id) if beats is not None and event.kind == "recovery" else None
 
         def change(record: JobRecord) -> JobRecord:
             merged = merge_progress(record, progress)
             return apply_worker_event(
-                merged, event, self.clock(), progress_at=progress_at, window_s=self.merge_window_s
-            )
+                merged, event, self.clock(), progress_at=progress_at, window_s=self.merge_window_s,
+                heard=heard,
+            )  # fmt: skip
 
         return self.update(job_id, change)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from service.report import build_report, load_run
 from tests.faults.conftest import Reference
 from tests.integration.launch import REPO, Run, torchrun_cmd, worker_env, write_spec
 from tests.integration.worker.test_resume import spec
@@ -52,9 +53,9 @@ HOLD_S = 5.0  # the victim holds this long at its window: the test's time to sto
 HOLDING = re.compile(r"elastrain failpoint after_grad_sync: sleep:\S+ \(pid (\d+)\)")
 
 
-def stop_and_continue(tmp: Path, seed: int, pause: float) -> tuple[Run, str]:
-    """Run the W=2 job; stop the victim where it holds, for ``pause`` seconds. Returns the run
-    and a description of where the stop landed (for messages)."""
+def stop_and_continue(tmp: Path, seed: int, pause: float) -> tuple[Run, str, float]:
+    """Run the W=2 job; stop the victim where it holds, for ``pause`` seconds. Returns the run,
+    a description of where the stop landed (for messages) and when the stop was sent."""
     rng = random.Random(seed)
     victim_rank, window = rng.randrange(2), rng.randrange(12, 27)  # after the step-10 save
     arm = f"after_grad_sync=sleep:{HOLD_S:g}@{victim_rank}#{window}^0"
@@ -71,6 +72,7 @@ def stop_and_continue(tmp: Path, seed: int, pause: float) -> tuple[Run, str]:
             assert proc.poll() is None and time.monotonic() < deadline, (tmp / "stderr").read_text()[-3000:]
             time.sleep(0.05)
         victim = int(holding.group(1))
+        stopped_at = time.time()
         os.kill(victim, signal.SIGSTOP)
         # Stopped in the middle of training: the run has not finished, the victim is its rank.
         assert '"event": "finished"' not in (tmp / "stdout").read_text(), "the stop came after the end"
@@ -84,13 +86,13 @@ def stop_and_continue(tmp: Path, seed: int, pause: float) -> tuple[Run, str]:
         if proc.poll() is None:
             proc.kill()
     run = Run(code, (tmp / "stdout").read_text(), (tmp / "stderr").read_text())
-    return run, f"seed={seed} rank={victim_rank} window={window} pause={pause:.1f}s"
+    return run, f"seed={seed} rank={victim_rank} window={window} pause={pause:.1f}s", stopped_at
 
 
 @seeded
 def test_sigstop_a_worker_then_sigcont(tmp_path: Path, reference: Reference, seed: int) -> None:
     pause = random.Random(seed + 1).uniform(2.0, 6.0)  # well inside the 12 s timeout
-    run, what = stop_and_continue(tmp_path, seed, pause)
+    run, what, _ = stop_and_continue(tmp_path, seed, pause)
     assert run.code == 0, f"{what}: {run.stderr[-3000:]}"
     # Nothing re-forms: one group from start to end, which never resumed from a checkpoint.
     assert len(run.all("run_record")) == 1 and not run.all("resumed"), f"{what}: the group re-formed"
@@ -99,10 +101,18 @@ def test_sigstop_a_worker_then_sigcont(tmp_path: Path, reference: Reference, see
 
 @seeded
 def test_sigstop_past_the_collective_timeout(tmp_path: Path, reference: Reference, seed: int) -> None:
-    run, what = stop_and_continue(tmp_path, seed, COLLECTIVE_TIMEOUT_S + 12)
+    run, what, stopped_at = stop_and_continue(tmp_path, seed, COLLECTIVE_TIMEOUT_S + 12)
     assert run.code == 0, f"{what}: {run.stderr[-3000:]}"
     groups = run.all("run_record")
     assert len(groups) == 2, f"{what}: {len(groups)} groups, expected one re-formed group"
     published = [e["step"] for e in run.before_last("checkpoint_published", "resumed")]
     assert run.last("resumed")["step"] == max(published), f"{what}: not the newest published step"
     assert run.last("finished")["params_digest"] == reference.digest, what
+    # The run's report times the failure at the stopped rank's last sign of life, not at its
+    # detection (the peer's collective timing out): the recovery it records holds the stop.
+    ran = load_run(tmp_path / "ck")
+    (restart,) = build_report(ran)["restarts"]
+    failed_at = ran.events[0]["time"] + restart["at_seconds"]
+    first_step_at = failed_at + restart["recovery_seconds"]
+    assert failed_at <= stopped_at + 0.002, f"{what}: failed at {failed_at}, stopped at {stopped_at}"
+    assert stopped_at + COLLECTIVE_TIMEOUT_S <= first_step_at, f"{what}: {restart}"

@@ -33,8 +33,15 @@ from worker.checkpoint.coordinator import (
 )
 from worker.checkpoint.engine import SaveJob, json_copy, new_job, persist
 from worker.checkpoint.export import hf_config_of
+from worker.checkpoint.final import no_space, unpublished_final
 from worker.checkpoint.interval import auto_interval_seconds, observed_mtbf, policy_from_spec, should_save
-from worker.checkpoint.layout import collect_orphans, parse_staging_dir, remove_tree, staging_dir_name
+from worker.checkpoint.layout import (
+    collect_orphans,
+    list_published,
+    parse_staging_dir,
+    remove_tree,
+    staging_dir_name,
+)
 from worker.checkpoint.manifest import MAX_BLOCK_SIZE
 from worker.checkpoint.owner import check_owner, claim
 from worker.checkpoint.restore import RestoreContext, Restored, restore
@@ -68,6 +75,7 @@ class CheckpointStats:
     persist_seconds_total: float = 0.0
     bytes_written_total: int = 0
     bytes_read_total: int = 0
+    no_space_aborts_total: int = 0
     last_blocking_seconds: float = 0.0
     last_persist_seconds: float = 0.0
     last_published_step: int = -1
@@ -137,6 +145,7 @@ class Checkpointer:
         self._seq = 0
         self._restores = 0
         self._last_step: int | None = None
+        self._abort_reason: str | None = None  # the newest save's, when it aborted
         self._last_time = time.time()
         self._started = self._last_time
         self._parent_step: int | None = None
@@ -164,9 +173,7 @@ class Checkpointer:
         """The previous generation's save (``after``), then the job directory's checks, the store's
         session, the coordinator, the orphans."""
         assert self.job_dir is not None
-        after, self._after = self._after, None
-        if after is not None:
-            after.close()
+        self._close_after()
         job, rank, world_size, generation = self.job, self.rank, self.world_size, self.generation
         # Before anything is written there: the directory belongs to this job or to none.
         if rank == 0:
@@ -189,6 +196,17 @@ class Checkpointer:
             self.stats.orphans_collected_total += len(removed)
             if removed:
                 self.event("checkpoint_orphans_collected", removed=removed)
+
+    def _close_after(self) -> None:
+        """Close the previous generation's checkpointer (``after``); its newest save counts as
+        this one's until this one saves (a run's final save may be that one: see
+        :meth:`final_problem`)."""
+        after, self._after = self._after, None
+        if after is None:
+            return
+        after.close()
+        if self._last_step is None:
+            self._last_step, self._abort_reason = after._last_step, after._abort_reason
 
     def _open_quietly(self, store: KeyValueStore | None) -> None:
         try:
@@ -363,10 +381,15 @@ class Checkpointer:
     def _record_outcome(self, outcome: Outcome, nbytes: int, seconds: float) -> None:
         if not outcome.published:
             self.stats.aborts_total += 1
+            full = no_space(outcome.reason)
+            self.stats.no_space_aborts_total += int(full)
+            self._abort_reason = outcome.reason
             self.event(
-                "checkpoint_aborted", step=outcome.step, generation=outcome.generation, reason=outcome.reason
-            )
+                "checkpoint_aborted", step=outcome.step, generation=outcome.generation, reason=outcome.reason,
+                path=str(self.job_dir), no_space=full,
+            )  # fmt: skip
             return
+        self._abort_reason = None
         self.stats.saves_total += 1
         self.stats.last_published_step = outcome.step
         self._parent_step = outcome.step
@@ -438,11 +461,22 @@ class Checkpointer:
         generation is over): it closes the one it was to wait for (``after``)."""
         if self._opening is not None and self._opening.ident is None:
             self._opening = None
-            after, self._after = self._after, None
-            if after is not None:
-                after.close()
+            self._close_after()
         self._join_opening()  # its error, if any, is nobody's now: nothing was saved
         self._writer.wait()
+
+    def final_problem(self, step: int) -> str | None:
+        """After :meth:`close`: None when the run's final ``step`` is kept (published in the job's
+        directory, or checkpointing is off, or this checkpointer never saved that step: nothing
+        was trained since it was loaded); else the line that says it is not
+        (:func:`~worker.checkpoint.final.unpublished_final`). Reads the job's directory."""
+        if self.job_dir is None or self._last_step != step:
+            return None
+        published = list_published(self.job_dir)
+        return unpublished_final(
+            final_step=step, newest_published=published[-1][0] if published else None,
+            reason=self._abort_reason, job_dir=str(self.job_dir),
+        )  # fmt: skip
 
     @property
     def store(self) -> KeyValueStore:

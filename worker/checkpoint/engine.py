@@ -141,10 +141,12 @@ def stage(job: SaveJob) -> Report:
 
 
 def failure_report(job: SaveJob, exc: Exception) -> Report:
+    """A rank's report of a save it could not stage: the error, with the directory it was
+    writing when the error does not name a file (a full volume must be findable)."""
     log.warning("rank %d could not stage step %d: %s", job.rank, job.step, exc)
-    return Report(
-        job.step, job.generation, job.rank, job.world_size, ok=False, error=f"{type(exc).__name__}: {exc}"
-    )
+    where = "" if getattr(exc, "filename", None) else f" (writing {job.staging})"
+    error = f"{type(exc).__name__}: {exc}{where}"
+    return Report(job.step, job.generation, job.rank, job.world_size, ok=False, error=error)
 
 
 def persist(

@@ -221,12 +221,12 @@ class PeerLoop:
                 break
             if not failure.recoverable:
                 raise ElastrainError(f"this rank failed ({failure.message}); torchrun starts it again")
-            old = self.member.record
+            old, reached = self.member.record, trainer.progress.step  # the step it had committed
             # outside the except block: DDP, its group and sockets go now (a planned re-formation
             # keeps the settled DDP: nothing is in flight, and every member may carry it over)
             self.state.void_window(keep_ddp=failure.is_planned)
             teardown()
-            self._settle(self.member.recover(self.state, failure), old, failure)
+            self._settle(self.member.recover(self.state, failure), old, failure, reached=reached)
         fields = trainer._finish()
         if trainer.info.rank == 0:  # a worker still waiting to join (it came late) leaves: see peerrun
             with contextlib.suppress(ElastrainError):
@@ -272,7 +272,12 @@ class PeerLoop:
         )  # fmt: skip
 
     # -- after a join or a recovery ------------------------------------------------------------
-    def _settle(self, outcome: Outcome, old: GenRecord | None, failure: Failure | None) -> None:
+    def _settle(
+        self, outcome: Outcome, old: GenRecord | None, failure: Failure | None, *, reached: int | None = None
+    ) -> None:
+        """Take the new generation (see :meth:`_seat`), its state (a restore from storage when
+        no member holds it), and, the recovery's leader, report the incident; ``reached``: the
+        step this member had committed when the group failed (the incident's ``step_before``)."""
         self.trainer.events.emit("peer_outcome", **_describe(outcome))
         if outcome.kind not in ("peer", "storage") or outcome.info is None:
             code = 0 if outcome.kind == "leave" else 1
@@ -283,7 +288,7 @@ class PeerLoop:
         if outcome.kind == "storage":
             read = self._restore(info)
         if failure is not None and old is not None and is_incident(failure, outcome.lost):
-            self._report_started(outcome, old, failure, read)
+            self._report_started(outcome, old, failure, read, reached)
 
     def _seat(self, info: GroupInfo, *, peer: bool, keep_save: bool = False) -> None:
         """Rank, world size, batch plan, checkpointer and reporter of the new generation. After a
@@ -336,7 +341,9 @@ class PeerLoop:
             with self._slots_lock:
                 self.slots = merge_slots(self.slots, found)
 
-    def _report_started(self, outcome: Outcome, old: GenRecord, failure: Failure, read: int) -> None:
+    def _report_started(
+        self, outcome: Outcome, old: GenRecord, failure: Failure, read: int, reached: int | None
+    ) -> None:
         info = outcome.info
         assert info is not None
         if not self.member.is_leader:
@@ -346,6 +353,7 @@ class PeerLoop:
         launches = [old.launch_ids[r] for r in lost_ranks if r < len(old.launch_ids) and old.launch_ids[r]]
         phases = outcome.phases
         failed_at = decided[0].get("failed_at") if decided else None
+        trained = self.member.member_id in old.members
         report: dict[str, Any] = {
             "incident": f"{self.job_id}/g{old.generation}", "recovery_kind": outcome.kind,
             "lost": launches[:64], "lost_ranks": lost_ranks[:1024],
@@ -355,6 +363,7 @@ class PeerLoop:
             "bytes_from_peers": outcome.bytes_from_peers, "bytes_from_storage": max(read, 0),
             "voided_windows": outcome.voided_windows, "world_before": max(len(old.members), 1),
             "world_after": info.world_size, "step": self.trainer.progress.step, "rank": info.rank,
+            "step_before": step_before(reached, self.trainer.progress.step, trained),
         }  # fmt: skip
         self.trainer.events.record("recovery", phase="started", **report)
         self.pending = report
@@ -394,6 +403,15 @@ class PeerLoop:
         # the generation's slots, read after its first step on a thread: not on a join's or a
         # recovery's path (3-10 ms of etcd in the first windows after a join here)
         threading.Thread(target=self._remember_slots, name="elastrain-slots", daemon=True).start()
+
+
+def step_before(reached: int | None, resumed: int, trained_in_old: bool) -> int | None:
+    """The step the failed group had reached, as the recovery's leader counts it: the step it
+    had committed, if it trained in that group (a spare or newcomer did not: None, the service
+    keeps its own count), never below the step resumed from. Pure."""
+    if reached is None or not trained_in_old:
+        return None
+    return max(reached, resumed)
 
 
 def _describe(outcome: Outcome) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
-from worker.errors import ElastrainError
+from worker.errors import ElastrainError, FinalCheckpointError
 from worker.start import startgc
 from worker.wiring import die, job_checkpointer
 
@@ -126,4 +126,5 @@ def _fail(exc: BaseException, client: ServiceClient | None, trainer: object, inf
     step = progress.step if progress is not None else None
     generation = getattr(trainer, "generation", None)
     rank = getattr(getattr(trainer, "info", info), "rank", info.rank)
-    die(text, client, line=line, rank=rank, step=step, generation=generation)
+    again = not isinstance(exc, FinalCheckpointError)
+    die(text, client, line=line, rank=rank, step=step, generation=generation, restartable=again)

@@ -1,10 +1,16 @@
 """What the worker says: JSON lines on stdout for machines, a readable line on stderr for people.
 
 Only rank 0 speaks unless told otherwise. One JSON object per line, always with ``event``.
+
+A place that cannot take a line (a full volume under the run directory, or under the node's log
+files that stdout and stderr are redirected to) is written no more: the first failure is said
+once, on the other stream, and training goes on (the sinks, e.g. the service, still hear every
+event). Nothing here raises for a write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -25,6 +31,7 @@ class Events:
         self.rank = rank
         self.sinks: list[Sink] = []
         self.log_path: Path | None = None  # rank 0 appends every event here too (the run dir)
+        self.stopped: dict[str, str] = {}  # a place no longer written -> why
 
     def emit(self, event: str, **fields: Any) -> None:
         for sink in self.sinks:
@@ -42,16 +49,40 @@ class Events:
     def _write(self, event: str, fields: dict[str, Any]) -> None:
         record = {"event": event, "job": self.job, "time": round(time.time(), 3), **fields}
         line = json.dumps(record, sort_keys=False, default=str) + "\n"
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        if self.log_path is not None:
-            with self.log_path.open("a", encoding="utf-8") as out:
-                out.write(line)
+        if "stdout" not in self.stopped:
+            try:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            except OSError as exc:
+                self._stop("stdout", exc)
+        path = self.log_path
+        if path is not None and str(path) not in self.stopped:
+            try:
+                with path.open("a", encoding="utf-8") as out:
+                    out.write(line)
+            except OSError as exc:
+                self._stop(str(path), exc)
 
     def say(self, text: str) -> None:
-        if self.enabled:
-            sys.stderr.write(f"[elastrain {self.job}] {text}\n")
-            sys.stderr.flush()
+        if self.enabled and "stderr" not in self.stopped:
+            try:
+                sys.stderr.write(f"[elastrain {self.job}] {text}\n")
+                sys.stderr.flush()
+            except OSError as exc:
+                self._stop("stderr", exc)
+
+    def _stop(self, place: str, exc: OSError) -> None:
+        """Write to ``place`` no more, and say so once: on stderr (on stdout when stderr is the
+        place that failed), and to the sinks (``events_stopped``: the service records it)."""
+        why = exc.strerror or str(exc)
+        self.stopped[place] = why
+        text = f"elastrain worker (rank {self.rank}): events are no longer written to {place}: {why}"
+        other = sys.stdout if place == "stderr" else sys.stderr
+        with contextlib.suppress(OSError, ValueError):  # full too: nothing is left to say it on
+            other.write(text + "\n")
+            other.flush()
+        for sink in self.sinks:
+            sink("events_stopped", {"place": place, "reason": why})
 
 
 def progress_line(

@@ -107,12 +107,17 @@ class ServiceClient:
     def event(self, kind: str, **fields: Any) -> None:
         self.send("/workers/events", {"kind": kind, "node_index": self.cfg.node_index, **fields})
 
-    def failed(self, line: str, *, rank: int, step: int | None, attempt: str) -> None:
+    def failed(
+        self, line: str, *, rank: int, step: int | None, attempt: str, restartable: bool = True
+    ) -> None:
         """This rank stops with ``line`` (one line, what went wrong) at ``step`` (None: before
         training began) in ``attempt`` (see :func:`attempt_id`). The service fails the job when
         the next attempt stops with the same line at the same step: a deterministic error would
-        only spend the remaining restarts."""
-        self.event("failed", rank=rank, step=step, group_id=attempt[:200], message=line.strip()[:2000])
+        only spend the remaining restarts; or at once when not ``restartable``."""
+        fields = {} if restartable else {"restartable": False}
+        self.event(
+            "failed", rank=rank, step=step, group_id=attempt[:200], message=line.strip()[:2000], **fields
+        )
 
     def progress(
         self, *, step: int, samples_seen: int, samples_per_s: float, loss: float | None, world_size: int
@@ -324,7 +329,8 @@ class EventForwarder:
                 restart_count=int(fields.get("restart_count", 0)),
             )
         elif event == "resumed":
-            client.event("state_loaded", rank=0, step=int(fields["step"]))
+            read = int(fields.get("bytes_read") or 0)
+            client.event("state_loaded", rank=0, step=int(fields["step"]), bytes_from_storage=read)
         elif event == "progress":
             client.progress(
                 step=int(fields["step"]),
@@ -337,6 +343,9 @@ class EventForwarder:
             client.event("first_step", rank=0, step=int(fields["step"]))
         elif event == "finished":
             client.event("finished", rank=0, step=int(fields["step"]), message="training finished")
+        elif event == "events_stopped":  # a full volume: the service's record says it instead
+            message = f"events are no longer written to {fields['place']}: {fields['reason']}"
+            client.event("log", rank=0, message=message)
 
 
 def forward_events(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -15,6 +16,7 @@ from worker.checkpoint.rng import capture_rng
 from worker.datapath.feed import Feed, make_feed
 from worker.datapath.sampler import Window
 from worker.datapath.trace import LoadRecorder, SampleTrace, rng_fingerprint, spent, thread_clock
+from worker.errors import FinalCheckpointError
 from worker.metrics import WorkerMetrics, peak_memory_bytes
 from worker.report.events import Events, progress_line, resumed_line
 from worker.start import lifeline, startgc
@@ -148,6 +150,7 @@ class Trainer:
             checkpoint=str(restored.path),
             rng_restored=restored.rng_restored,
             batch_plan=self.plan.to_json(),
+            bytes_read=restored.bytes_read,
         )
         self.events.say(
             resumed_line(
@@ -161,10 +164,15 @@ class Trainer:
         if out is None:
             return
         path = Path(out)
-        path.mkdir(parents=True, exist_ok=True)
         tmp = path / f".run-record.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
-        os.replace(tmp, path / "run-record.json")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+            os.replace(tmp, path / "run-record.json")
+        except OSError as exc:  # a full volume: every checkpoint's manifest carries the record too
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self.events.emit("run_record_not_written", path=str(path), reason=exc.strerror or str(exc))
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps``; returns the finished event's fields."""
@@ -413,12 +421,18 @@ class Trainer:
             self.metrics.checkpoint(checkpointer.stats.as_metrics())
 
     def _finish(self) -> dict[str, Any]:
+        """The end of the run: its final checkpoint published (else a CheckpointError that says
+        which step is kept and why: see :mod:`worker.checkpoint.final`), its digests gathered,
+        ``finished`` said."""
         if self.checkpointer is not None:
             self.checkpointer.close()
         if self.metrics is not None:
             if self.checkpointer is not None:
                 self.metrics.checkpoint(self.checkpointer.stats.as_metrics())
             self.metrics.flush()
+        problem = self.checkpointer.final_problem(self.progress.step) if self.checkpointer else None
+        if problem is not None:  # every rank: the save's outcome is the group's
+            raise FinalCheckpointError(problem)
         digest = params_digest(self.model)
         rank_digests: list[Any] = [None] * self.info.world_size
         torch.distributed.all_gather_object(rank_digests, digest)

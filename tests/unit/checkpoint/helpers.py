@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.checkpoint.checkpointer import Checkpointer
+from worker.checkpoint.checkpointer import Checkpointer, EventHook
 from worker.jobspec.spec import CheckpointSpec
 
 
@@ -27,13 +27,13 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
 
 def checkpointer(
     root: Path, *, job: str = "unit", rank: int = 0, world_size: int = 1, open_on_thread: bool = False,
-    generation: int = 0, after: Checkpointer | None = None, **cfg: Any,
+    generation: int = 0, after: Checkpointer | None = None, on_event: EventHook | None = None, **cfg: Any,
 ) -> Checkpointer:  # fmt: skip
     spec = CheckpointSpec(dir=str(root), **cfg)
     return Checkpointer(
         spec, job=job, spec_hash="h", data_version="1", rank=rank, world_size=world_size,
         generation=generation, parallelism="ddp", seed=7, run_record={"who": "unit"}, block_size=128,
-        open_on_thread=open_on_thread, after=after,
+        open_on_thread=open_on_thread, after=after, on_event=on_event,
     )  # fmt: skip
 
 

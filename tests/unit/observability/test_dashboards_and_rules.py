@@ -107,7 +107,7 @@ def test_worker_series_are_selected_by_job_id_never_by_job() -> None:
 def test_every_alert_has_a_severity_summary_and_a_promtool_test() -> None:
     groups = yaml.safe_load(RULES.read_text())["groups"]
     alerts = {r["alert"]: r for g in groups for r in g["rules"]}
-    assert len(alerts) == 7
+    assert len(alerts) == 8
     tests = yaml.safe_load((RULES.parent / "tests" / "alerts_test.yml").read_text())["tests"]
     tested = {a["alertname"] for t in tests for a in t["alert_rule_test"] if a.get("exp_alerts")}
     assert tested == set(alerts)

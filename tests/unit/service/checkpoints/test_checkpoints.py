@@ -34,7 +34,8 @@ class World:
         self.clock = Clock()
         store = MemoryStore(clock=self.clock)
         self.jobs = JobParts.build(store, storage_root=root, secret=b"k" * 32, clock=self.clock).records
-        self.ck = Checkpoints.build(self.jobs, metrics=Metrics(), clock=self.clock)
+        self.metrics = Metrics()
+        self.ck = Checkpoints.build(self.jobs, metrics=self.metrics, clock=self.clock)
         record, _ = self.jobs.create(parse_spec(SPEC))
         self.job_id = record.id
         self.job_dir = Path(record.checkpoint_dir)
@@ -91,6 +92,28 @@ def test_failed_rank_aborts_at_once(world: World) -> None:
     failed.update(ok=False, error="ENOSPC", files={}, pieces=[])
     outcome = world.ck.publisher.report(world.record, json.dumps(failed).encode())
     assert outcome.status == "aborted" and "ENOSPC" in outcome.reason
+
+
+def test_a_full_volume_is_counted_and_said_in_the_jobs_events(world: World) -> None:
+    def no_space() -> float | None:
+        return world.metrics.registry.get_sample_value(
+            "elastrain_checkpoints_no_space_aborts_total", {"job_id": world.job_id}
+        )
+
+    r0 = stage_rank(world.job_dir, job=world.job_id, step=5, generation=0, rank=0, world_size=2)
+    failed = json.loads(report_to_json(r0))
+    error = f"OSError: [Errno 28] No space left on device (writing {world.job_dir}/.staging-00000005-0)"
+    failed.update(ok=False, error=error, files={}, pieces=[])
+    assert world.ck.publisher.report(world.record, json.dumps(failed).encode()).status == "aborted"
+    assert no_space() == 1.0
+    said = [e.message for e in world.record.events if e.kind == "checkpoint_aborted"]
+    assert len(said) == 1 and "step 5" in said[0] and "No space left on device" in said[0], said
+    assert str(world.job_dir) in said[0]
+    r1 = stage_rank(world.job_dir, job=world.job_id, step=6, generation=0, rank=0, world_size=2)
+    other = json.loads(report_to_json(r1))
+    other.update(ok=False, error="OSError: [Errno 5] Input/output error", files={}, pieces=[])
+    world.ck.publisher.report(world.record, json.dumps(other).encode())
+    assert no_space() == 1.0, "another error is an abort, not a full volume"
 
 
 def test_stale_step_is_refused(world: World) -> None:

@@ -89,3 +89,17 @@ def test_a_report_without_an_attempt_never_fails_the_job_by_itself() -> None:
 def test_a_finished_job_ignores_failures() -> None:
     done = launched(job()).model_copy(update={"state": S.SUCCEEDED})
     assert feed(done, failed(0, "a"), failed(0, "b")) == done
+
+
+def test_a_rank_that_says_a_restart_cannot_help_fails_the_job_at_once() -> None:
+    line = (
+        "error: the final checkpoint (step 30) could not be published in /ck: publishing failed: "
+        "[Errno 28] No space left on device; the newest published checkpoint is step 10"
+    )
+    event = WorkerEvent(
+        kind="failed", rank=0, step=30, group_id="generation-1", message=line, restartable=False
+    )
+    record = feed(launched(job(restarts=3)), event)
+    assert record.state == S.FAILED and record.restarts == 0
+    assert record.reason is not None and record.reason.endswith(line) and "rank 0 at step 30" in record.reason
+    assert all(n.phase == NodePhase.STOPPING for n in record.nodes)
