@@ -52,6 +52,7 @@ WORKER_FOR_SERVICE = {
     "worker.jobspec.recovery",
     "worker.checkpoint.commit",
     "worker.checkpoint.export",
+    "worker.checkpoint.final",
     "worker.checkpoint.layout",
     "worker.checkpoint.loadplan",
     "worker.checkpoint.manifest",
@@ -91,7 +92,8 @@ WORKER_MAY_IMPORT: dict[str, set[str]] = {
     | {"worker.datapath", "worker.start", "worker.train", "worker.metrics", "worker.report"}
     | {"worker.recovery", "worker.wiring"},
     "worker.main": _BELOW
-    | {"worker.start", "worker.train", "worker.metrics", "worker.report", "worker.peer", "worker.wiring"},
+    | {"worker.start", "worker.train", "worker.metrics", "worker.report", "worker.peer", "worker.wiring"}
+    | {"worker.recovery"},  # what a broken group's failure means (recovery.failure, pure)
     "worker.__main__": {"worker.main", "worker.start"},
 }
 # The project's code, whose modules may not import one another in a cycle.
