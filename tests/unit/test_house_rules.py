@@ -1,9 +1,11 @@
 """The house rules that the code's shape must keep (ARCHITECTURE.md), checked on the source:
 ``worker`` never imports ``service``; each part of ``service`` imports only the parts below it,
-and of ``worker`` only the torch-free modules listed; no module of the project imports itself
-through others (no import cycle); the control plane reaches no torch when it is imported (only
-the rendezvous plugin, which runs inside torchrun agents, does); and the guard of tests/unit
-(conftest.py) trips on a socket or a process."""
+and of ``worker`` only the torch-free modules listed; each part of ``worker`` imports only the
+parts its row lists, and no module sits at ``worker``'s top level outside the entry point and
+the shared modules; no module of the project imports itself through others (no import cycle);
+the control plane reaches no torch when it is imported (only the rendezvous plugin, which runs
+inside torchrun agents, does); and the guard of tests/unit (conftest.py) trips on a socket or a
+process."""
 
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ WORKER_FOR_SERVICE = {
     "worker.jobspec.recovery",
     "worker.checkpoint.commit",
     "worker.checkpoint.export",
+    "worker.checkpoint.final",
     "worker.checkpoint.layout",
     "worker.checkpoint.loadplan",
     "worker.checkpoint.manifest",
@@ -68,6 +71,30 @@ WORKER_TOP = {
     "worker.errors",
     "worker.failpoints",
     "worker.etcdclient",
+}
+# Which part of the worker imports which at run time (besides itself and ``worker.errors``; type
+# hints aside): ARCHITECTURE.md's table. A module at worker/'s top level is a part of its own.
+_BELOW = {"worker.jobspec", "worker.failpoints", "worker.checkpoint"}
+WORKER_MAY_IMPORT: dict[str, set[str]] = {
+    "worker.errors": set(),
+    "worker.jobspec": set(),
+    "worker.etcdclient": set(),
+    "worker.metrics": set(),
+    "worker.failpoints": {"worker.start"},  # the lifeline's nap in a sleeping failpoint
+    "worker.checkpoint": {"worker.jobspec", "worker.failpoints"},
+    "worker.report": {"worker.jobspec", "worker.checkpoint"},
+    "worker.datapath": _BELOW | {"worker.start", "worker.train"},
+    "worker.start": _BELOW | {"worker.datapath", "worker.train"},
+    "worker.train": _BELOW | {"worker.datapath", "worker.start", "worker.metrics", "worker.report"},
+    "worker.recovery": _BELOW | {"worker.start", "worker.etcdclient"},
+    "worker.wiring": {"worker.checkpoint", "worker.report", "worker.start"},
+    "worker.peer": _BELOW
+    | {"worker.datapath", "worker.start", "worker.train", "worker.metrics", "worker.report"}
+    | {"worker.recovery", "worker.wiring"},
+    "worker.main": _BELOW
+    | {"worker.start", "worker.train", "worker.metrics", "worker.report", "worker.peer", "worker.wiring"}
+    | {"worker.recovery"},  # what a broken group's failure means (recovery.failure, pure)
+    "worker.__main__": {"worker.main", "worker.start"},
 }
 # The project's code, whose modules may not import one another in a cycle.
 PACKAGES = ("service", "worker", "scripts", "benchmarks")
@@ -155,6 +182,26 @@ def test_each_part_of_the_control_plane_imports_only_the_parts_below_it() -> Non
             if theirs.startswith("service.") and theirs != mine and theirs not in MAY_IMPORT[mine]:
                 offenders.append(f"{name} imports {target}")
     assert not offenders, "imports against ARCHITECTURE.md:\n" + "\n".join(offenders)
+
+
+def test_each_part_of_the_worker_imports_only_what_its_row_says() -> None:
+    known = {name for name, _ in modules("worker")}
+    offenders = []
+    for name, path in modules("worker"):
+        mine = part(name)
+        if mine == "worker":
+            continue
+        assert mine in WORKER_MAY_IMPORT, (
+            f"{mine} is a new part: add it to ARCHITECTURE.md and WORKER_MAY_IMPORT"
+        )
+        for target in imported(path, skip_type_checking=True):
+            theirs = part(_module_of(target, known))
+            if (
+                theirs.startswith("worker.")
+                and theirs not in {mine, "worker.errors"} | WORKER_MAY_IMPORT[mine]
+            ):
+                offenders.append(f"{name} imports {target}")
+    assert not offenders, "imports against ARCHITECTURE.md:\n" + "\n".join(sorted(set(offenders)))
 
 
 def test_every_module_of_worker_lives_in_its_part() -> None:
