@@ -29,9 +29,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from service.api.app import create_app
+from service.api.connections import ConnectionLimits, connection_cap, guarded_protocol, raise_file_limit
 from service.api.forward import LeaderLookup
 from service.checkpoints.service import Checkpoints
-from service.connections import ConnectionLimits, connection_cap, guarded_protocol, raise_file_limit
 from service.etcd.access import ROOT_USER, EtcdAuth, JobUsers
 from service.etcd.election import LeaderElection, leader_address
 from service.etcd.kv import EtcdStore, Fence

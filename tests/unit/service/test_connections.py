@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import resource
 
-from service.connections import NOFILE_CEILING, connection_cap, nofile_target
+from service.api.connections import NOFILE_CEILING, connection_cap, nofile_target
 
 INF = resource.RLIM_INFINITY
 
