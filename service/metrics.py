@@ -60,6 +60,13 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.connections_cut = Counter(
+            "elastrain_api_connections_cut_total",
+            "Client connections the service closed: a request's headers or body not sent in time "
+            "(header_timeout, body_timeout), or one connection too many (over_limit)",
+            ["reason"],
+            registry=r,
+        )
         # the reconciler and the scheduler it drives
         self.is_leader = Gauge("elastrain_reconciler_is_leader", "1 while this instance leads", registry=r)
         self.passes = Counter("elastrain_reconciler_passes_total", "Reconciler passes", registry=r)

@@ -29,6 +29,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from service.api.app import create_app
+from service.api.connections import ConnectionLimits, connection_cap, guarded_protocol, raise_file_limit
 from service.api.forward import LeaderLookup
 from service.checkpoints.service import Checkpoints
 from service.etcd.access import ROOT_USER, EtcdAuth, JobUsers
@@ -291,6 +292,23 @@ class _Server(uvicorn.Server):
                 self._loop.call_soon_threadsafe(self._wake.set)
 
 
+def connection_limits(settings: Settings, nofile: int) -> ConnectionLimits:
+    """What a client connection may hold, under the file limit ``nofile`` (logged once)."""
+    cap = connection_cap(nofile, settings.http_max_connections)
+    log.info(
+        "file limit %d: at most %d client connections; a request's headers within %gs, its body within %gs",
+        nofile,
+        cap,
+        settings.http_header_timeout_s,
+        settings.http_body_timeout_s,
+    )
+    return ConnectionLimits(
+        header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s,
+        max_connections=cap,
+    )
+
+
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
@@ -304,11 +322,19 @@ def serve(settings: Settings, *, scheduler: Scheduler | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
+    limits = connection_limits(settings, raise_file_limit())
     with etcd_for(settings) as (endpoints, credentials):
         app, reconciler = build_app(settings, endpoints, credentials=credentials, scheduler=scheduler)
+        metrics: Metrics = app.state.ctx.metrics
         log.info("%s", serving_line(settings))
         config = uvicorn.Config(
-            app, host=settings.host, port=settings.port, log_level="warning", access_log=False, lifespan="on"
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            http=guarded_protocol(limits, on_cut=lambda reason: metrics.connections_cut.labels(reason).inc()),
         )
         try:
             _Server(config).run()

@@ -59,6 +59,15 @@ class Settings(BaseSettings):
     at the paths they are given (the chart mounts the same Secret there in the service's pod).
     All of them must be in one directory, under their names as the Secret's keys."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
+    http_header_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    """How long a client may take to send a request's line and headers, from its connection (or
+    its request's first byte); then the connection is answered 408 and closed."""
+    http_body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """How long a client may take to send a request's body once its headers are in; then the
+    request is answered 408 (if it has no answer yet) and the connection closed."""
+    http_max_connections: int = Field(default=4096, ge=16, le=1 << 20)
+    """The most client connections open at once (at most three quarters of the file limit, so
+    that etcd, checkpoint files and launches keep theirs); one over it is answered 503 and closed."""
     advertise_url: str = ""
     """URL workers use to reach this service; default http://HOST:PORT (loopback for 0.0.0.0)."""
     instance_url: str = ""

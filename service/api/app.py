@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 
 from service.api import errors
 from service.api.deps import Context
+from service.api.door import Door
 from service.api.forward import ForwardToLeader, LeaderLookup
 from service.api.limits import BodyLimit
 from service.api.request_metrics import RequestMetrics
@@ -94,9 +95,23 @@ def create_app(
             forget=parts.records.forget,
         )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outside: bounds what is forwarded
+    app.add_middleware(
+        Door,  # outside the body's limit: a request without a token is refused before it is read
+        public=_public_paths(app),
+        api_token_hash=app.state.ctx.api_token_hash,
+        secret=parts.records.secret,
+        on_refused=lambda code: metrics.errors.labels(code).inc(),
+    )
     app.add_middleware(RequestMetrics, metrics=metrics)
     _document_spec(app)
     return app
+
+
+def _public_paths(app: FastAPI) -> frozenset[str]:
+    """What anyone may call without a token: the probes and metrics (the health routes) and the
+    API's own description (the OpenAPI schema and its viewers)."""
+    docs = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
+    return frozenset([route.path for route in health.router.routes] + [d for d in docs if d])  # type: ignore[attr-defined]
 
 
 def _document_spec(app: FastAPI) -> None:

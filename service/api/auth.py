@@ -27,6 +27,12 @@ class AuthDecision:
         return self.principal is not None
 
 
+def job_of(path: str) -> str | None:
+    """The job a ``/v1/jobs/{id}...`` path names (None for ``/v1/jobs`` itself)."""
+    parts = path.split("/")
+    return parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "jobs"] and parts[3] else None
+
+
 def bearer(header: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, else None."""
     if not header:
@@ -76,3 +82,27 @@ def authorize(
             None, 403, "forbidden", f"this worker token belongs to job {owner!r}, not {job_id!r}"
         )
     return AuthDecision("worker")
+
+
+def at_the_door(
+    path: str,
+    header: str | None,
+    *,
+    public: frozenset[str],
+    api_token_hash: str,
+    secret: bytes,
+) -> AuthDecision | None:
+    """Whether a request may come in, from its path and ``Authorization`` header alone (before
+    its body is read). None: a public path (probes, metrics, the schema). The API token passes;
+    a worker token passes only under its own job's ``/v1/jobs/<id>`` (the route's dependency
+    then decides which of that job's routes it reaches); anything else is refused here."""
+    if path in public:
+        return None
+    job = job_of(path)
+    return authorize(
+        bearer(header),
+        api_token_hash=api_token_hash,
+        secret=secret,
+        job_id=job,
+        worker_route=job is not None,
+    )

@@ -26,6 +26,7 @@ import anyio.to_thread
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.auth import job_of
 from service.api.errors import send_error
 
 log = logging.getLogger(__name__)
@@ -56,12 +57,6 @@ def wants_forward(method: str, path: str, headers: Iterable[tuple[bytes, bytes]]
     if leading or method in _READS or not path.startswith("/v1/"):
         return False
     return all(name.lower() != FORWARDED_HEADER.encode() for name, _ in headers)
-
-
-def job_of(path: str) -> str | None:
-    """The job a ``/v1/jobs/{id}...`` path names (None for ``/v1/jobs`` itself)."""
-    parts = path.split("/")
-    return parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "jobs"] and parts[3] else None
 
 
 def forward_target(leader: str | None, own: str) -> str | None:

@@ -11,8 +11,7 @@ import os
 from pathlib import Path, PurePosixPath
 
 from worker.errors import SpecError
-
-RESUME_WORDS = frozenset({"auto", "latest", "none", "never"})
+from worker.jobspec.paths import RESUME_KEYWORDS
 
 
 class PathError(SpecError):
@@ -56,7 +55,9 @@ def checkpoint_dir(given: str | None, *, root: Path, job_id: str) -> Path:
 
 
 def resume_source(given: str, *, root: Path, job_dir: Path) -> str:
-    """``checkpoint.resume``: a keyword, a step number, or a path inside the storage root."""
-    if given in RESUME_WORDS or given.isdigit() or (given.startswith("step-") and given[5:].isdigit()):
+    """``checkpoint.resume`` (which the schema has checked, :func:`worker.jobspec.paths.check_resume`):
+    a keyword as is, else a path inside the storage root, relative ones against the job's own
+    directory (``step-00000012``: that step of the job's own)."""
+    if given in RESUME_KEYWORDS:
         return given
     return str(contained(given, root=root, field="checkpoint.resume", base=job_dir))

@@ -16,8 +16,8 @@ from worker.errors import SpecError
 
 KNOWN = ("cpu", "gpu", "memory", "memMB", "instance_type")
 _MEM_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
-_MEM_RE = re.compile(r"^(\d{1,15}(?:\.\d{1,6})?)(Ki|Mi|Gi|Ti|K|M|G)?$")
-_COUNT_RE = re.compile(r"^\d{1,7}$")
+_MEM_RE = re.compile(r"^([0-9]{1,15}(?:\.[0-9]{1,6})?)(Ki|Mi|Gi|Ti|K|M|G)?$")  # ASCII digits only
+_COUNT_RE = re.compile(r"^[0-9]{1,7}$")
 MAX_INSTANCE_TYPE = 253
 
 

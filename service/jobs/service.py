@@ -220,11 +220,33 @@ class JobService:
                 writes.append(Write(keys.idempotency(idempotency_key), record.id.encode(), 0))
             writes += desired_writes(record)
             if self.writes.commit(writes, fence=fence):
-                self._mark(directory, record.id)
+                try:
+                    self._mark(directory, record.id)
+                except BaseException:
+                    self._undo(writes, fence=fence)
+                    raise
                 self._on_change(record.id)
                 self._on_job_write(record.id)
                 return record, True
         raise ConflictError("could not store the job after repeated races; retry the request")
+
+    def _undo(self, writes: Sequence[Write], *, fence: Fence | None) -> None:
+        """Take back a new job whose follow-up failed (nothing has been told of it yet): delete
+        what its create wrote, in one transaction, while its record is still the one written."""
+        stored = self.store.get(writes[0].key)
+        if stored is None:
+            return
+        undo = [
+            Write(writes[0].key, None, stored.mod_revision),
+            *(Write(w.key, None, None) for w in writes[1:]),
+        ]
+        try:
+            if self.writes.commit(undo, fence=fence):
+                return
+        except Exception as exc:  # the original error is the one to raise
+            log.error("could not take back the job stored at %s: %s", writes[0].key, exc)
+            return
+        log.error("could not take back the job stored at %s: it changed meanwhile", writes[0].key)
 
     @property
     def _real_root(self) -> Path:

@@ -50,6 +50,7 @@ WORKER_FOR_SERVICE = {
     "worker.jobspec.jsonlimits",
     "worker.jobspec.spec",
     "worker.jobspec.recovery",
+    "worker.jobspec.paths",
     "worker.checkpoint.commit",
     "worker.checkpoint.export",
     "worker.checkpoint.final",

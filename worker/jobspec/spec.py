@@ -40,10 +40,11 @@ from worker.jobspec.limits import (
     Frozen,
     check_env_name,
 )
+from worker.jobspec.paths import check_env_value, check_local_path, check_resume
 from worker.jobspec.recovery import MAX_SPARES, RecoverySpec
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
+_NODES_RE = re.compile(r"^([0-9]{1,18})(?::([0-9]{1,18}))?$")  # ASCII digits: int() takes any script's
 
 Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
@@ -91,6 +92,10 @@ OutputChoice = Annotated[
 
 
 _Frozen = Frozen
+
+
+def _check_path(value: str | None) -> str | None:
+    return None if value is None else check_local_path(value)
 
 
 def _check_factory(value: str | None) -> str | None:
@@ -186,6 +191,7 @@ class DataSpec(_Frozen):
     )  # fmt: skip
 
     _factory = field_validator("factory")(_check_factory)
+    _paths = field_validator("path", "eval_path")(_check_path)
 
     @field_validator(*TOKEN_FILE_FIELDS)
     @classmethod
@@ -297,6 +303,9 @@ class CheckpointSpec(_Frozen):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
 
+    _dir = field_validator("dir")(_check_path)
+    _resume = field_validator("resume")(check_resume)
+
     @model_validator(mode="after")
     def _one_interval(self) -> CheckpointSpec:
         if self.interval_steps is not None and self.interval_seconds is not None:
@@ -380,8 +389,9 @@ class JobSpec(_Frozen):
     @field_validator("env")
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
+        for name, text in value.items():
             check_env_name(name)
+            check_env_value(name, text)
         return value
 
     @model_validator(mode="after")
@@ -429,7 +439,7 @@ def parse_nodes(value: str) -> tuple[int, int]:
     """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4)."""
     match = _NODES_RE.match(value.strip())
     if not match:
-        raise ValueError(f"{value!r} is not N or MIN:MAX")
+        raise ValueError(f"{value[:40]!r} is not N or MIN:MAX in the digits 0-9; give e.g. '2' or '1:4'")
     lo = int(match.group(1))
     hi = int(match.group(2)) if match.group(2) else lo
     return lo, hi

@@ -137,6 +137,8 @@ def test_run_record_says_how_it_computed(tmp_path: Path) -> None:
             {"RANK": "0", "WORLD_SIZE": "2"},
             "global_batch_size",
         ),
+        ({"checkpoint": {"dir": "s3://ckpt/runs/a"}}, {}, "checkpoint.dir"),
+        ({"checkpoint": {"resume": "latest"}}, {}, "checkpoint.resume"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -148,6 +150,7 @@ def test_bad_input_is_one_line_and_exit_2(
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
     assert f"'{field}" in lines[0]
+    assert not (REPO / "s3:").exists()  # a URL is never taken for a local directory
 
 
 def test_a_spec_that_cannot_run_is_refused_before_torch_is_imported(tmp_path: Path) -> None:

@@ -134,7 +134,7 @@ def test_bad_spec_bodies(
         ({"nodes": "3:1"}, "nodes", "must be N or MIN:MAX with 1 <= MIN <= MAX"),
         ({"checkpoint": {"dir": "../../etc"}}, "checkpoint.dir", "without '..'"),
         ({"checkpoint": {"dir": "/etc/cron.d"}}, "checkpoint.dir", "give a relative directory name"),
-        ({"checkpoint": {"dir": "a\u0000b"}}, "checkpoint.dir", "give a plain directory name"),
+        ({"checkpoint": {"dir": "a\u0000b"}}, "checkpoint.dir", "give a plain path"),
         ({"checkpoint": {"resume": "/etc/passwd"}}, "checkpoint.resume", "give a relative directory name"),
         ({"model": {"factory": "os:system; rm"}}, "model.factory", "of the form 'package.module:function'"),
     ],
