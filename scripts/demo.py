@@ -118,7 +118,7 @@ def main() -> int:
     WORKDIR.mkdir(parents=True)
     port, token = free_port(), secrets.token_urlsafe(24)
     url = f"http://127.0.0.1:{port}"
-    env = os.environ | {"ELASTRAIN_API_TOKEN": token, "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"ELASTRAIN_API_TOKEN": token}
     log = (WORKDIR / "service.log").open("w")
     say(f"starting elastrain serve on {url} (embedded etcd, data dir {WORKDIR})")
     cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--data-dir", str(WORKDIR)]

@@ -20,6 +20,7 @@ from worker.amp import precision_table
 from worker.dist import DistInfo
 from worker.schedule import BatchPlan
 from worker.spec import JobSpec, OptimizerSpec, spec_json
+from worker.threads import record as threads_record
 
 
 def seed_all(seed: int) -> None:
@@ -157,6 +158,12 @@ def run_record(
         "device": info.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "world_size": info.world_size,
+        "threads": threads_record(
+            os.environ,
+            job_env=spec.env,
+            intra_op=torch.get_num_threads(),
+            inter_op=torch.get_num_interop_threads(),
+        ),
         "backend": info.backend,
         "restart_count": info.restart_count,
         "ddp": {"bucket_cap_mb": spec.ddp.bucket_cap_mb, "gradient_reduction": "mean over ranks (DDP)"},

@@ -36,7 +36,7 @@ from typing import Any, Literal
 from torchx import specs
 
 from service.jobs.resources import parse_resources
-from service.launch import gpus
+from service.launch import gpus, threads
 from service.launch.protocol import NodeLaunch
 from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
 from worker.errors import SpecError
@@ -83,6 +83,10 @@ class SchedulerSettings:
     host_gpus: int = 0
     """local_cwd: the GPUs this machine's nodes would see (:func:`service.launch.gpus.host_gpus`);
     a job of several node apps has them hidden (:func:`service.launch.gpus.hide`)."""
+    host_cores: int = 1
+    local_slots: int = 1
+    """local_cwd: this host's cores and the worker processes the service runs on it at once
+    (:func:`service.launch.threads.local` gives each process its share)."""
 
     def __post_init__(self) -> None:
         if not self.rdzv_endpoint.strip():
@@ -111,7 +115,11 @@ class SchedulerSettings:
             "checkpoint_mount": settings.checkpoint_mount,
         }
         if settings.scheduler == "local_cwd":
-            values["host_gpus"] = gpus.host_gpus()
+            values |= {
+                "host_gpus": gpus.host_gpus(),
+                "host_cores": threads.host_cores(),
+                "local_slots": threads.host_slots(settings.local_slots),
+            }
         if settings.k8s_etcd_tls_secret:
             values |= {"etcd_tls_secret": settings.k8s_etcd_tls_secret, "etcd_tls_dir": settings.etcd_tls_dir}
         values.update(overrides)
@@ -255,7 +263,8 @@ def local_node_app(
     of several node apps (:mod:`service.launch.gpus`). Pure."""
     given = (node.spec.env.get("PYTHONPATH", ""), node.env.get("PYTHONPATH", ""), import_root)
     pythonpath = os.pathsep.join(p for p in given if p)
-    env = {**node.env, **gpus.hide(node.spec, settings.host_gpus), "PYTHONPATH": pythonpath}
+    share = threads.local(cores=settings.host_cores, slots=settings.local_slots).env(node.spec)
+    env = {**share, **node.env, **gpus.hide(node.spec, settings.host_gpus), "PYTHONPATH": pythonpath}
     app = node_app(
         dataclasses.replace(node, env=env),
         rdzv_endpoint=settings.rdzv_endpoint,

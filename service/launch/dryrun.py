@@ -14,6 +14,7 @@ documented shape: ``spec.tasks[0].template`` is the worker pod; :func:`worker_po
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 from torchx import specs
 from torchx.specs import AppDryRunInfo
 
+from service.launch import threads
 from service.launch.apps import NODE_ADDR_ENV, SchedulerSettings, k8s_name, node_app
 from service.launch.protocol import NodeLaunch
 
@@ -84,8 +86,9 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
     duplicate, never run twice). No cluster needed. Pure."""
     from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler
 
+    share = threads.kubernetes(node.spec).env(node.spec)
     app = node_app(
-        node,
+        dataclasses.replace(node, env={**share, **node.env}),
         rdzv_endpoint=settings.rdzv_endpoint,
         image=node.spec.image or settings.worker_image,  # a team's image, built FROM the worker's
         checkpoint_mount=settings.checkpoint_mount,

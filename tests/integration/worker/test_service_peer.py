@@ -34,10 +34,10 @@ SLOW = "after_grad_sync=sleep:0.05"
 
 
 def peer_spec(**over: Any) -> dict[str, Any]:
-    """One process per node; one thread each, as torchrun gives the bare run's two processes (a
-    different thread count adds a matmul's partial sums in another order: other bits)."""
-    return job_spec(nodes="2", nproc_per_node=1, max_steps=120, recovery={"mode": "peer"},
-                    env={"OMP_NUM_THREADS": "1"}) | over  # fmt: skip
+    """One process per node; one thread each (the service's share of this host's cores), as
+    torchrun gives the bare run's two processes (a different thread count adds a matmul's partial
+    sums in another order: other bits)."""
+    return job_spec(nodes="2", nproc_per_node=1, max_steps=120, recovery={"mode": "peer"}) | over
 
 
 def workers(launch_id: str) -> list[int]:
