@@ -39,6 +39,7 @@ from service.jobs.machine import Policy
 from service.jobs.parts import JobParts
 from service.jobs.service import ensure_worker_secret
 from service.launch.protocol import Scheduler
+from service.launch.threads import host_slots
 from service.metrics import InstrumentedStore, Metrics
 from service.reconciler import LaunchContext, Reconciler
 from service.settings import Settings, SettingsError
@@ -225,6 +226,7 @@ def build_app(
         idle_interval_s=settings.reconcile_idle_interval_s,
         storage=checkpoints.storage,
         users=None if credentials is None else JobUsers(EtcdAuth(etcd.client), parts.records.etcd_password),
+        slots=host_slots(settings.local_slots) if settings.scheduler == "local_cwd" else None,
     )
 
     @contextlib.asynccontextmanager
