@@ -2,7 +2,9 @@
 
 1. Throughput: the same spec (1 node x 2 processes) bare and under ``elastrain serve`` (agents,
    heartbeats, etcd, progress callbacks); samples/s from the workers' own progress events.
-   Target: service / bare >= 0.98. Under the service the job runs in its default recovery mode
+   Target: service / bare >= 0.98 (with ``--nodes 2``, the service's 2 one-process node apps
+   against bare 1 x 2, nothing in the job's env: >= 0.95, the threads the service sets). Under
+   the service the job runs in its default recovery mode
    (``auto``: peer for DDP) and, in the same rounds, in ``restart`` mode, the mode bare torchrun
    runs: restart / bare is what the service itself costs, peer / restart what peer mode costs in
    steady state (issue 14's target >= 0.98). Each side also reports its workers' main-thread CPU
@@ -284,7 +286,7 @@ def main() -> int:
     print(f"job under the service ({args.nodes} x {2 // args.nodes}) vs bare torchrun (1 x 2), W=2, "
           "same spec, nothing in env")  # fmt: skip
     print(f"  ratio service/bare, median of {args.rounds} interleaved rounds: "
-          f"{ratio('service', 'bare')}  (target >= 0.98)")  # fmt: skip
+          f"{ratio('service', 'bare')}  (target >= {0.95 if args.nodes == 2 else 0.98})")  # fmt: skip
     print(f"  the service in restart mode / bare (what the service itself costs): {ratio('restart', 'bare')}")
     print(f"  peer / restart mode under the service (issue 14's steady state, target >= 0.98): "
           f"{ratio('service', 'restart')}")  # fmt: skip
