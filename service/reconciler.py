@@ -39,7 +39,7 @@ from service.jobs.machine import (
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, Progress
 from service.jobs.parts import JobParts
-from service.jobs.queue import Grant, demand, place
+from service.jobs.queue import Grant, grant_all
 from service.jobs.service import Stored
 from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
 from service.metrics import Metrics
@@ -153,7 +153,7 @@ class Reconciler:
         # A queued job waits for a job write (an end frees its slots), not for the clock.
         steady = (JobState.RUNNING, JobState.QUEUED)
         self.busy = any(not r.state.terminal and r.state not in steady for r in records)
-        grants = self._grants(records)
+        grants = {} if self.slots is None else grant_all(records, slots=self.slots, now=self.clock())
         if self._adopted_term != fence.lease_id:
             self._adopt_storage(records)  # finished jobs too, once per leadership term
             self._adopted_term = fence.lease_id
@@ -185,18 +185,6 @@ class Reconciler:
         self.metrics.last_pass.set(self._passed_at)
         self.metrics.pass_seconds.observe(time.perf_counter() - started)
         return True
-
-    def _grants(self, records: list[JobRecord]) -> dict[str, Grant]:
-        """The queue's grant per live job (none without a queue); a finished job holds slots
-        until its nodes are stopped."""
-        if self.slots is None:
-            return {}
-        live = [
-            r
-            for r in records
-            if not r.state.terminal or any(n.phase.active or n.phase == NodePhase.STOPPING for n in r.nodes)
-        ]
-        return place([demand(r) for r in live], slots=self.slots, now=self.clock())
 
     @property
     def stale_after_s(self) -> float:

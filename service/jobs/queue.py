@@ -21,7 +21,7 @@ The policy, in order:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from service.jobs.model import JobRecord, JobState, NodePhase
@@ -172,3 +172,11 @@ def check(spec: JobSpec, slots: int) -> None:
             "(ELASTRAIN_LOCAL_SLOTS); give a smaller minimum in 'nodes' or 'nproc_per_node', or "
             "ask the operator for more slots"
         )
+
+
+def grant_all(records: Sequence[JobRecord], *, slots: int, now: float) -> dict[str, Grant]:
+    """:func:`place` over the jobs that hold or want slots: every live job, and a finished one
+    until its nodes are stopped."""
+    holding = (NodePhase.LAUNCHING, NodePhase.RUNNING, NodePhase.STOPPING)
+    live = [r for r in records if not r.state.terminal or any(n.phase in holding for n in r.nodes)]
+    return place([demand(r) for r in live], slots=slots, now=now)

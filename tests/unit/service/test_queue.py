@@ -7,7 +7,8 @@ import pytest
 
 from service.jobs.machine import Observation, confirm_launch, reconcile, request_cancel, request_scale
 from service.jobs.model import JobState, NodeStatus
-from service.jobs.queue import BACKFILL_FOR_S, Demand, Grant, check, demand, place
+from service.jobs.queue import BACKFILL_FOR_S, Demand, Grant, check, demand, grant_all, place
+from service.jobs.slots import stop_all
 from tests.unit.service.test_job_machine import job, launched
 from worker.errors import SpecError
 from worker.spec import parse_spec
@@ -168,3 +169,12 @@ def test_a_records_demand_counts_what_it_holds_and_a_cancelled_job_wants_nothing
     cancelling = demand(request_cancel(record, 2.0))
     assert cancelling.min_nodes == cancelling.desired_nodes == 0 and cancelling.members == 2
     assert not demand(job()).started
+
+
+def test_a_finished_job_holds_its_slots_until_its_nodes_are_stopped() -> None:
+    done = launched(job(desired=2)).model_copy(update={"state": JobState.CANCELLED})
+    stopping, _ = stop_all(done, 5.0)  # both nodes are being stopped
+    queued = job().model_copy(update={"id": "j-2", "created_at": 1.0, "desired_nodes": 1})
+    assert grant_all([stopping, queued], slots=2, now=6.0)["j-2"].members == 0
+    gone = done.model_copy(update={"nodes": ()})
+    assert grant_all([gone, queued], slots=2, now=6.0) == {"j-2": Grant(1, 0)}
