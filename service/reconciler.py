@@ -39,7 +39,7 @@ from service.jobs.machine import (
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, Progress
 from service.jobs.parts import JobParts
-from service.jobs.queue import Grant, grant_all
+from service.jobs.queue import Grant, grant_all, still_waiting
 from service.jobs.service import Stored
 from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
 from service.metrics import Metrics
@@ -163,6 +163,8 @@ class Reconciler:
             self._adopted_at = self.clock()
         for record, revision in listed:
             if record.state.terminal and not any(n.phase == NodePhase.STOPPING for n in record.nodes):
+                continue
+            if still_waiting(record, grants.get(record.id)):
                 continue
             try:
                 self.reconcile_job(record.id, fence, known=(record, revision), grant=grants.get(record.id))

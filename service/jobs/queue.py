@@ -180,3 +180,15 @@ def grant_all(records: Sequence[JobRecord], *, slots: int, now: float) -> dict[s
     holding = (NodePhase.LAUNCHING, NodePhase.RUNNING, NodePhase.STOPPING)
     live = [r for r in records if not r.state.terminal or any(n.phase in holding for n in r.nodes)]
     return place([demand(r) for r in live], slots=slots, now=now)
+
+
+def still_waiting(job: JobRecord, grant: Grant | None) -> bool:
+    """A QUEUED job whose grant starts nothing and says what its record says: nothing to decide
+    or write, so a pass skips it (a queued job costs a pass no more than its listing)."""
+    return (
+        grant is not None
+        and job.state == JobState.QUEUED
+        and not job.cancel_requested
+        and grant.members == 0
+        and (job.queue_position, job.waiting) == (grant.position, grant.waiting)
+    )

@@ -7,7 +7,7 @@ import pytest
 
 from service.jobs.machine import Observation, confirm_launch, reconcile, request_cancel, request_scale
 from service.jobs.model import JobState, NodeStatus
-from service.jobs.queue import BACKFILL_FOR_S, Demand, Grant, check, demand, grant_all, place
+from service.jobs.queue import BACKFILL_FOR_S, Demand, Grant, check, demand, grant_all, place, still_waiting
 from service.jobs.slots import stop_all
 from tests.unit.service.test_job_machine import job, launched
 from worker.errors import SpecError
@@ -178,3 +178,12 @@ def test_a_finished_job_holds_its_slots_until_its_nodes_are_stopped() -> None:
     assert grant_all([stopping, queued], slots=2, now=6.0)["j-2"].members == 0
     gone = done.model_copy(update={"nodes": ()})
     assert grant_all([gone, queued], slots=2, now=6.0) == {"j-2": Grant(1, 0)}
+
+
+def test_a_queued_job_with_nothing_new_is_skipped_by_a_pass() -> None:
+    queued = reconcile(job(), Observation(now=1.0, grant=Grant(0, 0, 1, "waits"))).job
+    assert still_waiting(queued, Grant(0, 0, 1, "waits"))
+    assert not still_waiting(queued, Grant(0, 0, 2, "waits"))  # its place changed: written
+    assert not still_waiting(queued, Grant(1, 0))  # it starts
+    assert not still_waiting(request_cancel(queued, 2.0), Grant(0, 0, 1, "waits"))  # it cancels
+    assert not still_waiting(job(), Grant(0, 0, 1, "waits"))  # PENDING: it is queued first
