@@ -298,7 +298,7 @@ def _advance(job: JobRecord, before: JobRecord, *, changed: bool, now: float, ta
     if job.state == S.LAUNCHING and all_up and len(members) == target:
         return move(job, S.RUNNING, now)
     if job.state == S.RUNNING and changed and before.members:
-        return move(job, S.RESCALING, now, reason=f"to {job.desired_nodes} nodes")
+        return move(job, S.RESCALING, now, reason=f"to {len(members)} nodes")
     return job
 
 

@@ -46,16 +46,18 @@ class Demand:
     spares: int = 0
     """Warm spares the job wants now."""
     members: int = 0
-    """Member node apps it holds (launching, running or being stopped)."""
+    """Active member node apps (launching or running)."""
     held_spares: int = 0
     started: bool = False
     """It has launched before (not PENDING or QUEUED)."""
     waiting_since: float | None = None
     """When it entered the queue (its state's start while QUEUED)."""
+    stopping: int = 0
+    """Node apps being stopped: they hold their slots until they are gone."""
 
     @property
     def held(self) -> int:
-        return (self.members + self.held_spares) * self.nproc
+        return (self.members + self.held_spares + self.stopping) * self.nproc
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,7 @@ def _growth(d: Demand, members: int, *, free: int, slots: int, queued: bool) -> 
 def demand(job: JobRecord) -> Demand:
     """What ``job`` holds and wants. A finished or cancelling job wants nothing more and holds its
     nodes until they are stopped."""
-    holding = [n for n in job.nodes if n.phase.active or n.phase == NodePhase.STOPPING]
+    active = [n for n in job.nodes if n.phase.active]
     done = job.state.terminal or job.cancel_requested
     waits = job.state in (JobState.PENDING, JobState.QUEUED)
     return Demand(
@@ -153,10 +155,11 @@ def demand(job: JobRecord) -> Demand:
         min_nodes=0 if done else job.min_nodes,
         desired_nodes=0 if done else job.desired_nodes,
         spares=wanted_spares(job),
-        members=sum(1 for n in holding if n.role == "member"),
-        held_spares=sum(1 for n in holding if n.role == "spare"),
+        members=sum(1 for n in active if n.role == "member"),
+        held_spares=sum(1 for n in active if n.role == "spare"),
         started=done or not waits,
         waiting_since=job.state_since if job.state == JobState.QUEUED else job.created_at,
+        stopping=sum(1 for n in job.nodes if n.phase == NodePhase.STOPPING),
     )
 
 

@@ -168,6 +168,8 @@ def test_a_records_demand_counts_what_it_holds_and_a_cancelled_job_wants_nothing
     assert demand(record) == Demand("j-1", 0, 0.0, 1, 1, 2, 0, 2, 0, started=True, waiting_since=0.0)
     cancelling = demand(request_cancel(record, 2.0))
     assert cancelling.min_nodes == cancelling.desired_nodes == 0 and cancelling.members == 2
+    stopping = demand(stop_all(record, 3.0)[0])
+    assert stopping.members == 0 and stopping.stopping == 2 and stopping.held == 2  # still held
     assert not demand(job()).started
 
 
