@@ -118,7 +118,9 @@ def main() -> int:
     WORKDIR.mkdir(parents=True)
     port, token = free_port(), secrets.token_urlsafe(24)
     url = f"http://127.0.0.1:{port}"
-    env = os.environ | {"ELASTRAIN_API_TOKEN": token}
+    # Room for the scale to 3 one-process nodes on any machine (the default is one slot per core;
+    # the service then gives each worker its share of the cores).
+    env = os.environ | {"ELASTRAIN_API_TOKEN": token, "ELASTRAIN_LOCAL_SLOTS": "3"}
     log = (WORKDIR / "service.log").open("w")
     say(f"starting elastrain serve on {url} (embedded etcd, data dir {WORKDIR})")
     cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--data-dir", str(WORKDIR)]
