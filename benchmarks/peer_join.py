@@ -76,7 +76,7 @@ def world_sizes(shape: str) -> tuple[int, int]:
 def spec(shape: str, max_steps: int) -> dict[str, Any]:
     return base_spec(
         nodes=shape, initial_nodes=world_sizes(shape)[0], nproc_per_node=1, recovery={"mode": "peer"},
-        env={"OMP_NUM_THREADS": "1"}, max_steps=max_steps, **SHAPES[shape],
+        max_steps=max_steps, **SHAPES[shape],
     )  # fmt: skip
 
 

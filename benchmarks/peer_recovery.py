@@ -49,11 +49,7 @@ from tests.integration.worker.test_service_peer import workers
 
 
 def spec(mode: str, spares: int, **over: Any) -> dict[str, Any]:
-    # One thread per process, as torchrun gives the processes of a node with several: with one
-    # process per node torchrun sets none, and two 2-thread ranks on 2 cores step 10x slower.
-    body = base_spec(
-        nodes="2", nproc_per_node=1, recovery={"mode": mode}, env={"OMP_NUM_THREADS": "1"}, **over
-    )
+    body = base_spec(nodes="2", nproc_per_node=1, recovery={"mode": mode}, **over)
     return body | ({"spares": spares} if mode == "peer" else {})
 
 

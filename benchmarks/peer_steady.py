@@ -61,8 +61,7 @@ STEP_THREADS = ("training thread", "native", "data thread")
 def spec(
     mode: str, steps: int, block: int, warm: int, parts: bool = False, keep: str = "", dummy: bool = False
 ) -> dict[str, Any]:
-    # one thread per process, as benchmarks/peer_recovery.py gives this shape (see its spec())
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {"PYTHONPATH": str(REPO)}
     kwargs: dict[str, Any] = {"hidden": 512, "depth": 4, "block": block, "warm": warm, "parts": parts}
     if keep:
         kwargs["keep"] = keep

@@ -66,7 +66,9 @@ def serve(port: int, data_dir: str, etcd: str = "") -> int:
     from service.server import serve as run
     from service.settings import load_settings
 
-    return run(load_settings(port=port, data_dir=data_dir, etcd=etcd), scheduler=IdleScheduler())
+    # nothing runs: slots for every job, none waits in the queue
+    settings = load_settings(port=port, data_dir=data_dir, etcd=etcd, local_slots=1024)
+    return run(settings, scheduler=IdleScheduler())
 
 
 def start_service(

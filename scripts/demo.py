@@ -124,7 +124,9 @@ def main() -> int:
     fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(token + "\n")
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    # Room for the scale to 3 one-process nodes on any machine (the default is one slot per core;
+    # the service then gives each worker its share of the cores).
+    env = os.environ | {"ELASTRAIN_LOCAL_SLOTS": "3"}
     log = (WORKDIR / "service.log").open("w")
     say(f"starting elastrain serve on {url} (embedded etcd, data dir {WORKDIR})")
     cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--data-dir", str(WORKDIR)]

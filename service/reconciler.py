@@ -12,6 +12,7 @@ loses no job and launches no node twice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from service.jobs.machine import (
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, Progress
 from service.jobs.parts import JobParts
+from service.jobs.queue import Grant, grant_all, still_waiting
 from service.jobs.service import Stored
 from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
 from service.metrics import Metrics
@@ -95,6 +97,7 @@ class Reconciler:
         storage: StorageAdoption | None = None,
         users: JobUsers | None = None,
         clock: Callable[[], float] = time.time,
+        slots: int | None = None,
     ) -> None:
         self.jobs = parts.records
         self.progress = parts.progress
@@ -116,6 +119,9 @@ class Reconciler:
         self.users = users
         """Each job's own etcd user (None: etcd without auth)."""
         self.clock = clock
+        self.slots = slots
+        """Worker processes the local scheduler runs at once (the queue, :mod:`service.jobs.queue`);
+        None: no queue here (a cluster's scheduler decides)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._adopted_term: int | None = None
@@ -144,7 +150,10 @@ class Reconciler:
             return False
         listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
         records = [record for record, _ in listed]
-        self.busy = any(not r.state.terminal and r.state != JobState.RUNNING for r in records)
+        # A queued job waits for a job write (an end frees its slots), not for the clock.
+        steady = (JobState.RUNNING, JobState.QUEUED)
+        self.busy = any(not r.state.terminal and r.state not in steady for r in records)
+        grants = {} if self.slots is None else grant_all(records, slots=self.slots, now=self.clock())
         if self._adopted_term != fence.lease_id:
             self._adopt_storage(records)  # finished jobs too, once per leadership term
             self._adopted_term = fence.lease_id
@@ -155,8 +164,10 @@ class Reconciler:
         for record, revision in listed:
             if record.state.terminal and not any(n.phase == NodePhase.STOPPING for n in record.nodes):
                 continue
+            if still_waiting(record, grants.get(record.id)):
+                continue
             try:
-                self.reconcile_job(record.id, fence, known=(record, revision))
+                self.reconcile_job(record.id, fence, known=(record, revision), grant=grants.get(record.id))
             except NotLeaderError:
                 log.warning("lost leadership during a pass; stopping it")
                 self.metrics.is_leader.set(0)
@@ -305,17 +316,24 @@ class Reconciler:
     # ------------------------------------------------------------------ one job
 
     def reconcile_job(
-        self, job_id: str, fence: Fence, *, known: tuple[JobRecord, int] | None = None
+        self,
+        job_id: str,
+        fence: Fence,
+        *,
+        known: tuple[JobRecord, int] | None = None,
+        grant: Grant | None = None,
     ) -> JobRecord:
         """One job's pass. ``known``: the record and revision just listed (saves a read; a write
-        that raced in since makes the compare-and-set fail and the next pass decide again)."""
+        that raced in since makes the compare-and-set fail and the next pass decide again);
+        ``grant``: what the queue allows it (the pass computes it from the same listing)."""
         stored, revision = known if known is not None else self.jobs.get_versioned(job_id)
         progress = self.progress.newest(job_id)
         record = merge_progress(stored, progress)
         if progress is not None and progress.time > record.state_since:
             # a step after re-forming
             record = first_step_done(record, progress.step, progress.time, world_size=progress.world_size)
-        decision = reconcile(record, self._observe(record, progress), self.policy)
+        observation = dataclasses.replace(self._observe(record, progress), grant=grant)
+        decision = reconcile(record, observation, self.policy)
         # The step alone is not worth an etcd write each pass (GET reads it from the progress
         # key); it is persisted with the next real change, and recoveries read it merged above.
         if decision.job.model_copy(update={"last_step": stored.last_step}) != stored:

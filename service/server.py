@@ -40,6 +40,7 @@ from service.jobs.machine import Policy
 from service.jobs.parts import JobParts
 from service.jobs.service import ensure_worker_secret
 from service.launch.protocol import Scheduler
+from service.launch.threads import host_slots
 from service.metrics import InstrumentedStore, Metrics
 from service.reconciler import LaunchContext, Reconciler
 from service.settings import Settings, SettingsError
@@ -92,13 +93,21 @@ def leader_fence(election: LeaderElection, *, wait_s: float) -> Fence | None:
 def build_scheduler(settings: Settings, endpoints: list[str]) -> Scheduler:
     from service.launch.apps import SchedulerSettings
     from service.launch.hostgpus import host_gpus
+    from service.launch.threads import host_cores, host_slots
     from service.launch.torchx_scheduler import TorchXScheduler
 
+    host: dict[str, int] = {}
+    if settings.scheduler == "local_cwd":  # what this machine gives the nodes it runs
+        host = {
+            "host_gpus": host_gpus(),
+            "host_cores": host_cores(),
+            "local_slots": host_slots(settings.local_slots),
+        }
     config = SchedulerSettings.from_settings(
         settings,
         rdzv_endpoint=",".join(endpoints),
         log_root=str((settings.data_dir / "nodes").absolute()),
-        host_gpus=host_gpus() if settings.scheduler == "local_cwd" else 0,
+        **host,
     )
     return TorchXScheduler(config)
 
@@ -228,6 +237,7 @@ def build_app(
         idle_interval_s=settings.reconcile_idle_interval_s,
         storage=checkpoints.storage,
         users=None if credentials is None else JobUsers(EtcdAuth(etcd.client), parts.records.etcd_password),
+        slots=host_slots(settings.local_slots) if settings.scheduler == "local_cwd" else None,
     )
 
     @contextlib.asynccontextmanager

@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     """Between passes while every job runs steadily (a job write wakes the reconciler at once)."""
     leader_ttl_s: int = Field(default=10, ge=2, le=300)
     heartbeat_timeout_s: float = Field(default=60.0, gt=0)
+    local_slots: int | None = Field(default=None, ge=1, le=65536)
+    """local_cwd: how many worker processes the local scheduler runs at once (a job of N nodes x
+    P processes, and each warm spare's P, take N x P slots); a job that does not fit waits in
+    QUEUED. Default: the host's GPUs when it has any, else its CPU cores."""
     startup_timeout_s: float = Field(default=300.0, gt=0)
 
     @field_validator("etcd")

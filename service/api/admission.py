@@ -4,9 +4,10 @@ function, :func:`admit`, that the submit route calls on the parsed spec (each re
 
 from __future__ import annotations
 
-from service.jobs import peer
+from service.jobs import peer, queue
 from service.jobs.resources import parse_resources
 from service.launch import gpus, hostgpus
+from service.launch.threads import host_slots
 from service.settings import Settings
 from worker.errors import SpecError
 from worker.jobspec.spec import JobSpec
@@ -17,11 +18,15 @@ def admit(spec: JobSpec, settings: Settings) -> tuple[str, ...]:
     ``resources`` no scheduler can use (the launch reads them with the same function); a
     factory from a module the service does not allow (``ELASTRAIN_FACTORY_ALLOWLIST``); spares
     for a job that does not recover from its peers (:func:`service.jobs.peer.check`); NCCL for
-    a job whose nodes will not see this machine's GPUs (:func:`service.launch.gpus.check`).
+    a job whose nodes will not see this machine's GPUs (:func:`service.launch.gpus.check`); a job
+    whose minimum size exceeds the local scheduler's slots (:func:`service.jobs.queue.check`).
     Returns what the submitted event adds (where the local scheduler's nodes train)."""
     parse_resources(spec.resources)
     peer.check(spec)
-    reason = gpus.check(spec, hostgpus.host_gpus()) if settings.scheduler == "local_cwd" else None
+    reason = None
+    if settings.scheduler == "local_cwd":
+        reason = gpus.check(spec, hostgpus.host_gpus())
+        queue.check(spec, host_slots(settings.local_slots))
     notes = (reason,) if reason is not None else ()
     allowed = settings.factory_prefixes
     if allowed is None:

@@ -214,10 +214,18 @@ class JobSummary(BaseModel):
     restarts: int
     last_published_step: int | None
     created_at: float
+    queue_position: int | None = Field(
+        default=None, description="Its place in the local scheduler's queue (1: next) while QUEUED."
+    )
 
 
 class JobPublic(JobSummary):
     reason: str | None
+    waiting: str | None = Field(
+        default=None,
+        description="Why it waits for free slots: to start (QUEUED), or to grow to its desired nodes.",
+    )
+    priority: int = Field(default=0, description="Higher starts first when jobs wait (then by submission).")
     nodes_range: str
     nproc_per_node: int
     recovery_mode: Literal["peer", "restart"] = Field(
@@ -280,6 +288,7 @@ def summary(record: JobRecord) -> JobSummary:
         restarts=record.restarts,
         last_published_step=record.last_published_step,
         created_at=record.created_at,
+        queue_position=record.queue_position,
     )
 
 
@@ -291,6 +300,8 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
     return JobPublic(
         **summary(record).model_dump(),
         reason=record.reason,
+        waiting=record.waiting,
+        priority=record.spec.priority if record.spec is not None else 0,
         nodes_range=f"{record.min_nodes}:{record.max_nodes}",
         nproc_per_node=record.nproc_per_node,
         recovery_mode=record.recovery_mode,

@@ -155,6 +155,10 @@ def _print_status(job: dict[str, Any]) -> None:
     print("  " + status_line(job))
     if job.get("reason"):
         print(f"  reason: {job['reason']}")
+    if job.get("queue_position"):
+        print(f"  place in the queue: {job['queue_position']}")
+    if job.get("waiting") and job.get("waiting") != job.get("reason"):
+        print(f"  waiting: {job['waiting']}")
     print(f"  checkpoints: {job['checkpoint_dir']}")
     for node in job.get("nodes", []):
         role = "spare" if node.get("role") == "spare" else "node"

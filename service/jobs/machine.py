@@ -1,6 +1,6 @@
 """The job state machine, pure: (record, observation or request) -> (new record, actions).
 
-PENDING -> LAUNCHING -> RUNNING <-> RECOVERING / RESCALING -> SUCCEEDED | FAILED | CANCELLED.
+PENDING [-> QUEUED] -> LAUNCHING -> RUNNING <-> RECOVERING / RESCALING -> SUCCEEDED | FAILED | CANCELLED.
 Nothing here does I/O or reads a clock; the reconciler and the API apply the results with
 compare-and-set writes. Launches and cancels are returned as :class:`Launch` / :class:`Cancel`
 values after the record already holds their intent (a node in ``launching`` or ``stopping``),
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from service.jobs import incidents
 from service.jobs.incidents import Loss
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, NodeStatus, Recovery
+from service.jobs.queue import Grant
 from service.jobs.slots import Action, Cancel, Launch, end, match_desired, prune, stop_all
 from worker.errors import ElastrainError
 
@@ -22,7 +23,8 @@ __all__ = ["Action", "Cancel", "Launch"]
 
 S = JobState
 ALLOWED: Mapping[JobState, frozenset[JobState]] = {
-    S.PENDING: frozenset({S.LAUNCHING, S.FAILED, S.CANCELLED}),
+    S.PENDING: frozenset({S.QUEUED, S.LAUNCHING, S.FAILED, S.CANCELLED}),
+    S.QUEUED: frozenset({S.LAUNCHING, S.FAILED, S.CANCELLED}),
     S.LAUNCHING: frozenset({S.RUNNING, S.RECOVERING, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.RUNNING: frozenset({S.RECOVERING, S.RESCALING, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.RECOVERING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
@@ -65,6 +67,9 @@ class Observation:
     """By launch id: the newest heartbeat of any of its ranks (a node's last sign of life)."""
     progress_at: float | None = None
     """When the job's newest progress report came (the group's last sign of life)."""
+    grant: Grant | None = None
+    """The local scheduler's queue: how many nodes the job may have active now
+    (:func:`service.jobs.queue.place`); None: no limit (the cluster's scheduler decides)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +163,30 @@ def _reconcile(job: JobRecord, obs: Observation, policy: Policy) -> tuple[JobRec
             return job, actions
     lost = {loss.node.launch_id for loss in losses}
     actions.extend(Launch(n) for n in job.nodes if n.phase == NodePhase.LAUNCHING and n.launch_id not in lost)
+    job = _wait(job, obs.grant, obs.now)
+    if job.state == S.QUEUED and obs.grant is not None and obs.grant.members == 0:
+        return job, actions
     before = job
-    job, changes, members_changed = match_desired(job, obs.now)
+    cap = (None, None) if obs.grant is None else (obs.grant.members, obs.grant.spares)
+    job, changes, members_changed = match_desired(job, obs.now, members_cap=cap[0], spares_cap=cap[1])
     actions.extend(changes)
-    return _advance(job, before, changed=members_changed, now=obs.now), actions
+    target = job.desired_nodes if cap[0] is None else min(job.desired_nodes, cap[0])
+    return _advance(job, before, changed=members_changed, now=obs.now, target=target), actions
+
+
+def _wait(job: JobRecord, grant: Grant | None, now: float) -> JobRecord:
+    """Follow the queue's grant: a job not yet started that may start no node waits in QUEUED
+    (its place and why kept on the record); any job keeps the grant's words on why it waits."""
+    if grant is None:
+        return job
+    if job.state in (S.PENDING, S.QUEUED) and grant.members == 0:
+        job = move(job, S.QUEUED, now, reason=grant.waiting)
+    if job.queue_position == grant.position and job.waiting == grant.waiting:
+        return job
+    update: dict[str, object] = {"queue_position": grant.position, "waiting": grant.waiting}
+    if job.state == S.QUEUED:
+        update["reason"] = grant.waiting
+    return job.model_copy(update=update)
 
 
 def _observe(job: JobRecord, obs: Observation, policy: Policy) -> tuple[JobRecord, list[Loss], list[Action]]:
@@ -263,15 +288,17 @@ def _on_failure(
     return job, []
 
 
-def _advance(job: JobRecord, before: JobRecord, *, changed: bool, now: float) -> JobRecord:
-    if job.state == S.PENDING and job.nodes:
+def _advance(job: JobRecord, before: JobRecord, *, changed: bool, now: float, target: int) -> JobRecord:
+    """``target``: the members the job may have now (its desired size, or less while it waits
+    for slots to grow)."""
+    if job.state in (S.PENDING, S.QUEUED) and job.nodes:
         return move(job, S.LAUNCHING, now)
     members = job.members
     all_up = bool(members) and all(n.phase == NodePhase.RUNNING for n in members)
-    if job.state == S.LAUNCHING and all_up and len(members) == job.desired_nodes:
+    if job.state == S.LAUNCHING and all_up and len(members) == target:
         return move(job, S.RUNNING, now)
     if job.state == S.RUNNING and changed and before.members:
-        return move(job, S.RESCALING, now, reason=f"to {job.desired_nodes} nodes")
+        return move(job, S.RESCALING, now, reason=f"to {len(members)} nodes")
     return job
 
 

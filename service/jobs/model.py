@@ -33,6 +33,8 @@ NodeRole = Literal["member", "spare"]
 
 class JobState(StrEnum):
     PENDING = "PENDING"
+    QUEUED = "QUEUED"
+    """Waiting for free slots on the local scheduler (:mod:`service.jobs.queue`)."""
     LAUNCHING = "LAUNCHING"
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"
@@ -215,6 +217,10 @@ class JobRecord(_Frozen):
     last_group_id: str | None = None
     groups_formed: int = 0
     reason: str | None = None
+    queue_position: int | None = None
+    """Its place in the local scheduler's queue (1: next) while QUEUED."""
+    waiting: str | None = None
+    """Why it waits for slots: to start (QUEUED), or to grow to its desired size."""
     events: tuple[JobEvent, ...] = ()
     recoveries: tuple[Recovery, ...] = ()
     created_at: float

@@ -76,14 +76,25 @@ def stop_all(job: JobRecord, now: float, *, role: NodeRole | None = None) -> tup
     return job.model_copy(update={"nodes": tuple(nodes)}), actions
 
 
-def match_desired(job: JobRecord, now: float) -> tuple[JobRecord, list[Action], bool]:
+def match_desired(
+    job: JobRecord, now: float, *, members_cap: int | None = None, spares_cap: int | None = None
+) -> tuple[JobRecord, list[Action], bool]:
     """Launch into free slots or stop the highest slots until active members == desired, and the
-    same for spares; the flag says whether the members changed."""
+    same for spares; the flag says whether the members changed. A cap (the local scheduler's
+    grant) holds launches back, never stops what runs."""
     nodes, attempts = list(job.nodes), dict(job.next_attempt)  # never pruned: no id is reused
-    actions = _match(nodes, attempts, job, role="member", want=job.desired_nodes, now=now)
+    want = _capped(job.desired_nodes, len(job.members), members_cap)
+    actions = _match(nodes, attempts, job, role="member", want=want, now=now)
     changed = bool(actions)
-    actions += _match(nodes, attempts, job, role="spare", want=wanted_spares(job), now=now)
+    spares = sum(1 for n in job.nodes if n.phase.active and n.role == "spare")
+    want_spares = _capped(wanted_spares(job), spares, spares_cap)
+    actions += _match(nodes, attempts, job, role="spare", want=want_spares, now=now)
     return job.model_copy(update={"nodes": tuple(nodes), "next_attempt": attempts}), actions, changed
+
+
+def _capped(want: int, active: int, cap: int | None) -> int:
+    """``want``, launching no more than ``cap`` allows (what is active is kept)."""
+    return want if cap is None or want <= active else min(want, max(cap, active))
 
 
 def _match(

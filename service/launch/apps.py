@@ -36,7 +36,7 @@ from typing import Any, Literal
 from torchx import specs
 
 from service.jobs.resources import parse_resources
-from service.launch import gpus
+from service.launch import gpus, threads
 from service.launch.protocol import NodeLaunch
 from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
 from worker.errors import SpecError
@@ -84,6 +84,10 @@ class SchedulerSettings:
     """local_cwd: the GPUs this machine's nodes would see (the caller reads them:
     :func:`service.launch.hostgpus.host_gpus`);
     a job of several node apps has them hidden (:func:`service.launch.gpus.hide`)."""
+    host_cores: int = 1
+    local_slots: int = 1
+    """local_cwd: this host's cores and the worker processes the service runs on it at once
+    (:func:`service.launch.threads.local` gives each process its share)."""
 
     def __post_init__(self) -> None:
         if not self.rdzv_endpoint.strip():
@@ -254,7 +258,8 @@ def local_node_app(
     of several node apps (:mod:`service.launch.gpus`). Pure."""
     given = (node.spec.env.get("PYTHONPATH", ""), node.env.get("PYTHONPATH", ""), import_root)
     pythonpath = os.pathsep.join(p for p in given if p)
-    env = {**node.env, **gpus.hide(node.spec, settings.host_gpus), "PYTHONPATH": pythonpath}
+    share = threads.local(cores=settings.host_cores, slots=settings.local_slots).env(node.spec)
+    env = {**share, **node.env, **gpus.hide(node.spec, settings.host_gpus), "PYTHONPATH": pythonpath}
     app = node_app(
         dataclasses.replace(node, env=env),
         rdzv_endpoint=settings.rdzv_endpoint,

@@ -14,6 +14,7 @@ documented shape: ``spec.tasks[0].template`` is the worker pod; :func:`worker_po
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,10 @@ from typing import Any
 from torchx import specs
 from torchx.specs import AppDryRunInfo
 
+from service.launch import threads
 from service.launch.apps import NODE_ADDR_ENV, SchedulerSettings, k8s_name, node_app
 from service.launch.protocol import NodeLaunch
+from worker.jobspec.spec import JobSpec
 
 KUBERNETES = "kubernetes"
 WORKER_UID = 10001  # deploy/docker/worker.Dockerfile's user and group
@@ -84,8 +87,9 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
     duplicate, never run twice). No cluster needed. Pure."""
     from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler
 
+    share = threads.kubernetes(node.spec).env(node.spec)
     app = node_app(
-        node,
+        dataclasses.replace(node, env={**share, **node.env}),
         rdzv_endpoint=settings.rdzv_endpoint,
         image=node.spec.image or settings.worker_image,  # a team's image, built FROM the worker's
         checkpoint_mount=settings.checkpoint_mount,
@@ -93,7 +97,7 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
         rdzv=settings.rdzv,
         module=settings.worker_module,
     )
-    info = KubernetesScheduler("elastrain").submit_dryrun(app, kubernetes_cfg(settings))
+    info = KubernetesScheduler("elastrain").submit_dryrun(app, kubernetes_cfg(settings, node.spec))
     name = k8s_name(node.launch_id, limit=63)
     job = finish_volcano_job(info.request.resource, settings, name=name)
     for task in job["spec"]["tasks"]:
@@ -109,8 +113,10 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
 def kubernetes_dryrun(node: NodeLaunch, settings: SchedulerSettings) -> dict[str, Any]:
     """The Volcano Job TorchX's ``kubernetes`` scheduler submits for ``node``:
     ``metadata.namespace`` is the target namespace, ``metadata.name`` the launch id,
-    ``spec.queue`` the Volcano queue and ``spec.tasks[0].template`` the worker pod (image,
-    command, env, service account, resources, the checkpoint claim mounted at
+    ``spec.queue`` the Volcano queue (the spec's ``queue``, else the service's),
+    ``spec.priorityClassName`` the PriorityClass of the spec's ``priority`` (when not 0) and
+    ``spec.tasks[0].template`` the worker pod (image, command, env, service account, resources,
+    the checkpoint claim mounted at
     ``settings.checkpoint_mount``; in peer mode ``ELASTRAIN_NODE_ADDR`` from the pod's IP; with
     ``settings.etcd_tls_secret``, that Secret at ``settings.etcd_tls_dir``).
     Pure; see :func:`worker_pod`."""
@@ -190,12 +196,27 @@ def mount_secret(pod: dict[str, Any], secret: str, path: str, *, volume: str) ->
         container.setdefault("volumeMounts", []).append({"name": volume, "mountPath": path, "readOnly": True})
 
 
-def kubernetes_cfg(settings: SchedulerSettings) -> dict[str, specs.CfgVal]:
-    """TorchX's run options for ``kubernetes`` from the settings."""
-    cfg: dict[str, specs.CfgVal] = {"namespace": settings.k8s_namespace, "queue": settings.k8s_queue}
+def kubernetes_cfg(settings: SchedulerSettings, spec: JobSpec | None = None) -> dict[str, specs.CfgVal]:
+    """TorchX's run options for ``kubernetes`` from the settings and the job's spec: the Volcano
+    queue (the spec's ``queue``, else the service's) and the PriorityClass of its ``priority``
+    (:func:`priority_class`; none for 0, the cluster's default)."""
+    queue = spec.queue if spec is not None and spec.queue else settings.k8s_queue
+    cfg: dict[str, specs.CfgVal] = {"namespace": settings.k8s_namespace, "queue": queue}
     if settings.k8s_service_account:
         cfg["service_account"] = settings.k8s_service_account
+    name = priority_class(spec.priority) if spec is not None else None
+    if name is not None:
+        cfg["priority_class"] = name
     return cfg
+
+
+def priority_class(priority: int) -> str | None:
+    """The PriorityClass a job of ``priority`` runs under: ``elastrain-priority-<N>`` (negative:
+    ``elastrain-priority-minus-<N>``), None for 0. The cluster must have it (the chart's
+    ``priorityClasses`` creates them); Volcano orders the jobs of a queue by it."""
+    if priority == 0:
+        return None
+    return f"elastrain-priority-{'minus-' if priority < 0 else ''}{abs(priority)}"
 
 
 def worker_pod(volcano_job: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,7 @@ WORKER_FOR_SERVICE = {
     "worker.jobspec.spec",
     "worker.jobspec.recovery",
     "worker.jobspec.paths",
+    "worker.start.threads",
     "worker.checkpoint.commit",
     "worker.checkpoint.export",
     "worker.checkpoint.final",

@@ -358,6 +358,24 @@ class JobSpec(_Frozen):
     resources: dict[Annotated[str, Field(max_length=100)], Annotated[str, Field(max_length=300)]] = Field(
         default_factory=dict, max_length=16
     )
+    priority: int = Field(
+        default=0,
+        ge=-1_000_000,
+        le=1_000_000,
+        description=(
+            "Higher starts first when jobs wait for capacity (then by submission); on Kubernetes "
+            "the PriorityClass named 'elastrain-priority-<priority>' when not 0 (see 'queue')."
+        ),
+    )
+    queue: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
+        description=(
+            "Kubernetes: the Volcano queue this job's pods wait in (default: the service's, "
+            "ELASTRAIN_K8S_QUEUE). The local scheduler has one queue and ignores it."
+        ),
+    )
     image: str | None = Field(
         default=None,
         max_length=MAX_IMAGE,

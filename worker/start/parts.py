@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from worker.jobspec.spec import JobSpec, OptimizerSpec, spec_json
 from worker.start.dist import DistInfo
+from worker.start.threads import record as threads_record
 from worker.train.amp import precision_table
 from worker.train.schedule import BatchPlan
 
@@ -124,7 +125,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerSpec) -> torch.optim.Optimiz
 # so that the same training under the service and under bare torchrun has the same state digest.
 OPERATIONAL_FIELDS = frozenset(
     {"name", "checkpoint", "nodes", "initial_nodes", "nproc_per_node", "max_restarts", "resources",
-     "log_every_steps", "monitor", "recovery", "spares"}
+     "log_every_steps", "monitor", "recovery", "spares", "priority", "queue"}
 )  # fmt: skip
 
 
@@ -157,6 +158,12 @@ def run_record(
         "device": info.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "world_size": info.world_size,
+        "threads": threads_record(
+            os.environ,
+            job_env=spec.env,
+            intra_op=torch.get_num_threads(),
+            inter_op=torch.get_num_interop_threads(),
+        ),
         "backend": info.backend,
         "restart_count": info.restart_count,
         "ddp": {"bucket_cap_mb": spec.ddp.bucket_cap_mb, "gradient_reduction": "mean over ranks (DDP)"},

@@ -53,7 +53,6 @@ class Job:
             # the nodes' worker module is the tests' own code (as a team's would be): its root on
             # the path; the package itself is the installed one
             "PYTHONPATH": str(TESTS_ROOT),
-            "OMP_NUM_THREADS": "1",
             "RDZV_TEST_OUT": str(self.events_path),
             "RDZV_TEST_STOP": str(self.stop_path),
         }

@@ -74,7 +74,12 @@ def main() -> int:
     parser.add_argument("--nodes-dir", required=True)
     args = parser.parse_args()
     settings = load_settings(
-        port=args.port, data_dir=args.data_dir, etcd=args.etcd, reconcile_interval_s=0.2, leader_ttl_s=3
+        port=args.port,
+        data_dir=args.data_dir,
+        etcd=args.etcd,
+        reconcile_interval_s=0.2,
+        leader_ttl_s=3,
+        local_slots=None if "ELASTRAIN_LOCAL_SLOTS" in os.environ else 64,  # nothing runs: no cores used
     )
     return serve(settings, scheduler=FileScheduler(Path(args.nodes_dir)))
 

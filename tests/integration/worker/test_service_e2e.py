@@ -77,7 +77,8 @@ class Service:
 
     def start(self) -> None:
         assert ELASTRAIN.exists(), f"no elastrain console script next to {sys.executable}: run `make venv`"
-        env = worker_env(self.env) | {"ELASTRAIN_API_TOKEN": self.token}
+        # Many small jobs run at once here: slots beyond the cores unless a test sets its own.
+        env = worker_env({"ELASTRAIN_LOCAL_SLOTS": "64"} | self.env) | {"ELASTRAIN_API_TOKEN": self.token}
         self.starts += 1
         log = (self.data_dir / f"service-{self.starts}.log").open("w")
         cmd = [str(ELASTRAIN), "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)]

@@ -34,10 +34,10 @@ SLOW = "after_grad_sync=sleep:0.05"
 
 
 def peer_spec(**over: Any) -> dict[str, Any]:
-    """One process per node; one thread each, as torchrun gives the bare run's two processes (a
-    different thread count adds a matmul's partial sums in another order: other bits)."""
-    return job_spec(nodes="2", nproc_per_node=1, max_steps=120, recovery={"mode": "peer"},
-                    env={"OMP_NUM_THREADS": "1"}) | over  # fmt: skip
+    """One process per node; one thread each (the service's share of this host's cores), as
+    torchrun gives the bare run's two processes (a different thread count adds a matmul's partial
+    sums in another order: other bits)."""
+    return job_spec(nodes="2", nproc_per_node=1, max_steps=120, recovery={"mode": "peer"}) | over
 
 
 def workers(launch_id: str) -> list[int]:
@@ -159,6 +159,12 @@ def test_a_killed_worker_is_replaced_from_peer_memory(
     record = json.loads((Path(final["checkpoint_dir"]) / "run-record.json").read_text())
     assert record["spec_hash"] and record["world_size"] == 2 and record["generation"] >= 1, sorted(record)
     assert record["gc"]["enabled"] is True, record["gc"]  # a peer-mode process turned it on again
+    # One-process node apps, nothing in the job's env: the service gave each worker its share.
+    threads = record["threads"]
+    assert (
+        threads["decided_by"].startswith("the service") and "ELASTRAIN_LOCAL_SLOTS" in threads["decided_by"]
+    )
+    assert threads["intra_op"] == int(threads["OMP_NUM_THREADS"]), threads
 
 
 @seeded

@@ -128,3 +128,22 @@ def test_a_jobs_env_reaches_its_local_nodes_with_its_pythonpath_first(local: Tor
     assert plan.env["HF_HOME"] == "/tmp/hf"
     paths = plan.env["PYTHONPATH"].split(os.pathsep)
     assert paths[0] == "/opt/team" and (Path(paths[-1]) / "worker").is_dir()  # then elastrain's
+
+
+def test_the_jobs_queue_and_priority_class_are_in_the_volcano_job() -> None:
+    """On Kubernetes the cluster's scheduler decides: the spec's ``queue`` (else the service's)
+    and the PriorityClass of its ``priority`` go to Volcano through TorchX's options."""
+    default = kubernetes_dryrun(NODE, K8S)["spec"]
+    assert default["queue"] == "default" and "priorityClassName" not in default  # priority 0
+    urgent = NodeLaunch(
+        "job-7", SPEC.model_copy(update={"priority": 100, "queue": "team-a"}), 0, "job-7-n0-a0"
+    )
+    spec = kubernetes_dryrun(urgent, K8S)["spec"]
+    assert spec["queue"] == "team-a" and spec["priorityClassName"] == "elastrain-priority-100"
+    assert spec["schedulerName"] == "volcano"
+    low = NodeLaunch("job-7", SPEC.model_copy(update={"priority": -5}), 0, "job-7-n0-a1")
+    service_queue = SchedulerSettings(
+        scheduler="kubernetes", rdzv_endpoint="http://etcd:2379", worker_image="img:1", k8s_queue="batch"
+    )
+    spec = kubernetes_dryrun(low, service_queue)["spec"]
+    assert spec["queue"] == "batch" and spec["priorityClassName"] == "elastrain-priority-minus-5"

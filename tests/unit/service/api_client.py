@@ -23,6 +23,8 @@ SPEC: dict[str, Any] = raw_spec("demo", max_steps=20)
 
 
 def api(data_dir: Path, store: MemoryStore | None = None, **settings: Any) -> TestClient:
-    """A client of a fresh app (use it as a context manager: that runs the app's lifespan)."""
+    """A client of a fresh app (use it as a context manager: that runs the app's lifespan). Its
+    local scheduler has 64 slots unless ``local_slots`` says otherwise (not this host's cores)."""
+    settings.setdefault("local_slots", 64)
     app = create_app(load_settings(data_dir=data_dir, **settings), store or MemoryStore(), api_token=TOKEN)
     return TestClient(app, raise_server_exceptions=False)

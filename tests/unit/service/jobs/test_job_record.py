@@ -72,5 +72,7 @@ def test_a_record_stored_before_loads_with_its_spec_as_a_value_and_is_written_ba
         "peer_incidents": 0,
         "spare_failures": 0,
         "reached_step": None,
+        "queue_position": None,  # and waits for no slots
+        "waiting": None,
     }
     assert json.loads(record.to_json())["spec"]["checkpoint"]["async"] is True  # the alias
