@@ -81,12 +81,14 @@ class Settings(BaseSettings):
     """Leases one job may hold at once (each torchrun agent and worker holds one or two)."""
     kv_lease_ttl_s: int = Field(default=3600, ge=60, le=86_400)
     """The longest TTL a job's lease may be granted."""
-    kv_total_bytes: int = Field(default=256 << 20, ge=1 << 20, le=4 << 30)
-    """Bytes all jobs together may keep through the gateway (the etcd's quota leaves room)."""
-    kv_write_bytes_per_s: int = Field(default=2 << 20, ge=64 << 10, le=256 << 20)
+    kv_total_bytes: int = Field(default=256 << 20, ge=1 << 20, le=256 << 20)
+    """Bytes all jobs together may keep through the gateway: at most an eighth of etcd's default
+    2 GiB quota (``--quota-backend-bytes``), so that jobs can never raise its NOSPACE alarm."""
+    kv_write_bytes_per_s: int = Field(default=2 << 20, ge=64 << 10, le=2 << 20)
     """Bytes all jobs together may write through the gateway per second (a burst of 30 s of
-    it): with etcd's history of old values kept until compaction, a bound on what overwrites
-    add to etcd between compactions."""
+    it). etcd keeps overwritten values until it compacts (every 5 minutes), so this bounds what
+    jobs add between compactions: 2 MiB/s is 600 MiB, which with ``kv_total_bytes`` stays under
+    half of etcd's default quota."""
 
     @field_validator("etcd")
     @classmethod

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from service.etcd.gateway_rules import (
+    BURST_S,
     Checked,
     GatewayRefused,
     KvBudget,
@@ -22,6 +23,7 @@ from service.etcd.gateway_rules import (
     prefix_end,
     usage_of,
 )
+from service.settings import Settings
 from worker.etcdclient import b64, range_end
 
 MINE = "/elastrain/rdzv/job-a/"
@@ -163,3 +165,14 @@ def test_usage_is_read_from_a_range_answer_and_prefix_end_is_exclusive() -> None
     assert usage_of(kvs) == Usage(2 * (len(MINE) + 1) + 5, 2)
     assert prefix_end(MINE.encode()) == range_end(MINE).encode()
     assert prefix_end(b"a\xff") == b"b"
+
+
+def test_the_largest_budgets_allowed_cannot_fill_etcds_default_quota() -> None:
+    """What jobs can keep plus what their overwrites leave until etcd compacts (every 5 minutes,
+    a burst of 30 s on top) stays under half of etcd's 2 GiB default quota."""
+    fields = Settings.model_fields
+    names = ("kv_total_bytes", "kv_write_bytes_per_s")
+    most = {name: next(m.le for m in fields[name].metadata if hasattr(m, "le")) for name in names}
+    assert most["kv_total_bytes"] + most["kv_write_bytes_per_s"] * (300 + BURST_S) <= (2 << 30) // 2
+    budget = KvBudget.from_settings(Settings())
+    assert budget.job_bytes < budget.total_bytes and budget.request_bytes <= budget.job_bytes
