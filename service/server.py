@@ -34,7 +34,7 @@ from service.checkpoints.service import Checkpoints
 from service.etcd.access import ROOT_USER, EtcdAuth
 from service.etcd.election import LeaderElection, leader_address
 from service.etcd.gateway import KvGateway
-from service.etcd.gateway_rules import KvBudget
+from service.etcd.gateway_budget import KvBudget
 from service.etcd.kv import EtcdStore, Fence
 from service.etcd.server import EtcdServer
 from service.jobs.machine import Policy

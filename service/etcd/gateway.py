@@ -27,10 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.etcd.access import rendezvous_prefix
-from service.etcd.gateway_rules import (
+from service.etcd.gateway_budget import (
     BURST_S,
-    Checked,
-    GatewayRefused,
     KvBudget,
     LeaseLedger,
     Usage,
@@ -38,9 +36,9 @@ from service.etcd.gateway_rules import (
     admit_write,
     check_grant,
     check_leases,
-    check_request,
     usage_of,
 )
+from service.etcd.gateway_rules import Checked, GatewayRefused, check_request
 from worker.etcdclient import EtcdClient, b64, put_request, range_end, unb64
 
 LEASE_RECORDS = "/elastrain/gateway/leases/"

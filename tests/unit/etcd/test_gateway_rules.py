@@ -7,22 +7,18 @@ from typing import Any
 
 import pytest
 
-from service.etcd.gateway_rules import (
+from service.etcd.gateway_budget import (
     BURST_S,
-    Checked,
-    GatewayRefused,
     KvBudget,
     LeaseLedger,
-    Put,
     Usage,
     WriteRate,
     admit_write,
     check_grant,
     check_leases,
-    check_request,
-    prefix_end,
     usage_of,
 )
+from service.etcd.gateway_rules import Checked, GatewayRefused, Put, check_request, prefix_end
 from service.settings import Settings
 from worker.etcdclient import b64, range_end
 
