@@ -54,6 +54,13 @@ class Metrics:
             ["job_id", "budget"],
             registry=r,
         )
+        self.kv_refused = Counter(
+            "elastrain_kv_gateway_refused_total",
+            "Jobs' etcd requests the key-value gateway refused, by reason (forbidden: outside the "
+            "job's keys or leases; over_budget; not_found: an operation jobs may not use; invalid)",
+            ["code"],
+            registry=r,
+        )
         self.forwarded = Counter(
             "elastrain_api_forwarded_total",
             "Writes a standby passed to the leader, by outcome (forwarded, unreachable)",

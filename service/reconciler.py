@@ -17,12 +17,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from service.checkpoints.adopt import StorageAdoption
-from service.etcd.access import JobUsers
-from service.etcd.access import node_env as etcd_node_env
 from service.etcd.election import LeaderElection
+from service.etcd.gateway import KvGateway
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
 from service.jobs.errors import NotFoundError, NotLeaderError
@@ -43,7 +42,7 @@ from service.jobs.queue import Grant, grant_all, still_waiting
 from service.jobs.service import Stored
 from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
 from service.metrics import Metrics
-from worker.etcdclient import Credentials, EtcdRefusedError, EtcdTLS, EtcdUnavailableError
+from worker.etcdclient import GATEWAY_ENV, TOKEN_ENV, EtcdRefusedError, EtcdUnavailableError
 
 log = logging.getLogger("elastrain.reconciler")
 
@@ -53,22 +52,24 @@ class LaunchContext:
     """What every launched node is told (in its environment)."""
 
     service_url: str
-    etcd_endpoints: tuple[str, ...] = ()
-    etcd_tls: EtcdTLS = field(default_factory=EtcdTLS)
 
 
-def service_env(
-    job: JobRecord, ctx: LaunchContext, worker_token: str, etcd: Credentials | None = None
-) -> dict[str, str]:
-    """What the service tells every node of ``job``, with the job's own etcd user when etcd has
-    auth; who the node is its scheduler adds (:func:`service.launch.apps.node_env`)."""
-    env = {
+def service_env(job: JobRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
+    """What the service tells every node of ``job``: its URL, the job's worker token, its
+    checkpoint directory and its key-value gateway (the rendezvous and the peer group reach
+    etcd only through it; a job is given no etcd endpoint or credential). Who the node is its
+    scheduler adds (:func:`service.launch.apps.node_env`)."""
+    return {
         "ELASTRAIN_SERVICE_URL": ctx.service_url,
-        "ELASTRAIN_WORKER_TOKEN": worker_token,
+        TOKEN_ENV: worker_token,
         "ELASTRAIN_CHECKPOINT_DIR": job.checkpoint_dir,
-        "ELASTRAIN_ETCD_ENDPOINTS": ",".join(ctx.etcd_endpoints),
-    } | ctx.etcd_tls.env()  # the rendezvous and the peer group reach the same etcd
-    return env | (etcd_node_env(etcd) if etcd is not None else {})
+        GATEWAY_ENV: gateway_url(ctx.service_url, job.id),
+    }
+
+
+def gateway_url(service_url: str, job_id: str) -> str:
+    """The key-value gateway of ``job_id`` (:mod:`service.api.routes.gateway`), as an endpoint."""
+    return f"{service_url.rstrip('/')}/v1/jobs/{job_id}/kv"
 
 
 ADOPT_EVERY_S = 10.0
@@ -95,7 +96,7 @@ class Reconciler:
         interval_s: float = 1.0,
         idle_interval_s: float = 5.0,
         storage: StorageAdoption | None = None,
-        users: JobUsers | None = None,
+        kv: KvGateway | None = None,
         clock: Callable[[], float] = time.time,
         slots: int | None = None,
     ) -> None:
@@ -116,8 +117,8 @@ class Reconciler:
         """Set to run the next pass now (the server sets it on every job write)."""
         self.storage = storage
         """Reconciles the checkpoint registry with storage (None: no checkpoint duties)."""
-        self.users = users
-        """Each job's own etcd user (None: etcd without auth)."""
+        self.kv = kv
+        """The jobs' key-value gateway (forgets a job that ended); None: none."""
         self.clock = clock
         self.slots = slots
         """Worker processes the local scheduler runs at once (the queue, :mod:`service.jobs.queue`);
@@ -359,12 +360,12 @@ class Reconciler:
         return decision.job
 
     def _drop_transient(self, job_id: str, fence: Fence) -> None:
-        """Delete the job's heartbeats, reports, outcomes, rendezvous, and its etcd user (it ended)."""
+        """Delete the job's heartbeats, reports, outcomes and rendezvous (it ended)."""
         self.writes.commit(
             [Write(p, None, None, prefix=True) for p in keys.job_prefixes(job_id)], fence=fence
         )
-        if self.users is not None:
-            self.users.remove(job_id)
+        if self.kv is not None:
+            self.kv.forget(job_id)
 
     def _sweep(self, fence: Fence) -> None:
         """Drop once more what a callback that read the record just before the job ended may have
@@ -394,8 +395,7 @@ class Reconciler:
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
         # An etcd error here stops the pass (the intent stays: the next pass launches), no node fails.
-        etcd = self.users.credentials(record.id) if self.users is not None else None
-        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id), etcd)
+        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))
         try:
             handle = self.scheduler.launch(node_launch(record, node, env))
         except Exception as exc:

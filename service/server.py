@@ -32,8 +32,10 @@ from service.api.app import create_app
 from service.api.connections import ConnectionLimits, connection_cap, guarded_protocol, raise_file_limit
 from service.api.forward import LeaderLookup
 from service.checkpoints.service import Checkpoints
-from service.etcd.access import ROOT_USER, EtcdAuth, JobUsers
+from service.etcd.access import ROOT_USER, EtcdAuth
 from service.etcd.election import LeaderElection, leader_address
+from service.etcd.gateway import KvGateway
+from service.etcd.gateway_budget import KvBudget
 from service.etcd.kv import EtcdStore, Fence
 from service.etcd.server import EtcdServer
 from service.jobs.machine import Policy
@@ -223,20 +225,19 @@ def build_app(
         merge_window_s=policy.merge_window_s,
     )
     checkpoints = Checkpoints.build(parts.records, metrics=metrics)
+    kv = KvGateway(etcd.client, KvBudget.from_settings(settings))
     reconciler = Reconciler(
         parts,
         scheduler,
         election,
-        launch=LaunchContext(
-            service_url=settings.service_url, etcd_endpoints=tuple(endpoints), etcd_tls=settings.etcd_tls
-        ),
+        launch=LaunchContext(service_url=settings.service_url),
         wake=wake,
         metrics=metrics,
         policy=policy,
         interval_s=settings.reconcile_interval_s,
         idle_interval_s=settings.reconcile_idle_interval_s,
         storage=checkpoints.storage,
-        users=None if credentials is None else JobUsers(EtcdAuth(etcd.client), parts.records.etcd_password),
+        kv=kv,
         slots=host_slots(settings.local_slots) if settings.scheduler == "local_cwd" else None,
     )
 
@@ -261,6 +262,7 @@ def build_app(
         forward=LeaderLookup(lambda: leader_address(store)),
         holder=election.holder,
         lifespan=lifespan,
+        kv=kv,
     )
     return app, reconciler
 

@@ -30,8 +30,8 @@ class Settings(BaseSettings):
     etcd: str = ""
     """Comma-separated etcd endpoints (http://HOST:PORT); empty starts an embedded etcd."""
     etcd_user: str = Field(default="root", min_length=1, max_length=128)
-    """The etcd user the service acts as: root, or a user with the root role (it creates each
-    job's own user)."""
+    """The etcd user the service acts as: root, or a user with the root role (the only etcd user
+    it needs; jobs hold no etcd credential)."""
     etcd_password: SecretStr | None = None
     """Its password. The embedded etcd: generated at first start into
     ``<data dir>/etcd-root-password``. Unset with ELASTRAIN_ETCD: an etcd without auth, where every
@@ -41,7 +41,8 @@ class Settings(BaseSettings):
     etcd_cert: str = ""
     etcd_key: str = ""
     """A client certificate and its key, for an etcd with ``--client-cert-auth``. These three are
-    file paths; every node the service launches is given them (the files must be there too)."""
+    file paths the service reads; no node it launches is given them (jobs reach etcd only
+    through the service's key-value gateway)."""
     storage_root: Path | None = None
     """Where checkpoints live; default <data_dir>/checkpoints. Every job's dir resolves inside it."""
     api_token: SecretStr | None = None
@@ -53,11 +54,6 @@ class Settings(BaseSettings):
     k8s_service_account: str = ""
     checkpoint_claim: str = ""
     checkpoint_mount: str = "/checkpoints"
-    k8s_etcd_tls_secret: str = ""
-    """kubernetes: a Secret holding the etcd TLS files (ELASTRAIN_ETCD_CA_CERT...), mounted
-    read-only into every worker pod at the directory they are in here, so that the nodes find them
-    at the paths they are given (the chart mounts the same Secret there in the service's pod).
-    All of them must be in one directory, under their names as the Secret's keys."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
     http_header_timeout_s: float = Field(default=10.0, gt=0, le=600)
     """How long a client may take to send a request's line and headers, from its connection (or
@@ -87,6 +83,25 @@ class Settings(BaseSettings):
     P processes, and each warm spare's P, take N x P slots); a job that does not fit waits in
     QUEUED. Default: the host's GPUs when it has any, else its CPU cores."""
     startup_timeout_s: float = Field(default=300.0, gt=0)
+    kv_job_bytes: int = Field(default=4 << 20, ge=64 << 10, le=256 << 20)
+    """The key-value gateway: bytes one job may keep under its rendezvous prefix (keys plus
+    values). Its rendezvous and peer group keep a few KiB; a write past this is refused (413)."""
+    kv_job_keys: int = Field(default=1024, ge=64, le=100_000)
+    """Keys one job may keep under its prefix."""
+    kv_request_bytes: int = Field(default=256 << 10, ge=16 << 10, le=1 << 20)
+    """Bytes one gateway request may write (a put's key and value; every put of a txn)."""
+    kv_job_leases: int = Field(default=64, ge=4, le=10_000)
+    """Leases one job may hold at once (each torchrun agent and worker holds one or two)."""
+    kv_lease_ttl_s: int = Field(default=3600, ge=60, le=86_400)
+    """The longest TTL a job's lease may be granted."""
+    kv_total_bytes: int = Field(default=256 << 20, ge=1 << 20, le=256 << 20)
+    """Bytes all jobs together may keep through the gateway: at most an eighth of etcd's default
+    2 GiB quota (``--quota-backend-bytes``), so that jobs can never raise its NOSPACE alarm."""
+    kv_write_bytes_per_s: int = Field(default=2 << 20, ge=64 << 10, le=2 << 20)
+    """Bytes all jobs together may write through the gateway per second (a burst of 30 s of
+    it). etcd keeps overwritten values until it compacts (every 5 minutes), so this bounds what
+    jobs add between compactions: 2 MiB/s is 600 MiB, which with ``kv_total_bytes`` stays under
+    half of etcd's default quota."""
 
     @field_validator("etcd")
     @classmethod
@@ -150,18 +165,6 @@ class Settings(BaseSettings):
                     "give etcd's https:// client URLs, or unset them"
                 )
             tls.check()
-        if self.k8s_etcd_tls_secret:
-            if self.etcd_tls_dir in (self.checkpoint_mount.rstrip("/"), "/tmp"):
-                raise ValueError(
-                    f"the etcd TLS files are in {self.etcd_tls_dir}, where a worker pod mounts its "
-                    "checkpoints or its /tmp: put them in a directory of their own for "
-                    "ELASTRAIN_K8S_ETCD_TLS_SECRET to be mounted at"
-                )
-            if self.scheduler != "kubernetes":
-                raise ValueError(
-                    "ELASTRAIN_K8S_ETCD_TLS_SECRET is for scheduler 'kubernetes' (it mounts the Secret "
-                    "into worker pods); unset it, or set ELASTRAIN_SCHEDULER=kubernetes"
-                )
         return self
 
     @property
@@ -173,23 +176,6 @@ class Settings(BaseSettings):
             if value
         }
         return EtcdTLS.from_env(absolute)
-
-    @property
-    def etcd_tls_dir(self) -> str:
-        """The one directory the etcd TLS files are in (where ELASTRAIN_K8S_ETCD_TLS_SECRET goes
-        in a worker pod). Raises ValueError without TLS files, or with them in several."""
-        files = list(self.etcd_tls.env().values())
-        folders = sorted({str(Path(f).parent) for f in files})
-        if len(folders) != 1:
-            given = ", ".join(self.etcd_tls.env()) or "none of " + ", ".join(TLS_ENV)
-            raise ValueError(
-                "ELASTRAIN_K8S_ETCD_TLS_SECRET needs the etcd TLS files in one directory, where the "
-                f"Secret is mounted (given: {given}"
-                + (f", in {', '.join(folders)}" if folders else "")
-                + "); set ELASTRAIN_ETCD_CA_CERT (and a client certificate) to files in the Secret's "
-                "mount, or unset ELASTRAIN_K8S_ETCD_TLS_SECRET"
-            )
-        return folders[0]
 
     @property
     def embedded_etcd(self) -> bool:

@@ -28,6 +28,11 @@ Authentication (etcd's own users and roles): with :class:`Credentials` the clien
 store changed ("revision of auth store is old"): a request refused for its token is sent once
 more with a fresh one (it was not applied). The password never leaves this object (``repr``
 hides it) and never appears in an error.
+
+Gateway mode: under the service a job holds no etcd endpoint or credential; its endpoint is
+the service's key-value gateway of that job (``http://svc:8080/v1/jobs/J/kv``, see
+``service.etcd.gateway``), which takes the same JSON bodies under its path. The client then
+sends the job's worker token as a bearer token (:func:`gateway_bearer`) and nothing else changes.
 """
 
 from __future__ import annotations
@@ -60,26 +65,57 @@ class EtcdRefusedError(EtcdUnavailableError):
         self.detail = detail
 
 
+GATEWAY_ENV, TOKEN_ENV = "ELASTRAIN_KV_GATEWAY", "ELASTRAIN_WORKER_TOKEN"
+"""Under the service a node is given its job's key-value gateway (a URL with a path, e.g.
+``http://svc:8080/v1/jobs/J/kv``) and its worker token, and no etcd endpoint or credential."""
+
+
 @dataclass(frozen=True, slots=True)
 class EtcdEndpoint:
-    """One etcd member's client URL, split."""
+    """One etcd member's client URL, split; or the service's key-value gateway of one job, which
+    takes the same requests under ``path`` (``/v3`` for etcd itself)."""
 
     protocol: str
     host: str
     port: int
+    path: str = "/v3"
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.protocol}://{host}:{self.port}"
+        tail = "" if self.path == "/v3" else self.path
+        return f"{self.protocol}://{host}:{self.port}{tail}"
+
+    @property
+    def gateway(self) -> bool:
+        """Whether this is the service's gateway (authenticated by a bearer worker token)."""
+        return self.path != "/v3"
 
     @classmethod
     def from_url(cls, url: str) -> EtcdEndpoint:
-        """``http(s)://HOST[:PORT]`` (the form ``--etcd`` takes); raises ValueError otherwise."""
+        """``http(s)://HOST[:PORT]`` (the form ``--etcd`` takes), or a gateway's
+        ``http(s)://HOST[:PORT]/PATH``; raises ValueError otherwise."""
         parsed = urlparse(url.strip())
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"etcd endpoint {url!r} is not of the form http://HOST:PORT")
-        return cls(parsed.scheme, parsed.hostname, parsed.port or DEFAULT_PORT)
+        path = parsed.path.rstrip("/")
+        default = 443 if parsed.scheme == "https" and path else 80 if path else DEFAULT_PORT
+        return cls(parsed.scheme, parsed.hostname, parsed.port or default, path or "/v3")
+
+
+def gateway_bearer(endpoints: Sequence[EtcdEndpoint], env: Mapping[str, str]) -> str | None:
+    """The worker token to send to a gateway endpoint (None for etcd itself). Raises ValueError
+    when an endpoint is a gateway and ``ELASTRAIN_WORKER_TOKEN`` is not set, or when gateways and
+    etcd members are mixed."""
+    kinds = {e.gateway for e in endpoints}
+    if kinds != {True}:
+        if True in kinds:
+            raise ValueError("give either etcd members or one key-value gateway URL, not both")
+        return None
+    token = env.get(TOKEN_ENV, "")
+    if not token:
+        raise ValueError(f"the key-value gateway {endpoints[0].url} needs {TOKEN_ENV} (the service sets it)")
+    return token
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +218,10 @@ class EtcdClient:
         timeout_s: float = 5.0,
         tls: EtcdTLS | None = None,
         credentials: Credentials | None = None,
+        bearer: str | None = None,
     ) -> None:
-        """``tls``: for ``https://`` members (default: the system's CAs, no client certificate)."""
+        """``tls``: for ``https://`` members (default: the system's CAs, no client certificate).
+        ``bearer``: the worker token a gateway endpoint takes (``Authorization: Bearer``)."""
         if not endpoints:
             raise ValueError("give at least one etcd endpoint")
         self.endpoints = tuple(endpoints)
@@ -198,6 +236,7 @@ class EtcdClient:
         self._members = [_Member(e, timeout_s, context) for e in self.endpoints]
         self._current = 0
         self.credentials = credentials
+        self._bearer = bearer
         self._token: str | None = None
         self._token_lock = threading.Lock()
 
@@ -237,13 +276,16 @@ class EtcdClient:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = token
+        elif self._bearer:
+            headers["Authorization"] = f"Bearer {self._bearer}"
         errors: list[str] = []
         start = self._current
         for step in range(len(self._members)):
             index = (start + step) % len(self._members)
             url = self.endpoints[index].url
             try:
-                status, payload = self._members[index].post("/v3/" + path, data, headers)
+                where = f"{self.endpoints[index].path}/{path}"
+                status, payload = self._members[index].post(where, data, headers)
             except _NotSent as exc:
                 errors.append(f"{url}: connection failed ({exc})")
                 continue

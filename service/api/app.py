@@ -16,10 +16,11 @@ from service.api.door import Door
 from service.api.forward import ForwardToLeader, LeaderLookup
 from service.api.limits import BodyLimit
 from service.api.request_metrics import RequestMetrics
-from service.api.routes import health, workers
+from service.api.routes import gateway, health, workers
 from service.api.routes import jobs as job_routes
 from service.api.schemas import CheckpointReportRequest
 from service.checkpoints.service import Checkpoints
+from service.etcd.gateway import KvGateway
 from service.etcd.kv import KVStore
 from service.jobs.parts import JobParts
 from service.jobs.service import ensure_worker_secret
@@ -48,6 +49,7 @@ def create_app(
     forward: LeaderLookup | None = None,
     holder: str = "",
     lifespan: Lifespan | None = None,
+    kv: KvGateway | None = None,
 ) -> FastAPI:
     """Build the app. ``store`` must be reachable (the worker-token secret is read from it)
     unless ``parts`` (the job duties, built on the same store) are given. With ``forward`` (and
@@ -79,10 +81,12 @@ def create_app(
         stalled=stalled or (lambda: None),
         scheduler=scheduler,
         checkpoints=checkpoints,
+        kv=kv,
     )
     errors.install(app, on_error=lambda code: metrics.errors.labels(code).inc())
     app.include_router(job_routes.router)
     app.include_router(workers.router)
+    app.include_router(gateway.router)
     app.include_router(health.router)
     if forward is not None and leader is not None:
         app.add_middleware(

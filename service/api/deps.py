@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from service.api.auth import Principal, authorize, bearer
 from service.api.errors import ApiError
 from service.checkpoints.service import Checkpoints
+from service.etcd.gateway import KvGateway
 from service.jobs.budget import WorkerBudget
 from service.jobs.cache import TTLCache
 from service.jobs.heartbeats import Heartbeats
@@ -44,6 +45,8 @@ class Context:
     """None: the app runs without a scheduler (tests of the API alone); logs are then unreadable."""
     checkpoints: Checkpoints | None = None
     """None: the app runs without checkpoint duties (tests of the API alone)."""
+    kv: KvGateway | None = None
+    """The jobs' key-value gateway (None: the app runs without one)."""
 
 
 # Dependencies are ``async def`` on purpose: they do no I/O, and FastAPI would run plain

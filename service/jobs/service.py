@@ -31,7 +31,7 @@ from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.paths import checkpoint_dir, resume_source
 from service.jobs.progress import ProgressBuffer
 from service.jobs.salvage import Unreadable, decode, salvage
-from service.jobs.tokens import derive_etcd_password, derive_worker_token, hash_token
+from service.jobs.tokens import derive_worker_token, hash_token
 from service.jobs.writes import LeaderWrites
 from worker.checkpoint.owner import claim
 from worker.errors import SpecError
@@ -188,10 +188,6 @@ class JobService:
 
     def worker_token(self, job_id: str) -> str:
         return derive_worker_token(self.secret, job_id)
-
-    def etcd_password(self, job_id: str) -> str:
-        """The password of the job's own etcd user (:mod:`service.etcd.access`)."""
-        return derive_etcd_password(self.secret, job_id)
 
     # ------------------------------------------------------------------ writes
 

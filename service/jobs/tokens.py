@@ -28,9 +28,3 @@ def worker_token_job(secret: bytes, token: str) -> str | None:
         return None
     expected = derive_worker_token(secret, parts[1])
     return parts[1] if hmac.compare_digest(expected, token) else None
-
-
-def derive_etcd_password(secret: bytes, job_id: str) -> str:
-    """The password of the job's etcd user (:mod:`service.etcd.access`), derived like the worker
-    token, so that a restarted service gives a relaunched node the same one."""
-    return hmac.new(secret, f"etcd:{job_id}".encode(), hashlib.sha256).hexdigest()

@@ -5,7 +5,7 @@ into a ``torchx.specs.AppDef`` whose single role runs, in restart mode (all agen
 one rendezvous; torchrun restarts the whole group on a failure)::
 
     python -m torch.distributed.run --nnodes MIN:MAX --nproc-per-node P
-        --rdzv-backend etcd-v3 --rdzv-endpoint ETCD --rdzv-id JOB --max-restarts R
+        --rdzv-backend etcd-v3 --rdzv-endpoint GATEWAY --rdzv-id JOB --max-restarts R
         --rdzv-conf <service.rendezvous.config defaults> --module worker --config SPEC
 
 and in peer mode (issue 14: each agent has a private one-node rendezvous, so torchrun's restart on
@@ -18,7 +18,8 @@ with the environment of :func:`node_env`, the one place that says what a node is
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's first-restart trap), ``ELASTRAIN_JOB_ID``,
 ``ELASTRAIN_NODE_INDEX`` and ``ELASTRAIN_LAUNCH_ID``, in peer mode ``ELASTRAIN_RECOVERY=peer`` and
 ``ELASTRAIN_ROLE`` (``member`` or ``spare``), over what the service adds (its URL, the worker
-token, the checkpoint directory, the etcd endpoints and the job's etcd user). On Kubernetes a
+token, the checkpoint directory and the job's key-value gateway, which is also the
+``--rdzv-endpoint``: a job is given no etcd endpoint or credential). On Kubernetes a
 peer-mode pod also gets ``ELASTRAIN_NODE_ADDR``, its own IP (:mod:`service.launch.dryrun`); on
 one machine the worker finds its address itself. :func:`local_node_app` wraps the app for one
 machine. What a launch will submit, as a value, is :mod:`service.launch.dryrun`.
@@ -40,6 +41,7 @@ from service.launch import gpus, threads
 from service.launch.protocol import NodeLaunch
 from service.rendezvous.config import RendezvousConfig, rdzv_conf_arg
 from worker.errors import SpecError
+from worker.etcdclient import GATEWAY_ENV
 from worker.jobspec.spec import JobSpec, parse_nodes, spec_json
 
 ROLE_NAME = "node"
@@ -66,10 +68,6 @@ class SchedulerSettings:
     checkpoint_claim: str | None = None
     """PersistentVolumeClaim holding the checkpoints, mounted into every worker pod."""
     checkpoint_mount: str = "/checkpoints"
-    etcd_tls_secret: str | None = None
-    """kubernetes: a Secret with the etcd TLS files, mounted read-only at ``etcd_tls_dir`` in
-    every worker pod (where the paths the nodes are given point)."""
-    etcd_tls_dir: str | None = None
     log_root: str = ".elastrain/nodes"
     """local_cwd: each launch gets a directory under it (spec, logs, pid, exit code)."""
     python: str = "python"
@@ -96,10 +94,6 @@ class SchedulerSettings:
             raise SpecError("scheduler 'kubernetes' needs a worker image (ELASTRAIN_WORKER_IMAGE)")
         if not self.checkpoint_mount.startswith("/"):
             raise SpecError(f"checkpoint_mount {self.checkpoint_mount!r} must be an absolute path")
-        if self.etcd_tls_secret and not (self.etcd_tls_dir or "").startswith("/"):
-            raise SpecError(
-                f"etcd_tls_dir {self.etcd_tls_dir!r} must be an absolute path (the Secret's mount)"
-            )
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> SchedulerSettings:
@@ -115,8 +109,6 @@ class SchedulerSettings:
             "checkpoint_claim": settings.checkpoint_claim or None,
             "checkpoint_mount": settings.checkpoint_mount,
         }
-        if settings.k8s_etcd_tls_secret:
-            values |= {"etcd_tls_secret": settings.k8s_etcd_tls_secret, "etcd_tls_dir": settings.etcd_tls_dir}
         values.update(overrides)
         return cls(**values)
 
@@ -200,6 +192,8 @@ def node_app(
     module: str = "worker",
 ) -> specs.AppDef:
     """The TorchX app of one node: one replica running one torchrun agent, with :func:`node_env`.
+    Its rendezvous goes through the job's key-value gateway when the service gives one
+    (``ELASTRAIN_KV_GATEWAY`` in ``node.env``), else to ``rdzv_endpoint``.
 
     ``spec_path``: where the agent reads the spec; ``None`` ships the spec in the environment
     (``ELASTRAIN_SPEC_JSON``) and the command writes it to ``/tmp/elastrain/spec.json`` first
@@ -213,8 +207,8 @@ def node_app(
     config = rdzv or RendezvousConfig()
     path = spec_path or K8S_SPEC_PATH
     args = torchrun_args(
-        node.job_id, node.spec, rdzv_endpoint=rdzv_endpoint, spec_path=path, rdzv=config, module=module,
-        peer=node.recovery == "peer",
+        node.job_id, node.spec, rdzv_endpoint=node.env.get(GATEWAY_ENV) or rdzv_endpoint, spec_path=path,
+        rdzv=config, module=module, peer=node.recovery == "peer",
     )  # fmt: skip
     role_env = node_env(node)
     if spec_path is None:
@@ -255,7 +249,8 @@ def local_node_app(
     wrapper (:mod:`service.launch.node_exec`, which records the node's fate in ``node_dir``),
     in ``workdir``, with ``import_root`` (the directory holding ``service`` and ``worker``) on
     the ``PYTHONPATH`` after the spec's and the caller's, and the host's GPUs hidden from a job
-    of several node apps (:mod:`service.launch.gpus`). Pure."""
+    of several node apps (:mod:`service.launch.gpus`); the node's environment is what it is given
+    and the machine's allowed variables (:mod:`service.launch.environment`), never the service's. Pure."""
     given = (node.spec.env.get("PYTHONPATH", ""), node.env.get("PYTHONPATH", ""), import_root)
     pythonpath = os.pathsep.join(p for p in given if p)
     share = threads.local(cores=settings.host_cores, slots=settings.local_slots).env(node.spec)
@@ -271,7 +266,11 @@ def local_node_app(
         module=settings.worker_module,
     )
     role = app.roles[0]
-    role.args = ["-m", "service.launch.node_exec", "--state-dir", node_dir, "--", role.entrypoint, *role.args]
+    names = ",".join(sorted(role.env))  # the node's environment: these, and the machine's allowed ones
+    role.args = [
+        "-m", "service.launch.node_exec", "--state-dir", node_dir, "--env", names, "--",
+        role.entrypoint, *role.args,
+    ]  # fmt: skip
     role.entrypoint = python
     return app
 

@@ -103,8 +103,6 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
     for task in job["spec"]["tasks"]:
         if node.recovery == "peer":
             give_pod_ip(task["template"])
-        if settings.etcd_tls_secret and settings.etcd_tls_dir:
-            mount_secret(task["template"], settings.etcd_tls_secret, settings.etcd_tls_dir, volume="etcd-tls")
     info.request.resource = job
     info._scheduler = KUBERNETES  # what TorchX's Runner.schedule dispatches on
     return info
@@ -116,9 +114,9 @@ def kubernetes_dryrun(node: NodeLaunch, settings: SchedulerSettings) -> dict[str
     ``spec.queue`` the Volcano queue (the spec's ``queue``, else the service's),
     ``spec.priorityClassName`` the PriorityClass of the spec's ``priority`` (when not 0) and
     ``spec.tasks[0].template`` the worker pod (image, command, env, service account, resources,
-    the checkpoint claim mounted at
-    ``settings.checkpoint_mount``; in peer mode ``ELASTRAIN_NODE_ADDR`` from the pod's IP; with
-    ``settings.etcd_tls_secret``, that Secret at ``settings.etcd_tls_dir``).
+    the checkpoint claim mounted at ``settings.checkpoint_mount``; in peer mode
+    ``ELASTRAIN_NODE_ADDR`` from the pod's IP). No etcd endpoint, credential or TLS file: the
+    rendezvous goes through the service's gateway.
     Pure; see :func:`worker_pod`."""
     job: dict[str, Any] = kubernetes_request(node, settings).request.resource
     return job
@@ -183,17 +181,6 @@ def give_pod_ip(pod: dict[str, Any]) -> None:
         env = container.setdefault("env", [])
         env[:] = [e for e in env if e.get("name") != NODE_ADDR_ENV]
         env.append({"name": NODE_ADDR_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
-
-
-def mount_secret(pod: dict[str, Any], secret: str, path: str, *, volume: str) -> None:
-    """Mount Secret ``secret`` read-only at ``path`` in every container of ``pod`` (TorchX's
-    mounts know volumes, host paths and devices, not Secrets): its keys are the file names, read
-    by the pod's group (the worker's, through ``fsGroup``) and nobody else. In place."""
-    pod["spec"].setdefault("volumes", []).append(
-        {"name": volume, "secret": {"secretName": secret, "defaultMode": 0o440}}
-    )
-    for container in pod["spec"]["containers"]:
-        container.setdefault("volumeMounts", []).append({"name": volume, "mountPath": path, "readOnly": True})
 
 
 def kubernetes_cfg(settings: SchedulerSettings, spec: JobSpec | None = None) -> dict[str, specs.CfgVal]:

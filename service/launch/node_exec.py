@@ -6,6 +6,10 @@ TorchX handle: ``DIR/node.json`` (written once the command is running: wrapper p
 group, command pid) and ``DIR/exit.json`` (written when the command ends: its exit code,
 ``128 + signal`` if a signal killed it). Both are replaced atomically.
 
+The command's environment is :func:`service.launch.environment.node_environment` of the
+wrapper's: the names given with ``--env`` (what the service set for the node) and the allowed
+variables of the machine's; nothing else of the service's environment reaches the node.
+
 The wrapper runs the command in its own process group (TorchX gave it a new session) and
 ignores SIGTERM/SIGINT/SIGHUP itself: a cancel signals the whole group, the command shuts
 down its workers, and the wrapper records how it ended. Torch-free.
@@ -23,6 +27,8 @@ import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from service.launch.environment import node_environment
 
 NODE_FILE = "node.json"
 EXIT_FILE = "exit.json"
@@ -49,6 +55,7 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.launch.node_exec")
     parser.add_argument("--state-dir", required=True, type=Path)
+    parser.add_argument("--env", default="", help="comma-separated names the node was given")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -57,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     state: Path = args.state_dir
     state.mkdir(parents=True, exist_ok=True)
     try:
-        child = subprocess.Popen(command)
+        env = node_environment(os.environ, [n for n in args.env.split(",") if n])
+        child = subprocess.Popen(command, env=env)
     except OSError as exc:
         write_json_atomic(state / EXIT_FILE, {"exit_code": 127, "ended_at": time.time(), "error": str(exc)})
         print(f"node_exec: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)

@@ -145,7 +145,8 @@ def parse_config(raw: dict[str, Any]) -> RendezvousConfig:
 def parse_endpoints(endpoint: str, *, default_protocol: str = "http") -> tuple[EtcdEndpoint, ...]:
     """``"h1:2379,http://h2:2379,[::1]"`` -> the members to try, in order.
 
-    An endpoint may carry ``http://`` or ``https://``; a missing port means 2379.
+    An endpoint may carry ``http://`` or ``https://``; a missing port means 2379. A URL with a
+    path (``http://svc:8080/v1/jobs/J/kv``) is the service's key-value gateway of job J.
     """
     members = [part.strip() for part in endpoint.split(",") if part.strip()]
     if not members:
@@ -160,6 +161,12 @@ def _parse_one(member: str, default_protocol: str) -> EtcdEndpoint:
     rest = member
     if "://" in member:
         protocol, rest = member.split("://", 1)
+        if "/" in rest.rstrip("/"):  # the gateway: a URL with a path
+            try:
+                return EtcdEndpoint.from_url(member)
+            except ValueError:
+                message = f"etcd endpoint {member!r}: give [http(s)://]HOST[:PORT][/PATH]"
+                raise RendezvousConfigError(message) from None
     rest = rest.rstrip("/")
     if protocol not in ("http", "https") or not rest or "/" in rest:
         raise RendezvousConfigError(f"etcd endpoint {member!r}: give [http(s)://]HOST[:PORT]")

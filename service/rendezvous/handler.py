@@ -24,10 +24,11 @@ Design
   hosts a fresh TCPStore on a fresh port for each attempt. Sharing one agent-hosted TCPStore
   across attempts is what loses torchrun's first restart (pytorch/pytorch#135712: the new
   gloo group reads the previous attempt's keys and fails ``connectFullMesh``).
-* **Credentials**: with ``ELASTRAIN_ETCD_USER`` and ``ELASTRAIN_ETCD_PASSWORD`` in its
-  environment (the service sets them for the nodes it launches: the job's own etcd user, which
-  may touch only ``<key_prefix>/<run id>/``) the handler authenticates; without them it talks
-  to an etcd without auth.
+* **Under the service**: the endpoint is the service's key-value gateway of the job
+  (``--rdzv-endpoint http://svc:8080/v1/jobs/J/kv``), authenticated by the job's worker token
+  (``ELASTRAIN_WORKER_TOKEN``); the job holds no etcd endpoint or credential, and its keys are
+  confined to ``<key_prefix>/<run id>/`` (:mod:`service.etcd.gateway_rules`). With a user's own
+  etcd (``--rdzv-endpoint host:port``) the handler talks to it directly, without auth.
 * **Expiry**: every key is written under the writing agent's etcd lease (``state_ttl``), so
   a run's keys vanish ``state_ttl`` seconds after its last agent stopped; the service may
   delete ``<key_prefix>/<run id>`` at once when a job ends.
@@ -56,11 +57,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from service.etcd.access import credentials_from_env
 from service.rendezvous.config import RendezvousConfig, RendezvousConfigError, parse_config, parse_endpoints
 from service.rendezvous.kv import EtcdKV
 from service.rendezvous.store import EtcdV3Store
-from worker.etcdclient import EtcdRefusedError, EtcdTLS, EtcdUnavailableError
+from worker.etcdclient import EtcdRefusedError, EtcdTLS, EtcdUnavailableError, gateway_bearer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,8 +114,9 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     config = parse_config(dict(params.config))
     endpoints = parse_endpoints(params.endpoint, default_protocol=config.protocol)
     cert = (config.cert_file, config.key_file) if config.cert_file and config.key_file else None
-    try:  # what the service gave its nodes, where --rdzv-conf says nothing
+    try:  # what the environment gives, where --rdzv-conf says nothing
         given = EtcdTLS.from_env(os.environ)
+        bearer = gateway_bearer(endpoints, os.environ)
     except ValueError as exc:
         raise RendezvousConfigError(str(exc)) from None
     kv = EtcdKV(
@@ -123,7 +124,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
         lease_ttl=config.state_ttl,
         read_timeout=config.read_timeout,
         tls=EtcdTLS(config.ca_cert or given.ca_cert, cert or given.cert),
-        credentials=credentials_from_env(dict(os.environ)),  # the job's own etcd user, if any
+        bearer=bearer,
     )
     backend = EtcdV3RendezvousBackend(kv, config.state_key(params.run_id))
     store = EtcdV3Store(kv, config.store_prefix(params.run_id))

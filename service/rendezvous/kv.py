@@ -92,8 +92,11 @@ class EtcdKV:
         read_timeout: float,
         tls: EtcdTLS | None = None,
         credentials: Credentials | None = None,
+        bearer: str | None = None,
     ) -> None:
-        self._client = EtcdClient(endpoints, timeout_s=read_timeout, tls=tls, credentials=credentials)
+        self._client = EtcdClient(
+            endpoints, timeout_s=read_timeout, tls=tls, credentials=credentials, bearer=bearer
+        )
         self._lease_ttl = lease_ttl
         self._lease_id: int | None = None
         self._lease_refreshed = 0.0

@@ -84,7 +84,6 @@ def test_required_flows_get_through(render: Renderer) -> None:
         (c["service1"], c["service"], 8080, "standby -> leader (forwarded writes)"),
         (c["worker0"], c["service"], 8080, "workers -> service (resume, shard reports)"),
         (c["service"], c["etcd0"], 2379, "service -> etcd"),
-        (c["worker1"], c["etcd1"], 2379, "workers -> etcd (rendezvous)"),
         (c["etcd0"], c["etcd1"], 2380, "etcd peers"),
         (c["worker0"], c["worker1"], 29500, "c10d store"),
         (c["worker1"], c["worker0"], 43127, "gloo/NCCL ephemeral ports"),
@@ -110,6 +109,7 @@ def test_everything_else_is_denied(render: Renderer) -> None:
         (INGRESS_NGINX, c["service"], 8080, "ingress controller while ingress is off"),
         (c["worker0"], KUBE_API, 443, "workers -> Kubernetes API"),
         (c["worker0"], INTERNET, 443, "workers -> internet"),
+        (c["worker0"], c["etcd0"], 2379, "workers -> etcd client port (job code is untrusted)"),
         (c["worker0"], c["etcd0"], 2380, "workers -> etcd peer port"),
         (c["worker0"], c["etcd0"], 2381, "workers -> etcd metrics"),
         (c["worker0"], c["service"], 9400, "workers -> the service off its API port"),
@@ -138,10 +138,11 @@ def test_external_etcd_reached_on_its_ports_only(render: Renderer) -> None:
     objects = render("external-etcd")
     p, c = _policies(objects), _cast(objects)
     etcd = Address("10.20.3.4")  # inside the ipBlock of tests/deploy/values/external-etcd.yaml
-    for pod in (c["service"], c["worker0"]):
-        assert allowed(p, pod, etcd, 2379) and allowed(p, pod, etcd, 12379)
-        assert not allowed(p, pod, etcd, 2380)
-        assert not allowed(p, pod, Address("10.30.0.1"), 2379)  # outside the ipBlock
+    service = c["service"]
+    assert allowed(p, service, etcd, 2379) and allowed(p, service, etcd, 12379)
+    assert not allowed(p, service, etcd, 2380)
+    assert not allowed(p, service, Address("10.30.0.1"), 2379)  # outside the ipBlock
+    assert not any(allowed(p, c["worker0"], etcd, port) for port in (2379, 12379))  # job code never
 
 
 def test_namespace_default_deny_is_opt_in(render: Renderer) -> None:

@@ -22,7 +22,7 @@ from tests.deploy.helpers import NAMESPACE, SCENARIOS, Obj, Renderer, chart_valu
 from tests.deploy.netpol import selector_matches
 from tests.deploy.pss import restricted_violations
 from tests.tls_certs import make_certs
-from worker.etcdclient import TLS_ENV, EtcdTLS
+from worker.etcdclient import TLS_ENV
 from worker.jobspec.spec import JobSpec, parse_spec
 
 POD_IP = "10.1.2.3"
@@ -177,13 +177,12 @@ def test_the_chart_runs_built_in_factories_only_unless_told(
     assert _settings(off, monkeypatch).factory_prefixes is None
 
 
-def test_workers_find_the_etcd_tls_files_the_chart_gives_the_service(
+def test_workers_get_none_of_the_etcd_tls_files_the_chart_gives_the_service(
     render: Renderer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """etcd.external.tls: the chart mounts the Secret in the service's pod and names it; the
-    service mounts it at the same path in every worker pod and gives the nodes the same paths,
-    so each file a node is told of is in the Secret there, under its key. (The Secret's files
-    are made here with openssl, where the kubelet would have put them; no cluster.)"""
+    """etcd.external.tls: the chart mounts the Secret in the service's pod; a worker pod gets no
+    Secret, no etcd TLS variable and no etcd endpoint (its rendezvous goes through the service).
+    (The Secret's files are made here with openssl, where the kubelet would have put them.)"""
     (tmp_path / "made").mkdir()
     certs = make_certs(tmp_path / "made")
     mount = tmp_path / "etcd-tls"
@@ -199,23 +198,13 @@ def test_workers_find_the_etcd_tls_files_the_chart_gives_the_service(
         ),
     )
     settings = _settings(objects, monkeypatch)  # loads the files, as the service does at start
-    service_pod = one(objects, "Deployment")["spec"]["template"]["spec"]
-    (secret,) = [v["secret"]["secretName"] for v in service_pod["volumes"] if "secret" in v]
-    ctx = LaunchContext(
-        service_url=settings.service_url,
-        etcd_endpoints=tuple(settings.etcd_endpoints),
-        etcd_tls=settings.etcd_tls,
-    )
+    ctx = LaunchContext(service_url=settings.service_url)
     record = JobRecord.model_construct(id="job-7", checkpoint_dir="/checkpoints/job-7")
     node = NodeLaunch("job-7", SPEC, 0, "job-7-n0-a0", service_env(record, ctx, "token"), recovery="peer")
     pod = dryrun.worker_pod(dryrun.kubernetes_dryrun(node, apps.SchedulerSettings.from_settings(settings)))
     (container,) = pod["spec"]["containers"]
-    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    (tls_mount,) = [m for m in container["volumeMounts"] if "secret" in volumes[m["name"]]]
-    assert volumes[tls_mount["name"]]["secret"]["secretName"] == secret == "infra-etcd-tls"
-    assert tls_mount["mountPath"] == str(mount) and tls_mount["readOnly"] is True
+    assert not [v for v in pod["spec"]["volumes"] if "secret" in v]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    told = {name: env[name] for name in TLS_ENV}
-    assert told == {n: str(mount / k) for n, k in zip(TLS_ENV, ("ca.crt", "tls.crt", "tls.key"), strict=True)}
-    EtcdTLS.from_env(told).check()  # the files a worker is told of load, as its connection would
+    assert not set(TLS_ENV) & set(env) and not [n for n in env if n.startswith("ELASTRAIN_ETCD")]
+    assert env["ELASTRAIN_KV_GATEWAY"] == f"{settings.service_url}/v1/jobs/job-7/kv"
     assert restricted_violations(pod["spec"]) == []

@@ -44,11 +44,13 @@ def secret(token: str) -> bytes:
 
 def advertise(env: Mapping[str, str]) -> str:
     """The address other workers reach this one at: ``ELASTRAIN_NODE_ADDR``; else 127.0.0.1 when
-    every etcd endpoint is loopback; else the address of the interface that routes to etcd."""
+    the key-value gateway (or every etcd endpoint) is loopback; else the address of the interface
+    that routes there."""
     given = env.get("ELASTRAIN_NODE_ADDR", "").strip()
     if given:
         return given
-    hosts = [urlparse(u.strip()).hostname or "" for u in env.get("ELASTRAIN_ETCD_ENDPOINTS", "").split(",")]
+    given = env.get("ELASTRAIN_KV_GATEWAY") or env.get("ELASTRAIN_ETCD_ENDPOINTS", "")
+    hosts = [urlparse(u.strip()).hostname or "" for u in given.split(",")]
     hosts = [h for h in hosts if h]
     if all(_loopback(h) for h in hosts):
         return "127.0.0.1"

@@ -1,11 +1,12 @@
 """:class:`worker.recovery.membership.KeyValue` on etcd, through the project's one etcd client
 (:mod:`worker.etcdclient`). Torch-free; imports no service code.
 
-:func:`from_env` builds it the way the service launches a peer-mode worker: the members of
-``ELASTRAIN_ETCD_ENDPOINTS`` (comma-separated ``http(s)://HOST:PORT``), authenticated as
-``ELASTRAIN_ETCD_USER`` / ``ELASTRAIN_ETCD_PASSWORD`` when the service set them (the job's own
-etcd role, limited to ``/elastrain/rdzv/<job id>/``), over TLS with the files of
-``ELASTRAIN_ETCD_CA_CERT``, ``ELASTRAIN_ETCD_CERT`` and ``ELASTRAIN_ETCD_KEY`` when it set those.
+:func:`from_env` builds it the way the service launches a peer-mode worker: through the job's
+key-value gateway, ``ELASTRAIN_KV_GATEWAY`` (the service's URL of it), with the job's worker
+token; the job's keys are confined to ``/elastrain/rdzv/<job id>/``. Without a gateway, the
+members of ``ELASTRAIN_ETCD_ENDPOINTS`` (comma-separated ``http(s)://HOST:PORT``, an etcd
+without auth), over TLS with the files of ``ELASTRAIN_ETCD_CA_CERT``, ``ELASTRAIN_ETCD_CERT``
+and ``ELASTRAIN_ETCD_KEY`` when those are set.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 from worker.errors import SpecError
 from worker.etcdclient import (
+    GATEWAY_ENV,
     Credentials,
     EtcdClient,
     EtcdEndpoint,
@@ -22,6 +24,7 @@ from worker.etcdclient import (
     EtcdTLS,
     EtcdUnavailableError,
     b64,
+    gateway_bearer,
     is_lease_not_found,
     put_request,
     range_end,
@@ -97,28 +100,33 @@ class EtcdKeyValue:
 def connect(
     endpoints: str,
     *,
+    env: Mapping[str, str] | None = None,
     credentials: Credentials | None = None,
     tls: EtcdTLS | None = None,
     timeout_s: float = 5.0,
+    name: str = "ELASTRAIN_ETCD_ENDPOINTS",
 ) -> EtcdKeyValue:
-    """An :class:`EtcdKeyValue` on ``endpoints`` (comma-separated URLs). Raises
-    :class:`SpecError` naming a malformed endpoint."""
+    """An :class:`EtcdKeyValue` on ``endpoints`` (comma-separated URLs: etcd members, or one
+    key-value gateway, which takes ``ELASTRAIN_WORKER_TOKEN`` from ``env``). Raises
+    :class:`SpecError` naming a malformed endpoint (as the variable ``name``)."""
     urls = [u.strip() for u in endpoints.split(",") if u.strip()]
     if not urls:
-        raise SpecError("ELASTRAIN_ETCD_ENDPOINTS is empty: peer recovery needs the job's etcd")
+        raise SpecError(f"{GATEWAY_ENV} is not set: peer recovery needs the job's key-value gateway")
     try:
         members = [EtcdEndpoint.from_url(u) for u in urls]
+        bearer = gateway_bearer(members, env or {})
     except ValueError as exc:
-        raise SpecError(f"ELASTRAIN_ETCD_ENDPOINTS: {exc}") from None
-    return EtcdKeyValue(EtcdClient(members, timeout_s=timeout_s, credentials=credentials, tls=tls))
+        raise SpecError(f"{name}: {exc}") from None
+    client = EtcdClient(members, timeout_s=timeout_s, credentials=credentials, tls=tls, bearer=bearer)
+    return EtcdKeyValue(client)
 
 
 def from_env(env: Mapping[str, str]) -> EtcdKeyValue:
     """The adapter the service's launch environment describes (see the module docstring)."""
-    user = env.get("ELASTRAIN_ETCD_USER")
-    credentials = Credentials(user, env.get("ELASTRAIN_ETCD_PASSWORD", "")) if user else None
+    if env.get(GATEWAY_ENV):
+        return connect(env[GATEWAY_ENV], env=env, name=GATEWAY_ENV)
     try:
         tls = EtcdTLS.from_env(env)
     except ValueError as exc:
         raise SpecError(str(exc)) from None
-    return connect(env.get("ELASTRAIN_ETCD_ENDPOINTS", ""), credentials=credentials, tls=tls)
+    return connect(env.get("ELASTRAIN_ETCD_ENDPOINTS", ""), env=env, tls=tls)

@@ -1,9 +1,8 @@
-"""Job code reaches nothing in etcd outside its own job's rendezvous keys (issue 13 item 5): the
-worker-token secret was readable at /elastrain/config/worker-secret from inside any job, and
-another job's token could be derived from it. Against a real etcd: etcd's own auth, the service
-as root, one user and role per job limited to /elastrain/rdzv/<job id>/, its password handed to
-that job's nodes only; and a real torchrun job under `elastrain serve` (embedded etcd, auth on)
-that forms its group and trains with those credentials."""
+"""Job code reaches nothing in etcd outside its own job's rendezvous keys. Against a real etcd:
+etcd's own auth with the service as root and the only user; and a real torchrun job under
+`elastrain serve` (embedded etcd, auth on) whose rendezvous goes through the service's key-value
+gateway: its processes hold no etcd endpoint or credential, and with what they hold (the gateway
+and the worker token) they reach their own keys and nothing else."""
 
 from __future__ import annotations
 
@@ -14,13 +13,21 @@ from pathlib import Path
 import pytest
 
 from scripts.demo import worker_pids
-from service.etcd.access import EtcdAuth, credentials_from_env, job_user, rendezvous_prefix
-from service.etcd.kv import EtcdStore
+from service.etcd.access import EtcdAuth, rendezvous_prefix
 from service.etcd.server import EtcdServer
 from service.jobs import keys
 from service.rendezvous.kv import EtcdKV
 from tests.integration.worker.test_service_e2e import Service, job_spec, until
-from worker.etcdclient import Credentials, EtcdClient, EtcdEndpoint, EtcdRefusedError
+from worker.etcdclient import (
+    GATEWAY_ENV,
+    TOKEN_ENV,
+    Credentials,
+    EtcdClient,
+    EtcdEndpoint,
+    EtcdRefusedError,
+    b64,
+    range_end,
+)
 
 pytestmark = pytest.mark.integration
 ROOT = Credentials("root", "root-password-for-the-test")
@@ -35,40 +42,16 @@ def etcd(tmp_path: Path) -> Iterator[list[EtcdEndpoint]]:
 
 
 def refused(call: object, *args: object) -> str:
-    """etcd's refusal of ``call(*args)`` (fails when etcd allows it)."""
+    """The refusal of ``call(*args)`` (fails when it is allowed)."""
     with pytest.raises(EtcdRefusedError) as err:
         call(*args)  # type: ignore[operator]
     return err.value.detail
 
 
-def test_a_jobs_user_reaches_its_own_rendezvous_and_nothing_else(etcd: list[EtcdEndpoint]) -> None:
-    root = EtcdClient(etcd, credentials=ROOT)
-    admin, store = EtcdAuth(root), EtcdStore([m.url for m in etcd], credentials=ROOT)
-    assert store.commit([])  # the service, as root, reads and writes everything
-    store.put(keys.WORKER_SECRET, b"00" * 32)
-    store.put(keys.job("job-b"), b"{}")
-    mine = admin.grant_job("job-a", "password-of-job-a")
-    admin.grant_job("job-b", "password-of-job-b")
-    kv = EtcdKV(etcd, lease_ttl=30, read_timeout=5, credentials=mine)  # what torchrun's agent uses
-    own = rendezvous_prefix("job-a")
-    written, _ = kv.cas(own + "state", b"round 1", None)
-    assert written and kv.get(own + "state") is not None and kv.count(own) == 1
-    kv.put(own + "store/MASTER_ADDR", b"10.0.0.1")
-    assert kv.all_exist([own + "state", own + "store/MASTER_ADDR"]) and kv.delete_prefix(own + "store/") == 1
-    for key in (
-        keys.WORKER_SECRET,
-        keys.job("job-b"),
-        rendezvous_prefix("job-b") + "state",
-        "/elastrain/leader",
-    ):
-        assert "permission denied" in refused(kv.get, key), key
-        assert "permission denied" in refused(kv.put, key, b"x"), key
-    assert "permission denied" in refused(kv.count, "/elastrain/")
-    admin.grant_job("job-c", "password-of-job-c")  # the auth store changed: tokens are renewed
-    assert kv.get(own + "state") is not None
-    admin.revoke_job("job-a")  # the job ended
-    detail = refused(kv.get, own + "state")
-    assert "invalid user ID or password" in detail or "invalid auth token" in detail
+def test_enabling_auth_is_idempotent_and_keeps_roots_password(etcd: list[EtcdEndpoint]) -> None:
+    EtcdAuth(EtcdClient(etcd)).enable(ROOT.password)  # on already: nothing changes
+    root = EtcdAuth(EtcdClient(etcd, credentials=ROOT))
+    assert root.enabled()
     anonymous = EtcdKV(etcd, lease_ttl=30, read_timeout=5)
     assert "user name is empty" in refused(anonymous.get, keys.WORKER_SECRET)
     wrong = EtcdClient(etcd, credentials=Credentials("root", "guess"))
@@ -77,55 +60,54 @@ def test_a_jobs_user_reaches_its_own_rendezvous_and_nothing_else(etcd: list[Etcd
     assert "guess" not in str(err.value) and "check the etcd user and password" in str(err.value)
 
 
-def test_enabling_auth_is_idempotent_and_keeps_roots_password(etcd: list[EtcdEndpoint]) -> None:
-    EtcdAuth(EtcdClient(etcd)).enable(ROOT.password)  # on already: nothing changes
-    root = EtcdAuth(EtcdClient(etcd, credentials=ROOT))
-    assert root.enabled()
-    assert root.grant_job("job-a", "p") == root.grant_job("job-a", "p")
-    root.revoke_job("job-a")
-    root.revoke_job("job-a")
-
-
 def _env(pid: int) -> dict[str, str]:
     pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
 
 
-def test_a_job_under_the_service_trains_with_its_own_etcd_user_and_reaches_nothing_else(
-    tmp_path: Path,
-) -> None:
+def test_a_restart_mode_job_rendezvous_through_the_gateway_and_reaches_nothing_else(tmp_path: Path) -> None:
     svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": "after_grad_sync=sleep:0.05"})
     svc.data_dir.mkdir()
     svc.start()
     try:
         root_password = (svc.data_dir / "etcd-root-password").read_text().strip()
-        endpoint = "http://127.0.0.1:" + str(
-            json.loads((svc.data_dir / "etcd" / "ports.json").read_text())["client_port"]
-        )
-        job_id = svc.submit(job_spec(name="authjob", nproc_per_node=1, max_steps=400, log_every_steps=20))
+        etcd_port = str(json.loads((svc.data_dir / "etcd" / "ports.json").read_text())["client_port"])
+        spec = job_spec(name="gw", nproc_per_node=1, max_steps=400, log_every_steps=20)
+        spec["recovery"] = {"mode": "restart"}
+        job_id = svc.submit(spec)
         until(lambda: (svc.job(job_id)["step"] or 0) >= 5, "the job to train", 180)
         env = _env(worker_pids(job_id)[0])
-        credentials = credentials_from_env(env)
-        assert credentials is not None and credentials.user == job_user(job_id)
-        assert root_password not in "\n".join(env.values())
-        kv = EtcdKV([EtcdEndpoint.from_url(endpoint)], lease_ttl=30, read_timeout=5, credentials=credentials)
-        assert kv.count(rendezvous_prefix(job_id)) >= 1  # its rendezvous, as torchrun wrote it
+        assert not [k for k in env if k.startswith("ELASTRAIN_ETCD")] and "ELASTRAIN_API_TOKEN" not in env
+        assert root_password not in "\n".join(env.values()) and etcd_port not in "\n".join(env.values())
+        gateway = EtcdEndpoint.from_url(env[GATEWAY_ENV])
+        kv = EtcdKV([gateway], lease_ttl=30, read_timeout=5, bearer=env[TOKEN_ENV])  # as torchrun's agent
+        own = rendezvous_prefix(job_id)
+        assert kv.count(own) >= 1  # its rendezvous, as torchrun wrote it through the gateway
+        written, _ = kv.cas(own + "probe", b"mine", None)
+        assert written and kv.get(own + "probe") is not None
         for key in (keys.WORKER_SECRET, keys.job(job_id), rendezvous_prefix("other-job") + "state"):
-            assert "permission denied" in refused(kv.get, key), key
-        log = "".join(p.read_text(errors="replace") for p in svc.data_dir.glob("service-*.log"))
-        assert credentials.password not in log and root_password not in log
-        public = json.dumps(svc.job(job_id))
-        assert credentials.password not in public and "ELASTRAIN_ETCD_PASSWORD" not in public
+            assert "outside this job's keys" in refused(kv.get, key), key
+            assert "outside this job's keys" in refused(kv.put, key, b"x"), key
+        client = EtcdClient([gateway], bearer=env[TOKEN_ENV])
+        for path in ("maintenance/alarm", "auth/enable", "lease/leases", "lease/timetolive"):
+            assert "not an operation a job may use" in refused(client.post, path, {}), path
+        whole = {"key": b64(own), "range_end": b64("\0")}
+        assert "reaches outside" in refused(client.post, "kv/range", whole)
+        elsewhere = EtcdEndpoint.from_url(env[GATEWAY_ENV].replace(job_id, "other-job"))
+        other = EtcdClient([elsewhere], bearer=env[TOKEN_ENV])
+        theirs = rendezvous_prefix("other-job")
+        body = {"key": b64(theirs), "range_end": b64(range_end(theirs))}
+        assert f"belongs to job {job_id!r}" in refused(other.post, "kv/range", body)
         assert svc.http.delete(f"/v1/jobs/{job_id}").status_code == 202
         until(lambda: svc.job(job_id)["state"] == "CANCELLED", "the cancel", 60)
-        until(lambda: _refused_login(kv, job_id), "the job's etcd user removed", 60)
+        until(lambda: "no longer work" in _refusal(kv, own), "the worker token to stop working", 30)
     finally:
         svc.stop()
 
 
-def _refused_login(kv: EtcdKV, job_id: str) -> bool:
+def _refusal(kv: EtcdKV, prefix: str) -> str:
     try:
-        kv.get(rendezvous_prefix(job_id) + "state")
-    except EtcdRefusedError:
-        return True
-    return False
+        kv.count(prefix)
+    except EtcdRefusedError as exc:
+        return exc.detail
+    return ""

@@ -47,7 +47,7 @@ def tls_env(certs: Path) -> dict[str, str]:
     return dict(zip(TLS_ENV, (str(certs / n) for n in ("ca.crt", "client.crt", "client.key")), strict=True))
 
 
-def test_the_files_go_to_the_nodes_and_come_back_the_same(certs: Path) -> None:
+def test_the_files_read_from_the_environment_come_back_the_same(certs: Path) -> None:
     tls = EtcdTLS.from_env(tls_env(certs))
     assert tls == EtcdTLS(str(certs / "ca.crt"), (str(certs / "client.crt"), str(certs / "client.key")))
     assert EtcdTLS.from_env(tls.env()) == tls
@@ -64,20 +64,19 @@ def test_a_certificate_without_its_key_is_refused_naming_both(certs: Path, given
         EtcdTLS.from_env({TLS_ENV[given]: str(certs / "client.crt")})
 
 
-def test_the_service_takes_the_files_as_absolute_paths_and_gives_them_to_every_node(
+def test_the_service_takes_the_files_as_absolute_paths_and_gives_no_node_any_of_them(
     certs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.chdir(certs)  # relative paths: the nodes run in other directories
+    monkeypatch.chdir(certs)  # relative paths: the service may run from another directory later
     relative = dict(zip(TLS_ENV, ("ca.crt", "client.crt", "client.key"), strict=True))
     for name, value in relative.items():
         monkeypatch.setenv(name, value)
     settings = load_settings(etcd="https://127.0.0.1:2379")
     assert settings.etcd_tls == EtcdTLS.from_env(tls_env(certs))
-    ctx = LaunchContext(
-        service_url="http://svc", etcd_endpoints=("https://127.0.0.1:2379",), etcd_tls=settings.etcd_tls
+    env = service_env(
+        JobRecord.model_construct(id="j", checkpoint_dir="/ck"), LaunchContext("http://svc"), "t"
     )
-    env = service_env(JobRecord.model_construct(checkpoint_dir="/ck"), ctx, "token")
-    assert {k: env[k] for k in TLS_ENV} == tls_env(certs)
+    assert not set(TLS_ENV) & set(env)  # a job reaches etcd through the service's gateway only
 
 
 def _files(certs: Path, **names: str) -> dict[str, object]:
@@ -108,61 +107,20 @@ def test_a_tls_setting_that_cannot_work_is_refused_at_start(
         load_settings(**given)
 
 
-def test_the_tls_secret_goes_where_the_files_are_in_every_worker_pod(certs: Path) -> None:
-    """ELASTRAIN_K8S_ETCD_TLS_SECRET: the worker pods mount it at the files' one directory, so
-    the paths the nodes are given (the service's own) are there too."""
+def test_no_worker_pod_mounts_the_etcd_tls_files(certs: Path) -> None:
+    """The service's etcd client certificate stays in the service's pod: a worker pod gets no
+    Secret, no TLS variable and no etcd endpoint."""
     given: dict[str, object] = {"etcd": "https://etcd:2379", "scheduler": "kubernetes", "worker_image": "w"}
     given |= _files(certs, ca_cert="ca.crt", cert="client.crt", key="client.key")
-    settings = load_settings(**given, k8s_etcd_tls_secret="etcd-tls")
-    assert settings.etcd_tls_dir == str(certs)
-    sched = SchedulerSettings.from_settings(settings)
-    assert (sched.etcd_tls_secret, sched.etcd_tls_dir) == ("etcd-tls", str(certs))
-    ctx = LaunchContext(
-        service_url="http://svc", etcd_endpoints=("https://etcd:2379",), etcd_tls=settings.etcd_tls
-    )
+    settings = load_settings(**given)
     record = JobRecord.model_construct(id="job-7", checkpoint_dir="/ck")
-    node = NodeLaunch("job-7", parse_spec(job_spec()), 0, "job-7-n0-a0", service_env(record, ctx, "token"))
-    pod = worker_pod(kubernetes_dryrun(node, sched))["spec"]
+    env = service_env(record, LaunchContext("http://svc"), "token")
+    node = NodeLaunch("job-7", parse_spec(job_spec()), 0, "job-7-n0-a0", env)
+    pod = worker_pod(kubernetes_dryrun(node, SchedulerSettings.from_settings(settings)))["spec"]
     (container,) = pod["containers"]
-    (volume,) = [v for v in pod["volumes"] if "secret" in v]
-    assert volume["secret"]["secretName"] == "etcd-tls"
-    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
-    assert mount == {"name": volume["name"], "mountPath": str(certs), "readOnly": True}
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    for name in TLS_ENV:  # each file the node is given lies in the mounted Secret, under its key
-        assert Path(env[name]).parent == certs, (name, env[name])
-    # without the setting, no Secret is mounted (the files must then be in the image)
-    plain = SchedulerSettings.from_settings(load_settings(**given))
-    assert not [v for v in worker_pod(kubernetes_dryrun(node, plain))["spec"]["volumes"] if "secret" in v]
-
-
-def _secret_cases(certs: Path) -> dict[str, tuple[dict[str, object], str]]:
-    elsewhere = certs.parent / "elsewhere"
-    elsewhere.mkdir(exist_ok=True)
-    (elsewhere / "ca.crt").write_bytes((certs / "ca.crt").read_bytes())
-    files = _files(certs, ca_cert="ca.crt", cert="client.crt", key="client.key")
-    return {
-        "no-files": (
-            {"etcd": "http://etcd:2379"},
-            "needs the etcd TLS files in one directory.*given: none of",
-        ),
-        "two-directories": (
-            files | {"etcd_ca_cert": str(elsewhere / "ca.crt")},
-            "in one directory.*ELASTRAIN_ETCD_CA_CERT, ELASTRAIN_ETCD_CERT, ELASTRAIN_ETCD_KEY, in ",
-        ),
-        "local-scheduler": (files | {"scheduler": "local_cwd"}, "is for scheduler 'kubernetes'"),
-        "in-the-checkpoint-mount": (files | {"checkpoint_mount": str(certs)}, "where a worker pod mounts"),
-    }
-
-
-@pytest.mark.parametrize(
-    "case", ["no-files", "two-directories", "local-scheduler", "in-the-checkpoint-mount"]
-)
-def test_a_tls_secret_that_cannot_be_mounted_is_refused_at_start(certs: Path, case: str) -> None:
-    overrides, says = _secret_cases(certs)[case]
-    given: dict[str, object] = {"scheduler": "kubernetes", "worker_image": "w", "etcd": "https://etcd:2379"}
-    with pytest.raises(SettingsError, match=says):
-        load_settings(**(given | overrides), k8s_etcd_tls_secret="etcd-tls")
+    assert not [v for v in pod["volumes"] if "secret" in v]
+    names = {e["name"] for e in container["env"]}
+    assert not set(TLS_ENV) & names and "etcd:2379" not in repr(pod)
 
 
 def test_jobs_run_on_an_etcd_that_asks_for_a_client_certificate(
@@ -193,7 +151,7 @@ def test_jobs_run_on_an_etcd_that_asks_for_a_client_certificate(
 def test_the_rendezvous_takes_the_files_from_its_environment_unless_its_config_names_them(
     tls_etcd: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A torchrun agent the service launched has the files in its environment; a hand-typed
+    """A torchrun agent on a user's own etcd over TLS may have the files in its environment; a hand-typed
     ``--rdzv-conf`` ``ca_cert`` wins over them (here: a CA that did not sign etcd's certificate)."""
     url, certs = tls_etcd
     for name, value in tls_env(certs).items():

@@ -7,7 +7,6 @@ import base64
 
 import pytest
 
-from service.etcd.access import credentials_from_env, job_permission, job_user, node_env
 from service.etcd.kv import Fence, Write, txn_body
 from worker.etcdclient import (
     Credentials,
@@ -16,6 +15,7 @@ from worker.etcdclient import (
     EtcdTLS,
     EtcdUnavailableError,
     b64,
+    gateway_bearer,
     range_end,
     token_refused,
     unb64,
@@ -76,18 +76,18 @@ def test_a_request_refused_for_its_token_goes_again_with_a_new_one(detail: str, 
     assert token_refused(detail) is again
 
 
-def test_a_jobs_role_may_read_and_write_its_rendezvous_prefix_only() -> None:
-    perm = job_permission("train-7f3a")
-    assert perm["permType"] == "READWRITE"
-    assert unb64(perm["key"]) == b"/elastrain/rdzv/train-7f3a/"
-    assert unb64(perm["range_end"]) == b"/elastrain/rdzv/train-7f3a0"  # not train-7f3a2's keys
-    assert job_user("train-7f3a") == "elastrain-job-train-7f3a"
-
-
-def test_a_node_gets_its_credentials_through_its_environment() -> None:
-    credentials = Credentials(job_user("j"), "pw")
-    assert credentials_from_env(node_env(credentials)) == credentials
-    assert credentials_from_env({}) is None and credentials_from_env({"ELASTRAIN_ETCD_USER": "u"}) is None
+def test_a_gateway_endpoint_is_a_url_with_a_path_and_takes_the_worker_token() -> None:
+    gateway = EtcdEndpoint.from_url("http://svc:8080/v1/jobs/j/kv/")
+    assert (gateway.gateway, gateway.path, gateway.port) == (True, "/v1/jobs/j/kv", 8080)
+    assert gateway.url == "http://svc:8080/v1/jobs/j/kv"
+    member = EtcdEndpoint.from_url("http://e:2379")
+    assert (member.gateway, member.path) == (False, "/v3")
+    assert gateway_bearer([gateway], {"ELASTRAIN_WORKER_TOKEN": "ewk.j.x"}) == "ewk.j.x"
+    assert gateway_bearer([member], {"ELASTRAIN_WORKER_TOKEN": "ewk.j.x"}) is None
+    with pytest.raises(ValueError, match="ELASTRAIN_WORKER_TOKEN"):
+        gateway_bearer([gateway], {})
+    with pytest.raises(ValueError, match="not both"):
+        gateway_bearer([gateway, member], {"ELASTRAIN_WORKER_TOKEN": "t"})
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -210,21 +209,6 @@ def test_kubernetes_dryrun_without_a_claim_mounts_no_volume() -> None:
     assert "serviceAccountName" not in pod["spec"] or pod["spec"]["serviceAccountName"] is None
 
 
-def test_kubernetes_dryrun_mounts_the_etcd_tls_secret_read_only() -> None:
-    """TorchX mounts no Secrets: the dry run adds it to every container, readable by the pod's
-    group (the worker's fsGroup) only."""
-    settings = replace(K8S, etcd_tls_secret="etcd-tls", etcd_tls_dir="/etc/elastrain/etcd-tls")
-    pod = worker_pod(kubernetes_dryrun(launch("job-7"), settings))
-    (volume,) = [v for v in pod["spec"]["volumes"] if "secret" in v]
-    assert volume["secret"] == {"secretName": "etcd-tls", "defaultMode": 0o440}
-    (container,) = pod["spec"]["containers"]
-    mounts = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
-    assert mounts == [{"name": volume["name"], "mountPath": "/etc/elastrain/etcd-tls", "readOnly": True}]
-    assert not [
-        v for v in worker_pod(kubernetes_dryrun(launch("job-7"), K8S))["spec"]["volumes"] if "secret" in v
-    ]
-
-
 def test_settings_refuse_what_cannot_work() -> None:
     with pytest.raises(SpecError, match="worker image"):
         SchedulerSettings(scheduler="kubernetes", rdzv_endpoint="e")
@@ -232,8 +216,6 @@ def test_settings_refuse_what_cannot_work() -> None:
         SchedulerSettings(rdzv_endpoint=" ")
     with pytest.raises(SpecError, match="absolute"):
         SchedulerSettings(rdzv_endpoint="e", checkpoint_mount="ckpt")
-    with pytest.raises(SpecError, match="etcd_tls_dir None must be an absolute path"):
-        SchedulerSettings(rdzv_endpoint="e", etcd_tls_secret="etcd-tls")
 
 
 def test_settings_from_the_service_settings() -> None:

@@ -90,9 +90,10 @@ def test_the_local_dry_run_says_what_will_run_and_touches_nothing(
     assert plan.spec_path == node_dir / "spec.json" and parse_spec(plan.spec_json) == SPEC
     assert plan.log_dir == node_dir / "logs"
     command = plan.command
-    wrapper = ["-m", "service.launch.node_exec", "--state-dir", str(node_dir), "--"]
-    assert command[1:6] == wrapper
-    torchrun = command[6:]
+    wrapper = ["-m", "service.launch.node_exec", "--state-dir", str(node_dir), "--env"]
+    assert command[1:6] == wrapper and command[7] == "--"
+    assert set(node_env(NODE)) <= set(command[6].split(","))  # what the node keeps of its environment
+    torchrun = command[8:]
     assert torchrun[1:3] == ["-m", "torch.distributed.run"] and "--rdzv-id=job-7" in torchrun
     assert torchrun[-2:] == ["--config", str(plan.spec_path)]
     for name, value in node_env(NODE).items():

@@ -80,7 +80,7 @@ def local(tmp_path: Path) -> Iterator[TorchXScheduler]:
 def test_the_local_dry_run_shows_the_peer_command_and_environment(local: TorchXScheduler) -> None:
     plan = local.dryrun(SPARE)
     assert isinstance(plan, LocalLaunch)
-    torchrun = plan.command[6:]
+    torchrun = plan.command[plan.command.index("--") + 1 :]
     assert torchrun[1:] == [*PEER_ARGS[:-1], str(plan.spec_path)]
     assert plan.env["ELASTRAIN_RECOVERY"] == "peer" and plan.env["ELASTRAIN_ROLE"] == "spare"
     assert plan.env["ELASTRAIN_LAUNCH_ID"] == "job-7-n3-a0"

@@ -70,7 +70,12 @@ def test_endpoints_accept_urls_hosts_and_lists() -> None:
     assert parse_endpoints("h:1", default_protocol="https")[0].url == "https://h:1"
 
 
-@pytest.mark.parametrize("bad", ["", " , ", "ftp://h:1", "h:port", "h:0", "http://h:1/v3"])
+def test_a_url_with_a_path_is_the_services_gateway() -> None:
+    (gateway,) = parse_endpoints("http://svc:8080/v1/jobs/j/kv")
+    assert gateway.gateway and gateway.url == "http://svc:8080/v1/jobs/j/kv"
+
+
+@pytest.mark.parametrize("bad", ["", " , ", "ftp://h:1", "h:port", "h:0", "h:1/v3", "ftp://h/x"])
 def test_bad_endpoints_are_refused(bad: str) -> None:
     with pytest.raises(RendezvousConfigError):
         parse_endpoints(bad)

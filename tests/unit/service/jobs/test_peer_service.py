@@ -97,7 +97,7 @@ class World:
         self.jobs = self.parts.records
         self.scheduler = FakeScheduler()
         election = LeaderElection(self.store, "a", ttl_s=10, clock=self.clock)
-        ctx = LaunchContext(service_url="http://svc:8080", etcd_endpoints=("http://e:2379",))
+        ctx = LaunchContext(service_url="http://svc:8080")
         self.reconciler = Reconciler(self.parts, self.scheduler, election, launch=ctx, clock=self.clock)
 
     def submit(self, job_spec: JobSpec) -> str:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from service.etcd.access import JobUsers, job_user
 from service.etcd.election import LeaderElection
 from service.etcd.kv import put_if
 from service.etcd.memory import MemoryStore
@@ -20,7 +19,6 @@ from service.launch.protocol import node_launch
 from service.reconciler import LaunchContext, Reconciler
 from tests.specs import raw_spec
 from tests.unit.service.svc_fakes import Clock, FakeScheduler
-from worker.etcdclient import Credentials
 from worker.jobspec.spec import parse_spec
 
 SPEC = raw_spec("demo", micro_batch_size=4, nodes="1:3", max_restarts=2)
@@ -43,7 +41,7 @@ class World:
 
     def reconciler(self, holder: str = "a") -> Reconciler:
         election = LeaderElection(self.store, holder, ttl_s=10, clock=self.clock)
-        ctx = LaunchContext(service_url="http://svc:8080", etcd_endpoints=("http://e:2379",))
+        ctx = LaunchContext(service_url="http://svc:8080")
         return Reconciler(self.parts, self.scheduler, election, launch=ctx, clock=self.clock)
 
     def submit(self, **change: object) -> str:
@@ -215,45 +213,17 @@ def test_passes_slow_down_while_every_job_runs_steadily_and_a_write_wakes_them(w
     assert r.busy and world.jobs.get(job_id).state == JobState.RESCALING
 
 
-class FakeAuth:
-    """etcd's users and roles in memory (EtcdAuth's calls, recorded)."""
-
-    def __init__(self) -> None:
-        self.users: dict[str, str] = {}
-        self.calls: list[str] = []
-
-    def grant_job(self, job_id: str, password: str) -> Credentials:
-        self.calls.append(f"grant {job_id}")
-        self.users[job_user(job_id)] = password
-        return Credentials(job_user(job_id), password)
-
-    def revoke_job(self, job_id: str) -> None:
-        self.calls.append(f"revoke {job_id}")
-        self.users.pop(job_user(job_id), None)
-
-
-def test_each_job_gets_its_own_etcd_user_in_its_nodes_environment_until_it_ends(world: World) -> None:
-    """Issue 13 item 5: the nodes of a job authenticate to etcd as that job, whose role reaches
-    only its rendezvous keys; the user goes when the job ends."""
-    auth = FakeAuth()
+def test_each_node_is_given_its_jobs_gateway_and_token_and_no_etcd_endpoint_or_credential(
+    world: World,
+) -> None:
+    """A job reaches etcd only through the service's key-value gateway of that job."""
     r = world.reconciler()
-    r.users = JobUsers(auth, world.jobs.etcd_password)  # type: ignore[arg-type]
-    first, second = world.submit(nodes="2"), world.submit(nodes="1", max_restarts=1)
+    first, second = world.submit(nodes="2"), world.submit(nodes="1")
     r.run_once()
-    envs = {n.launch_id: n.env for n in world.scheduler.launches}
-    mine = envs[f"{first}-n0-a0"]
-    assert mine["ELASTRAIN_ETCD_USER"] == job_user(first)
-    assert mine["ELASTRAIN_ETCD_PASSWORD"] == auth.users[job_user(first)]
-    assert envs[f"{first}-n1-a0"]["ELASTRAIN_ETCD_PASSWORD"] == mine["ELASTRAIN_ETCD_PASSWORD"]
-    other = envs[f"{second}-n0-a0"]
-    assert (
-        other["ELASTRAIN_ETCD_USER"] == job_user(second)
-        and other["ELASTRAIN_ETCD_PASSWORD"] != mine["ELASTRAIN_ETCD_PASSWORD"]
-    )
-    assert sorted(auth.calls) == sorted([f"grant {first}", f"grant {second}"])  # once per job, not per node
-    world.scheduler.finish(f"{second}-n0-a0", exit_code=1)  # a relaunch gets the same credentials
-    r.run_once()
-    assert world.scheduler.launches[-1].env["ELASTRAIN_ETCD_PASSWORD"] == other["ELASTRAIN_ETCD_PASSWORD"]
-    world.jobs.cancel(first)
-    r.run_once()
-    assert job_user(first) not in auth.users and job_user(second) in auth.users
+    envs = {n.launch_id: dict(n.env) for n in world.scheduler.launches}
+    mine, other = envs[f"{first}-n0-a0"], envs[f"{second}-n0-a0"]
+    assert mine["ELASTRAIN_KV_GATEWAY"] == f"http://svc:8080/v1/jobs/{first}/kv"
+    assert other["ELASTRAIN_KV_GATEWAY"] == f"http://svc:8080/v1/jobs/{second}/kv"
+    assert mine["ELASTRAIN_WORKER_TOKEN"] == world.jobs.worker_token(first) != other["ELASTRAIN_WORKER_TOKEN"]
+    for env in envs.values():
+        assert not [name for name in env if name.startswith("ELASTRAIN_ETCD")], env
