@@ -12,7 +12,7 @@ samples_per_second, world_size; and, from :meth:`worker.metrics.WorkerMetrics.pr
 ``step_seconds`` list, ``data_wait_seconds``, ``comm_exposed_seconds``, ``tokens``,
 ``peak_memory_bytes``), ``started``, ``group_formed``, ``checkpoint_restored``, ``resumed``,
 ``run_record``, ``first_step``, ``skipped_step``, ``checkpoint_published``,
-``checkpoint_aborted``, ``finished``; in peer mode (issue 14) ``recovery_incident`` (one per
+``checkpoint_aborted``, ``finished``; in peer mode ``recovery_incident`` (one per
 incident, from the leader that repaired the group: ``incident``, ``kind``, ``lost_launch_ids``,
 ``failed_at``, ``detected_at``, ``phases`` with the Unix times ``formed``, ``transferred``,
 ``ready``, ``bytes_from_peers``, ``voided_windows``, ``world_before``, ``world_after``). A

@@ -1,4 +1,4 @@
-"""Recovery without a restart (issue 14): the survivors of a lost rank keep their processes,
+"""Recovery without a restart: the survivors of a lost rank keep their processes,
 re-form the data-parallel group among themselves (plus a warm spare or a replacement), agree on
 the newest committed state, and hand it to whoever lacks it from memory.
 

@@ -1,6 +1,6 @@
-"""Job code reaches nothing in etcd outside its own job's rendezvous keys (issue 13 item 5): the
-worker-token secret was readable at /elastrain/config/worker-secret from inside any job, and
-another job's token could be derived from it. Against a real etcd: etcd's own auth, the service
+"""Job code reaches nothing in etcd outside its own job's rendezvous keys: the
+worker-token secret must not be readable at /elastrain/config/worker-secret from inside any job,
+nor another job's token derivable from it. Against a real etcd: etcd's own auth, the service
 as root, one user and role per job limited to /elastrain/rdzv/<job id>/, its password handed to
 that job's nodes only; and a real torchrun job under `elastrain serve` (embedded etcd, auth on)
 that forms its group and trains with those credentials."""

@@ -1,4 +1,4 @@
-"""Weights people can load elsewhere (issue 12 item 5): ``export-weights`` writes safetensors
+"""Weights people can load elsewhere: ``export-weights`` writes safetensors
 through the ``safetensors`` package (or a torch state dict), in the dtype asked for, tied weights
 once, a wrapper prefix stripped, and the Hugging Face ``config.json`` the checkpoint carries, so
 ``from_pretrained(DST)`` gives the same logits. Real ``transformers`` GPT-2, no download."""

@@ -234,7 +234,7 @@ def test_the_readme_lists_every_setting_of_the_service() -> None:
 def test_serve_says_where_it_listens_and_where_workers_reach_it(
     host: str, advertise: str, listens: str, reached: str
 ) -> None:
-    """Issue 13 item 11: `serve --host 0.0.0.0` logged http://127.0.0.1:8080 as where it served."""
+    """`serve --host 0.0.0.0` logs where clients can reach it, not http://127.0.0.1:8080."""
     from service.server import serving_line
 
     line = serving_line(load_settings(host=host, port=8080, advertise_url=advertise))

@@ -240,7 +240,7 @@ class FakeAuth:
 
 
 def test_each_job_gets_its_own_etcd_user_in_its_nodes_environment_until_it_ends(world: World) -> None:
-    """Issue 13 item 5: the nodes of a job authenticate to etcd as that job, whose role reaches
+    """The nodes of a job authenticate to etcd as that job, whose role reaches
     only its rendezvous keys; the user goes when the job ends."""
     auth = FakeAuth()
     r = world.reconciler()
