@@ -11,5 +11,6 @@ deciding, writing the generation), :mod:`.group` (process groups), :mod:`.agree`
 (per-window streams), :mod:`.spare`; :mod:`.recover` runs the sequence for one process
 (:class:`~worker.recovery.recover.GroupMember`) and :mod:`.seam` is what the trainer provides and
 gets back. :mod:`worker.lifeline` (a worker dies with its agent) serves both recovery modes.
-The README's "Recovery without a restart: the workers' side" says why, with the measurements.
+docs/recovery.md ("Recovery without a restart: the workers' side") says why; docs/benchmarks.md
+has the measurements.
 """
