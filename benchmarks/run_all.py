@@ -56,16 +56,16 @@ BENCHMARKS = (
     Bench("benchmarks.service_job", "a job under the service vs bare torchrun",
           quick=("--rounds", "1", "--steps", "150")),
     Bench("benchmarks.peer_recovery", "recovery without a restart vs torchrun's restart",
-          full=("--rounds", "2"), quick=("--rounds", "1")),
+          full=("--rounds", "2"), quick=("--rounds", "1", "--steps", "300")),
     Bench("benchmarks.peer_steady", "peer mode's step path vs restart mode's, in one job",
           full=("--rounds", "3", "--steps", "3000", "--block", "10"),
-          quick=("--rounds", "1", "--steps", "300", "--block", "10")),
+          quick=("--rounds", "1", "--steps", "150", "--block", "10")),
     Bench("benchmarks.allreduce_length", "a 7-number vs a 2-number gloo all-reduce in a small step",
           quick=("--iterations", "600")),
     Bench("benchmarks.vote_carrier", "where the commit vote rides in a DDP step vs no vote",
           quick=("--iterations", "600")),
     Bench("benchmarks.peer_join", "the longest step across a 2 -> 3 scale-up in peer mode vs its bound",
-          full=("--rounds", "2"), quick=("--rounds", "1", "--steps", "900")),
+          full=("--rounds", "2"), quick=("--rounds", "1", "--steps", "300", "--warm", "50")),
 )  # fmt: skip
 
 
