@@ -239,7 +239,7 @@ def _walk(
         if ref is not None:
             nested = defs[ref]
             kind = "object or null" if "anyOf" in prop else "object"
-            default = "required" if name in required else ("unset" if "anyOf" in prop else "its fields'")
+            default = "required" if name in required else ("unset" if "anyOf" in prop else "see its fields")
             own = bool(prop.get("description") or nested.get("description"))
             yield Field(path, kind, default, describe(path, prop) or describe(path, nested), own)
             yield from _walk(nested, models[ref], path + ".", defs, models)
