@@ -36,10 +36,12 @@ integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
 # Each test runs once: the installed-distribution subset (the unit tests and a few launches, see
-# scripts/test_installed.py) against the wheel, everything else from the tree.
+# scripts/test_installed.py) against the wheel, everything else from the tree. Last, every
+# benchmark's short run (docs/benchmarks.md left alone), so that a benchmark that breaks fails.
 test: lint types
 	$(PY) -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS)
 	$(PY) -m scripts.test_installed -n $(TEST_WORKERS) --dist loadscope
+	$(PY) -m benchmarks.run_all --quick --no-table
 
 # Part of the suite against the distribution users install: a wheel of this tree, installed (not
 # editable) into build/installed/venv, run from a copy of tests/ with no service/ or worker/
@@ -53,13 +55,16 @@ test-installed: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
 
-# wrk (Debian package) is the low-CPU load generator of benchmarks/service_api.py; installed
-# with apt-get when missing and we are root, otherwise that benchmark says it ran without it.
+# Every benchmark, then docs/benchmarks.md's table rewritten from their results; QUICK=1: each in
+# its short mode (rough numbers, marked so). wrk (Debian package) is the low-CPU load generator of
+# benchmarks/service_api.py; installed with apt-get when missing and we are root, otherwise that
+# benchmark says it ran without it.
+QUICK ?=
 bench: $(STAMP)
 	@command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		echo "installing Debian's wrk for the API load benchmark" && \
 		(apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); } || true
-	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.run_all $(if $(QUICK),--quick)
 
 # The fault matrix, each row TRIALS times with recorded seeds; writes a results table.
 TRIALS ?= 1

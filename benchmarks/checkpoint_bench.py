@@ -118,11 +118,13 @@ def _checkpointer(
 def _load(
     scratch: Path, step_dir: Path, model: Any, opt: Any, *, world: int | None = None, job: str = "bench"
 ) -> int:
-    """Our restore of ``step_dir`` at ``world`` ranks (default: all); returns this rank's bytes read."""
+    """Our restore of ``step_dir`` at ``world`` ranks (default: all) as job ``job``, whose own
+    checkpoint directory is ``scratch/job`` (a directory belongs to one job); returns this rank's
+    bytes read."""
     import torch.distributed as dist
 
     world = world or dist.get_world_size()
-    ck = _checkpointer(scratch, rank=dist.get_rank(), world=world, resume=str(step_dir), job=job)
+    ck = _checkpointer(scratch / job, rank=dist.get_rank(), world=world, resume=str(step_dir), job=job)
     ck.restore(model=model, optimizer=opt)
     return int(ck.stats.bytes_read_total)
 
@@ -301,8 +303,9 @@ def worker_fsdp(args: argparse.Namespace) -> dict[str, Any]:
     last = sorted(root.glob("step-*"))[-1]
     times, nbytes = [], 0.0
     for i in range(args.repeats + 1):  # the first load warms up
-        ck = _checkpointer(Path(args.root) / "fsdp-scratch", rank=rank, world=world, resume=str(last),
-                           job=f"fsdp-{world}-{i}", parallelism="fsdp")  # fmt: skip
+        job = f"fsdp-{world}-{i}"
+        ck = _checkpointer(Path(args.root) / "fsdp-scratch" / job, rank=rank, world=world, resume=str(last),
+                           job=job, parallelism="fsdp")  # fmt: skip
         dist.barrier()
         t0 = time.perf_counter()
         ck.restore(model=model, optimizer=opt)
@@ -377,7 +380,9 @@ def _load_rows(loads: dict[str, Any]) -> list[tuple[str, float, str, str]]:
     return rows
 
 
-def _report(w2: dict[str, float], loads: dict[str, Any], fsdp: list[tuple[str, float, str, str]]) -> None:
+def _report(
+    w2: dict[str, float], loads: dict[str, Any], fsdp: list[tuple[str, float, str, str]], repeats: int
+) -> None:
     mb = w2["bytes_total"] / (1 << 20)
     rows = [
         ("state size (MiB)", mb, "", ""),
@@ -404,6 +409,12 @@ def _report(w2: dict[str, float], loads: dict[str, Any], fsdp: list[tuple[str, f
         print(f"  {w}: the busiest rank read {nbytes / size:.3f}x the state's bytes (DDP: every rank needs "
               f"all), CPU {cpu_ms:.0f} ms per load (median); {os.cpu_count()} cores")  # fmt: skip
     print(json.dumps({"w2": w2, "loads": loads}, indent=1))
+    from benchmarks.record import emit
+
+    others = (f"save / dcp.save {w2['ours_save_s'] / w2['dcp_save_s']:.3f}, "
+              f"load / dcp.load {w2['ours_load_s'] / w2['dcp_load_s']:.3f}")  # fmt: skip
+    emit("durable save throughput / raw write+fsync", w2["raw_write_fsync_s"] / w2["ours_save_s"],
+         target=">= 0.9", spread=f"median of {repeats} saves of {mb:.0f} MiB; {others}")  # fmt: skip
 
 
 def main() -> None:
@@ -435,7 +446,7 @@ def main() -> None:
         w2 = _launch(2, "save", args)
         loads = _launch(max(LOAD_WORLDS), "loads", args)
         fsdp = _fsdp_rows(args) if args.fsdp_rounds else []
-        _report(w2, loads, fsdp)
+        _report(w2, loads, fsdp, args.repeats)
     finally:
         if owned:
             shutil.rmtree(args.root, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Joining without stopping (issue 14, item 4): a scale-up of a peer-mode job, measured.
+"""Joining without stopping: a scale-up of a peer-mode job, measured.
 
 A real ``elastrain serve`` runs the benchmark MLP in peer mode on 2 nodes x 1 process
 (``nodes`` "2:3", a global batch of 384 that both world sizes divide); once it is past its
@@ -49,6 +49,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.record import emit
 from benchmarks.service_job import events_of, serving
 from benchmarks.service_job import spec as base_spec
 from benchmarks.stats import geomean_interval, spread, verdict
@@ -89,11 +90,11 @@ def traces(directory: Path, skip: set[Path]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def first_window(rows: list[dict[str, Any]], i: int) -> dict[str, float]:
+def first_window(rows: list[dict[str, Any]], i: int, warm: int = WARM) -> dict[str, float]:
     """Window ``rows[i]`` (a process's first at the new size) against the median of its windows
     from the fifth after it: the excess of its ``wall_s``, ``cpu_s`` and ``runq_s`` (the training
     thread's, :mod:`worker.datapath.trace`), in ms; ``runq`` is absent where the trace could not read it."""
-    later = rows[i + 5 : i + 5 + WARM]
+    later = rows[i + 5 : i + 5 + warm]
     out = {}
     for key in ("wall_s", "cpu_s", "runq_s"):
         if rows[i].get(key) is not None and all(r.get(key) is not None for r in later):
@@ -102,11 +103,11 @@ def first_window(rows: list[dict[str, Any]], i: int) -> dict[str, float]:
     return out
 
 
-def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str, Any]:
+def one_join(svc: Service, trace: Path, shape: str, max_steps: int, warm: int = WARM) -> dict[str, Any]:
     low, high = world_sizes(shape)
     earlier = set(trace.glob("rank-*.jsonl"))
     job_id = svc.submit(spec(shape, max_steps))
-    until(lambda: (svc.job(job_id)["step"] or 0) >= WARM + 50, "the job past its warm-up", 600)
+    until(lambda: (svc.job(job_id)["step"] or 0) >= warm + 50, "the job past its warm-up", 600)
     answer = svc.http.post(f"/v1/jobs/{job_id}/scale", json={"nodes": high})
     assert answer.status_code == 202, answer.text
     job = svc.finished(job_id, timeout=900)
@@ -119,9 +120,9 @@ def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str,
     longest, medians, medians3, p90s, join_steps, last2, first3, second = [], [], [], [], [], [], [], []
     for rows in survivors.values():
         i = next(i for i, r in enumerate(rows) if r["world_size"] == high)  # the first window after
-        ends = [r["t"] for r in rows[max(0, i - WARM) : i]]
+        ends = [r["t"] for r in rows[max(0, i - warm) : i]]
         medians.append(statistics.median(b - a for a, b in itertools.pairwise(ends)))
-        after = [r["t"] for r in rows[i + 5 : i + 5 + WARM]]
+        after = [r["t"] for r in rows[i + 5 : i + 5 + warm]]
         steps_after = sorted(b - a for a, b in itertools.pairwise(after))
         medians3.append(statistics.median(steps_after))
         p90s.append(steps_after[int(0.9 * (len(steps_after) - 1))])
@@ -133,10 +134,10 @@ def one_join(svc: Service, trace: Path, shape: str, max_steps: int) -> dict[str,
         second.append(rows[i + 1]["t"] - rows[i]["t"] - medians3[-1])
         join_steps.append(rows[i]["step"])
     (arrived,) = newcomers.values()
-    first = {"survivor": [], "newcomer": [first_window(arrived, 0)]}
+    first = {"survivor": [], "newcomer": [first_window(arrived, 0, warm)]}
     for rows in survivors.values():
         i = next(i for i, r in enumerate(rows) if r["world_size"] == high)
-        first["survivor"].append(first_window(rows, i))
+        first["survivor"].append(first_window(rows, i, warm))
     events = events_of(Path(job["checkpoint_dir"]) / "events.jsonl")
     joined = [e for e in events if e["event"] == "peer_outcome" and e.get("world_size") == high]
     phases = joined[0]["phases"] if joined else {}
@@ -186,6 +187,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3000, help="steps per job (a join takes ~10 s of them)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="2:3", help="nodes before:after the join")
+    parser.add_argument("--warm", type=int, default=WARM, help="windows each median step is taken over")
     args = parser.parse_args()
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as name:
@@ -193,7 +195,7 @@ def main() -> int:
         trace.mkdir()
         with serving(Path(name) / "svc", {"ELASTRAIN_TRACE_SAMPLES": str(trace)}) as svc:
             for i in range(args.rounds):
-                got = one_join(svc, trace, args.shape, args.steps)
+                got = one_join(svc, trace, args.shape, args.steps, args.warm)
                 results.append(got)
                 print(f"  round {i + 1}: {got}", flush=True)
     by_key: dict[str, list[float]] = defaultdict(list)
@@ -228,6 +230,10 @@ def main() -> int:
           f"{spread(by_key['second_window_excess_ms'], 1)}")  # fmt: skip
     after = by_key["newcomer_after_steps"]
     print(f"  newcomer's first step after the join, in steps: {after}  (target <= 2)")
+    emit(f"{low} -> {high}: the survivors' longest step across the join / (2 x median step + transfer)",
+         interval[0], target="<= 1 (the whole interval); newcomer trains within 2 steps",
+         spread=f"95% interval [{interval[1]:.3f}, {interval[2]:.3f}], {len(results)} rounds; "
+         f"newcomer after {after} steps")  # fmt: skip
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Recovery without a restart against torchrun's restart, side by side in one run (issue 14).
+"""Recovery without a restart against torchrun's restart, side by side in one run.
 
 The same job under a real ``elastrain serve`` (2 nodes x 1 process, the benchmark MLP, a
 checkpoint every 50 steps), twice a round in alternating order (restart, peer; peer, restart):
@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.record import emit
 from benchmarks.service_job import events_of, interval_rate, rate, serving
 from benchmarks.service_job import spec as base_spec
 from benchmarks.stats import geomean_interval, rotation, spread, verdict
@@ -53,10 +54,11 @@ def spec(mode: str, spares: int, **over: Any) -> dict[str, Any]:
     return body | ({"spares": spares} if mode == "peer" else {})
 
 
-def one_recovery(svc: Service, mode: str, spares: int) -> dict[str, Any]:
-    """SIGKILL node 1's worker (a member: never the spare) a little past the first checkpoint."""
+def one_recovery(svc: Service, mode: str, spares: int, steps: int = 1500) -> dict[str, Any]:
+    """SIGKILL node 1's worker (a member: never the spare) a little past the first checkpoint (step
+    100) of a job of ``steps`` steps."""
     body = spec(
-        mode, spares, max_steps=1500, checkpoint={"interval_steps": 100, "retention": {"keep_latest": 50}}
+        mode, spares, max_steps=steps, checkpoint={"interval_steps": 100, "retention": {"keep_latest": 50}}
     )
     job_id = svc.submit(body)
     until(lambda: (svc.job(job_id)["last_published_step"] or 0) >= 100, "a checkpoint", 600)
@@ -103,12 +105,15 @@ def report_recoveries(results: dict[str, list[dict[str, Any]]], spares: int) -> 
     print(f"  peer recoveries' kinds: {[r['kind'] for r in results['peer']]}")
     ratio = statistics.median(peer) / statistics.median(restart)
     print(f"  ratio peer/restart (medians): {ratio:.3f}  (target <= 0.25)")
+    emit("SIGKILL -> first step of the repaired group, peer / restart (medians)", ratio, target="<= 0.25",
+         spread=f"peer {spread(peer)} s, restart {spread(restart)} s, {len(peer)} rounds")  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spares", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=1500, help="steps of each recovery job (more than 100)")
     parser.add_argument("--steady", type=int, default=0, help="steps of a fault-free run per mode (0: skip)")
     parser.add_argument(
         "--steady-rounds", type=int, default=None, help="fault-free rounds (default: --rounds)"
@@ -124,7 +129,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as name, serving(Path(name) / "svc") as svc:
         for i in range(args.rounds):
             for mode in ("restart", "peer") if i % 2 == 0 else ("peer", "restart"):
-                got = one_recovery(svc, mode, args.spares)
+                got = one_recovery(svc, mode, args.spares, args.steps)
                 results[mode].append(got)
                 print(f"  round {i + 1} {mode}: {got}", flush=True)
         for i in (

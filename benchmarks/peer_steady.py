@@ -1,6 +1,6 @@
 """Peer mode's steady state, taken apart: what it adds to the training thread's window (an A/B
 inside one job, the arms a second apart), and what it adds beside it (the CPU of every other
-thread and process, both modes measured), side by side in one run (issue 14; target >= 0.98).
+thread and process, both modes measured), side by side in one run (target >= 0.98).
 
 Why not whole jobs alone: ``benchmarks/peer_recovery.py --steady --control`` compares whole jobs
 minutes apart, and its A/A control shows that 20 rounds (40 minutes) on this machine resolve
@@ -14,7 +14,7 @@ about +-3%, wider than the target's 2% margin. Here the same 2-node x 1-process 
   control / restart (A/A) from the blocks' median window; over the cycles, the geometric mean and
   its 95% bootstrap interval (:func:`benchmarks.stats.geomean_interval`). A cycle's ratio still
   spreads 0.75-1.3, so a run wants ~300 cycles (3 jobs of 3,000 steps, ~4 minutes of training)
-  for +-1%; whole jobs resolved +-3% in 40 minutes (stop 35), ~9x the rounds for +-1%.
+  for +-1%; whole jobs resolved +-3% in 40 minutes, ~9x the rounds for +-1%.
 - **Beside it.** Each round also runs the job in restart mode (the order alternating). Rank 0
   snapshots the CPU ticks of every thread of its process and every process on the machine when
   the measured windows begin and at the end; the CPU per wall second (in cores) of each role:
@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peer_probe import ARMS
+from benchmarks.record import emit
 from benchmarks.service_job import events_of, rate, serving
 from benchmarks.service_job import spec as base_spec
 from benchmarks.stats import geomean_interval, spread, verdict
@@ -61,7 +62,7 @@ STEP_THREADS = ("training thread", "native", "data thread")
 def spec(
     mode: str, steps: int, block: int, warm: int, parts: bool = False, keep: str = "", dummy: bool = False
 ) -> dict[str, Any]:
-    env = {"PYTHONPATH": str(REPO)}
+    env = {"PYTHONPATH": str(REPO)}  # the probe (the job's model factory) lives in this repository
     kwargs: dict[str, Any] = {"hidden": 512, "depth": 4, "block": block, "warm": warm, "parts": parts}
     if keep:
         kwargs["keep"] = keep
@@ -192,6 +193,9 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
         print(f"  in the restart-mode jobs (the same arm three times): {shown(geomean_interval(same))}")
     if not restart:
         print(f"  the step path: {verdict(step, TARGET)}  (target >= {TARGET})")
+        emit("the step path's samples/s, peer / restart (geometric mean of the cycles)", step[0],
+             target=f">= {TARGET}",
+             spread=f"95% interval [{step[1]:.4f}, {step[2]:.4f}], {len(cycles)} cycles")  # fmt: skip
         return
     print("beside the step, cores (CPU seconds per wall second) per round, peer | restart:")
     names = sorted({k for r in peer + restart for k in r["cores"]})
@@ -207,6 +211,9 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
     print(f"peer / restart, samples/s: estimate {mid:.4f}, at least {low:.4f} (the step path's low end x "
           f"(1 - {worst:.4f}), the most a round added beside it)  (target >= {TARGET})")  # fmt: skip
     print(f"  verdict: {verdict((mid, low, step[2]), TARGET)}")
+    emit("samples/s peer / restart: the step path's A/B less what peer mode adds beside it", mid,
+         target=f">= {TARGET}",
+         spread=f"at least {low:.4f}; step path {shown(step)}, {len(cycles)} cycles")  # fmt: skip
     whole = [p["rate"] / q["rate"] for p, q in zip(peer, restart, strict=True)]
     print(f"whole jobs, samples/s peer / restart per round (end to end, noisy): {spread(whole, 3)}")
 

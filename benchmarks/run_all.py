@@ -1,45 +1,121 @@
-"""``make bench``: every benchmark, one after another, each printing its own ratios.
+"""``make bench``: every benchmark, one after another, each printing its own ratios; then the
+table of ``docs/benchmarks.md`` rewritten from their result records (:mod:`benchmarks.record`).
 
-Each runs in its own process (they start torchrun, etcd and uvicorn themselves). A failing
-benchmark is reported and the others still run; the exit code says whether all ran.
+``python -m benchmarks.run_all [--quick] [--no-table] [--only MODULE ...] [--machine-note TEXT]``
+
+Each benchmark runs in its own process (they start torchrun, etcd and uvicorn themselves). A
+failing benchmark is reported, its row keeps its last measured value, and the others still run;
+the exit code says whether all ran and each printed its record. ``--quick`` runs each in a short
+mode (a round or two of small runs: it proves the benchmark works, its numbers are rough; the
+rows say "quick mode"). ``--no-table`` leaves the docs alone (what the test suite runs).
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.record import Row, machine, merge, parse
+
+TABLE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+@dataclass(frozen=True, slots=True)
+class Bench:
+    """A benchmark: its module, what it compares, its arguments in a full and in a quick run."""
+
+    module: str
+    compares: str
+    full: tuple[str, ...] = ()
+    quick: tuple[str, ...] = ()
+
 
 BENCHMARKS = (
-    ("worker throughput vs bare torchrun+DDP", ["benchmarks.worker_throughput"]),
-    ("worker with a batch() that costs half the step vs free data", ["benchmarks.data_prefetch"]),
-    ("slow batches: training thread, loader thread, DataLoader processes", ["benchmarks.loader_choice"]),
-    ("checkpoint save/load vs raw I/O and DCP", ["benchmarks.checkpoint_bench"]),
-    ("async checkpoint: blocking and background cost", ["benchmarks.checkpoint_async"]),
-    ("re-rendezvous after a worker SIGKILL", ["benchmarks.rendezvous_recovery", "--skip-default"]),
-    ("control plane GET/submit load", ["benchmarks.service_api"]),
-    ("the etcd client's cost per request vs a bare http.client request", ["benchmarks.etcd_client"]),
-    ("a job under the service vs bare torchrun; recovery vs its floor", ["benchmarks.service_job"]),
-    ("recovery without a restart vs torchrun's restart", ["benchmarks.peer_recovery", "--rounds", "2"]),
-    (
-        "peer mode's steady-state cost: its step path in one job, the rest of the machine's CPU",
-        ["benchmarks.peer_steady", "--rounds", "3", "--steps", "3000", "--block", "10"],
-    ),
-    ("what a few more numbers cost on the step's small gloo all-reduce", ["benchmarks.allreduce_length"]),
-    ("where the commit vote can ride in a DDP step", ["benchmarks.vote_carrier"]),
-    ("joining without stopping: a 2 -> 3 scale-up in peer mode", ["benchmarks.peer_join", "--rounds", "2"]),
-)
+    Bench("benchmarks.worker_throughput", "`-m worker` samples/s vs a bare torchrun + DDP loop",
+          quick=("--rounds", "2", "--steps", "60")),
+    Bench("benchmarks.data_prefetch", "a `batch()` that costs half the step, loaded ahead, vs free data",
+          quick=("--rounds", "1", "--steps", "60")),
+    Bench("benchmarks.loader_choice",
+          "slow batches: training thread, loader thread, DataLoader processes vs free data",
+          quick=("--rounds", "1", "--steps", "20")),
+    Bench("benchmarks.checkpoint_bench", "checkpoint save/load vs raw I/O and DCP; resharded loads",
+          quick=("--mb", "16", "--repeats", "1", "--load-rounds", "1", "--fsdp-rounds", "1")),
+    Bench("benchmarks.checkpoint_async", "training blocked by an async save vs a synchronous save",
+          quick=("--mb", "16", "--repeats", "1")),
+    Bench("benchmarks.rendezvous_recovery", "re-rendezvous after a worker SIGKILL: etcd-v3 vs c10d",
+          full=("--skip-default",), quick=("--skip-default",)),
+    Bench("benchmarks.service_api", "control plane: paced `GET /v1/jobs/{id}` vs 1,000 req/s at p99 < 50 ms",
+          quick=("--seconds", "2", "--forward-rounds", "1")),
+    Bench("benchmarks.etcd_client", "the etcd client's CPU per request vs a bare http.client request",
+          quick=("--rounds", "2", "--requests", "100")),
+    Bench("benchmarks.service_job", "a job under the service vs bare torchrun",
+          quick=("--rounds", "1", "--steps", "150")),
+    Bench("benchmarks.peer_recovery", "recovery without a restart vs torchrun's restart",
+          full=("--rounds", "2"), quick=("--rounds", "1", "--steps", "300")),
+    Bench("benchmarks.peer_steady", "peer mode's step path vs restart mode's, in one job",
+          full=("--rounds", "3", "--steps", "3000", "--block", "10"),
+          quick=("--rounds", "1", "--steps", "150", "--block", "10")),
+    Bench("benchmarks.allreduce_length", "a 7-number vs a 2-number gloo all-reduce in a small step",
+          quick=("--iterations", "600")),
+    Bench("benchmarks.vote_carrier", "where the commit vote rides in a DDP step vs no vote",
+          quick=("--iterations", "600")),
+    Bench("benchmarks.peer_join", "the longest step across a 2 -> 3 scale-up in peer mode vs its bound",
+          full=("--rounds", "2"), quick=("--rounds", "1", "--steps", "300", "--warm", "50")),
+)  # fmt: skip
 
 
-def main() -> int:
-    failed = []
-    for title, args in BENCHMARKS:
-        print(f"\n=== {title}: python -m {' '.join(args)}", flush=True)
-        code = subprocess.run([sys.executable, "-m", *args], check=False).returncode
-        if code:
-            failed.append(title)
-            print(f"=== {title}: exit code {code}", flush=True)
+def run(bench: Bench, *, quick: bool) -> tuple[int, list[str]]:
+    """Runs one benchmark, echoing its output; its exit code and output lines."""
+    args = bench.quick if quick else bench.full
+    print(f"\n=== {bench.compares}: python -m {bench.module} {' '.join(args)}", flush=True)
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", bench.module, *args], stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        lines.append(line.rstrip("\n"))
+    code = proc.wait()
+    print(f"=== {bench.module}: exit code {code} after {time.monotonic() - started:.0f} s", flush=True)
+    return code, lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run of each (rough numbers)")
+    parser.add_argument("--no-table", action="store_true", help=f"do not rewrite {TABLE.name}")
+    parser.add_argument("--only", nargs="+", default=[], help="these modules only")
+    parser.add_argument("--machine-note", default="", help="appended to the machine column")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.only) - {b.module for b in BENCHMARKS})
+    if unknown:
+        parser.error(f"not a benchmark of make bench: {', '.join(unknown)} (see benchmarks/run_all.py)")
+    chosen = [b for b in BENCHMARKS if not args.only or b.module in args.only]
+    started = time.monotonic()
+    failed, rows = [], []
+    where = ", ".join(filter(None, [machine(), "quick mode" if args.quick else "", args.machine_note]))
+    for bench in chosen:
+        code, lines = run(bench, quick=args.quick)
+        records = parse(lines)
+        if code or not records:
+            failed.append(bench.module)
+            print(f"=== {bench.module} did not complete: {len(records)} result records", flush=True)
+            continue
+        today = datetime.datetime.now(datetime.UTC).date().isoformat()
+        rows.append(Row(bench.module, bench.compares, records[-1], today, where))
+    if not args.no_table and rows:
+        TABLE.write_text(merge(TABLE.read_text(), rows, [b.module for b in BENCHMARKS]))
+        print(f"\n{TABLE}: {len(rows)} rows written")
+    print(f"\n{len(chosen)} benchmarks in {time.monotonic() - started:.0f} s")
     if failed:
-        print(f"\nbenchmarks that did not complete: {', '.join(failed)}")
+        print(f"benchmarks that did not complete: {', '.join(failed)}")
     return 1 if failed else 0
 
 

@@ -53,7 +53,7 @@ ROWS: dict[str, str] = {
     "bad-manifest-code": T + "test_bad_input.py::test_crafted_checkpoint_never_executes_code",
     "poison": T + "test_poison.py::test_poison_next_to_a_healthy_job",
     "hostile-job": T + "test_hostile_job.py::test_a_hostile_job_reaches_nothing_beside_a_victim",
-    # Peer recovery (issue 14): each row's cases (W, replacement, who dies) run once per seed.
+    # Peer recovery: each row's cases (W, replacement, who dies) run once per seed.
     "peer-sigkill-rank": R + "test_peer_recovery.py::test_sigkill_of_a_random_rank",
     "peer-kill-in-transfer": R + "test_peer_faults.py::test_kill_during_the_state_transfer",
     "peer-corrupt-transfer": R + "test_peer_faults.py::test_a_corrupt_chunk_is_never_trained_on",

@@ -16,7 +16,7 @@ relative to the checkout would pass every test run from the tree. So:
    ``worker`` onto this tree) is not active there: ``import service`` finds the installed copy;
 3. install the wheel there (``--no-deps``, not editable) and check that ``service``, ``worker``,
    the ``elastrain`` console script and the ``etcd-v3`` entry point come from it;
-4. copy ``tests/`` (with ``scripts/``, ``benchmarks/``, ``deploy/``, ``README.md`` and
+4. copy ``tests/`` (with ``scripts/``, ``benchmarks/``, ``deploy/``, ``docs/``, ``README.md`` and
    ``pyproject.toml``, which tests read) into a temporary directory with no ``service/`` or
    ``worker/`` beside it, and run :data:`SUBSET` there with the venv's interpreter and no
    ``PYTHONPATH``.
@@ -39,9 +39,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "build" / "installed"
-COPIED = ("tests", "scripts", "benchmarks", "deploy", "README.md", "pyproject.toml")
+COPIED = ("tests", "scripts", "benchmarks", "deploy", "docs", "README.md", "pyproject.toml")
 # Unit tests whose subject is the source tree (they read service/ and worker/ as files).
-SOURCE_TESTS = ("tests/unit/test_house_rules.py", "tests/unit/checkpoint/test_structure.py")
+SOURCE_TESTS = (
+    "tests/unit/test_house_rules.py",
+    "tests/unit/checkpoint/test_structure.py",
+    "tests/unit/test_shipped_words.py",
+)
 SUBSET = (
     "tests/unit",
     "tests/integration/rendezvous/test_etcd_v3_rendezvous.py::"

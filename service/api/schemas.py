@@ -174,7 +174,8 @@ class PhasePublic(BaseModel):
 
 
 class RecoveryPublic(BaseModel):
-    """One incident: a failure and its recovery (issue 14: one incident is one recovery)."""
+    """One incident: a failure and its recovery. A failure that costs several restarts or re-forms
+    is still one incident, so each incident is exactly one recovery."""
 
     incident: str = Field(
         description="The workers' incident id, or node:<launch id> / group:<id> (service-seen)."

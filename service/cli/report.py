@@ -79,7 +79,7 @@ def _service_view(record: dict[str, Any]) -> dict[str, Any]:
     recoveries = []
     for r in record.get("recoveries") or []:
         phases = r.get("phases")
-        if phases is None:  # a service from before issue 14
+        if phases is None:  # a record written without phases: derive them from its timestamps
             phases = [
                 {"name": p.name, "seconds": p.seconds}
                 for p in recovery_phases(

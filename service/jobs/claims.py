@@ -1,4 +1,4 @@
-"""Which job a checkpoint directory belongs to, as the service records it (issue 13 item 4).
+"""Which job a checkpoint directory belongs to, as the service records it.
 
 A job's checkpoint directory belongs to that job for good: its resume reads every ``step-*``
 directory there and its retention deletes in it. The service records the claim in etcd under

@@ -1,7 +1,7 @@
 """What worker reports do to a job record, pure.
 
 Workers tell the service what only they can see: the group re-formed (after torchrun restarted
-it), the state was loaded, the first step after resume finished; in peer mode (issue 14) that a
+it), the state was loaded, the first step after resume finished; in peer mode that a
 recovery started and ended (``recovery``, with its measured phases) and that a spare took a lost
 member's slot (``spare_promoted``). These close the loop of a recovery (RECOVERING -> RUNNING) or
 a rescale (RESCALING -> RUNNING), and a re-formation the service did not cause (a worker process

@@ -77,7 +77,7 @@ def checkpoint(job_id: str, step: int) -> str:
 
 
 def group_desired(job_id: str) -> str:
-    """What the service wants of a peer-mode job's group (issue 14): ``{"nodes", "spares",
+    """What the service wants of a peer-mode job's group: ``{"nodes", "spares",
     "epoch"}``, read by its workers. Under the job's rendezvous prefix: within the job's etcd
     role, and deleted with the rest of the rendezvous when the job ends."""
     return f"{rendezvous_prefix(job_id)}group/desired"

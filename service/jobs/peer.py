@@ -1,4 +1,4 @@
-"""Which recovery a job runs and how many warm spares it keeps, read from its spec (issue 14).
+"""Which recovery a job runs and how many warm spares it keeps, read from its spec.
 
 A job runs in *peer* mode when its spec says ``recovery.mode: peer``, or ``auto`` (the default)
 and the job is DDP and asks for no GPU (``resources.gpu``: peer recovery over NCCL is untested):

@@ -8,7 +8,7 @@ one rendezvous; torchrun restarts the whole group on a failure)::
         --rdzv-backend etcd-v3 --rdzv-endpoint GATEWAY --rdzv-id JOB --max-restarts R
         --rdzv-conf <service.rendezvous.config defaults> --module worker --config SPEC
 
-and in peer mode (issue 14: each agent has a private one-node rendezvous, so torchrun's restart on
+and in peer mode (each agent has a private one-node rendezvous, so torchrun's restart on
 a membership change can never stop the survivors; the workers form the job's group themselves)::
 
     python -m torch.distributed.run --standalone --nnodes 1:1 --nproc-per-node P

@@ -31,7 +31,7 @@ class NodeLaunch:
     """What the service tells the node (its URL, the worker token, the checkpoint directory,
     the etcd endpoints); who the node is, the scheduler adds (``service.launch.apps.node_env``)."""
     recovery: RecoveryMode = "restart"
-    """``peer``: a one-node torchrun whose workers form the job's group themselves (issue 14);
+    """``peer``: a one-node torchrun whose workers form the job's group themselves;
     ``restart``: every node's torchrun in one rendezvous across nodes."""
     role: NodeRole = "member"
     """A member of the group, or a warm spare (peer mode)."""

@@ -259,7 +259,7 @@ def test_api_token_comes_from_a_secret(render: Renderer) -> None:
 
 
 def test_etcd_auth_is_on_with_a_generated_root_password(render: Renderer, tools: DeployTools) -> None:
-    """Issue 13 item 5: the service is etcd's root (it turns auth on at its first start and gives
+    """The service is etcd's root (it turns auth on at its first start and gives
     each job a user of its own); the password is a Secret, generated once or the operator's."""
     secret = one(render(), "Secret", "elastrain-etcd-root")
     assert len(base64.b64decode(secret["data"]["password"])) >= 32

@@ -168,7 +168,7 @@ def test_worker_pod_exposes_metrics_for_scraping(render: Renderer, monkeypatch: 
 def test_the_chart_runs_built_in_factories_only_unless_told(
     render: Renderer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 13 item 10: on by default, with an empty list (built-ins only); the operator lists
+    """The factory allowlist is on by default, with an empty list (built-ins only); the operator lists
     packages, or turns the limit off."""
     assert _settings(render(), monkeypatch).factory_prefixes == ()
     listed = render(set_values=("service.factoryAllowlist={team_a,team_b.models}",))

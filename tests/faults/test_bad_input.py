@@ -228,8 +228,8 @@ def test_crafted_checkpoint_never_executes_code(tmp_path: Path, reference: Refer
 
 
 def test_a_dataset_too_large_for_memory_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    """Issue 13 item 7: data.samples 5e7 with the default MLP died in numpy's _ArrayMemoryError
-    (a traceback, exit 1). The largest size the spec allows never fits in memory here. (The same
+    """data.samples 5e7 with the default MLP must not die in numpy's _ArrayMemoryError (a
+    traceback, exit 1). The largest size the spec allows never fits in memory here. (The same
     check refuses ``data.eval_samples``: tests/unit/worker/test_sizing.py.)"""
     body = spec(tmp_path / "ck") | {"data": {"name": "synthetic", "samples": 10**10}}
     run = run_worker(write_spec(tmp_path, body), timeout=120)

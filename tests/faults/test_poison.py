@@ -1,4 +1,4 @@
-"""The "poison" row (issue 13): one tenant's bad input stops nothing for the others. A real
+"""The "poison" row: one tenant's bad input stops nothing for the others. A real
 service (embedded etcd, local TorchX scheduler, real torchrun workers) runs a healthy job (W=2,
 30 steps) while, in an order the seed draws:
 

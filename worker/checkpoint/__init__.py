@@ -1,4 +1,4 @@
-"""Sharded, two-phase, verified checkpoints (issue 3).
+"""Sharded, two-phase, verified checkpoints.
 
 Torch-free pure modules (the control plane may import them): :mod:`.manifest` (a package),
 :mod:`.saveplan`, :mod:`.loadplan`, :mod:`.commit`, :mod:`.retention`, :mod:`.interval`,

@@ -168,7 +168,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_manifest(step_dir: Path, *, check_files: bool = True) -> Manifest:
-    """The manifest of a published step, read with limits (issue 13): a regular file of at most
+    """The manifest of a published step, read with limits (it is untrusted input): a regular file of at most
     :func:`worker.checkpoint.manifest.manifest_cap` bytes (checked before reading; the bytes of
     the step's other files on disk are counted only when the manifest is over the base cap),
     parsed with the depth cap and the schema, and, with ``check_files``, every shard it lists

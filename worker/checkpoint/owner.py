@@ -1,4 +1,4 @@
-"""Which job a checkpoint directory belongs to (issue 13 item 4), torch-free.
+"""Which job a checkpoint directory belongs to, torch-free.
 
 A job's checkpoint directory belongs to one job. The marker is ``<dir>/OWNER.json``, one JSON
 object (UTF-8, at most 64 KiB, written once and never rewritten)::

@@ -1,5 +1,5 @@
 """The JobSpec's bounds and the rules of its ``env`` (torch-free): what :mod:`worker.jobspec.spec`
-checks beyond types. The README lists the bounds."""
+checks beyond types. docs/jobspec.md lists the bounds."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pydantic import BaseModel, ConfigDict
 
 MAX_NODES = 10_000
 """The most nodes a job may ask for (the scale route's cap too)."""
-# Bounds of what a run can do at all (issue 13 item 7: max_steps 1e30 and micro_batch_size 1e12
-# passed the schema and failed wherever they were first used). The README lists them.
+# Bounds of what a run can do at all, so that a value such as max_steps 1e30 or micro_batch_size
+# 1e12 is refused at submit, naming the field, instead of failing wherever it is first used.
+# docs/jobspec.md lists them.
 MAX_STEPS = 10**9
 MAX_MICRO_BATCH = 1 << 20
 MAX_ACCUM = 1 << 16

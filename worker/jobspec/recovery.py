@@ -1,4 +1,4 @@
-"""The JobSpec's ``recovery`` field (issue 14): how a job
+"""The JobSpec's ``recovery`` field: how a job
 recovers from a lost rank. Torch-free, like :mod:`worker.jobspec.spec`, which embeds it.
 
 ``mode``: ``peer`` — the survivors keep their processes and the lost rank's state comes from
@@ -20,7 +20,7 @@ MAX_SPARES = 64
 
 RecoveryMode = Literal["auto", "peer", "restart"]
 DEFAULT_MODE: RecoveryMode = "auto"
-"""Peer recovery for DDP jobs under the service, by default (issue 14 item 5)."""
+"""Peer recovery for DDP jobs under the service, by default."""
 
 
 class RecoverySpec(Frozen):

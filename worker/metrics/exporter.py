@@ -134,7 +134,7 @@ class WorkerMetrics:
     # ------------------------------------------------------------ what the trainer calls
 
     def reseat(self, *, rank: int, world_size: int) -> None:
-        """Peer mode (issue 14): this process holds ``rank`` of a group of ``world_size`` now."""
+        """Peer mode: this process holds ``rank`` of a group of ``world_size`` now."""
         with self._lock:
             self.rank.labels["rank"] = str(rank)
         self._set(elastrain_worker_world_size=world_size)

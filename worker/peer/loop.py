@@ -1,5 +1,5 @@
-"""Peer mode: the training loop of one process in the job's data-parallel group (issue 14; the
-README's "Recovery without a restart: the workers' side"), the :class:`worker.train.trainer.Trainer`
+"""Peer mode: the training loop of one process in the job's data-parallel group (see
+docs/recovery.md, "Recovery without a restart: the workers' side"), the :class:`worker.train.trainer.Trainer`
 driven by :mod:`worker.recovery`.
 
 Every window: the random streams are derived from ``(seed, version, rank)``, the trainer's step

@@ -1,4 +1,4 @@
-"""The worker's run in peer mode (``ELASTRAIN_RECOVERY=peer``, issue 14): build the trainer on a
+"""The worker's run in peer mode (``ELASTRAIN_RECOVERY=peer``): build the trainer on a
 private world of one, join the job's group as a member (or stand by as a spare until promoted),
 train through every recovery (:mod:`worker.peer.loop`), and exit so that the node's torchrun agent and
 the service read the right thing: 0 when training finished or the group let this process go, 1

@@ -1,4 +1,4 @@
-"""Recovery without a restart (issue 14): the survivors of a lost rank keep their processes,
+"""Recovery without a restart: the survivors of a lost rank keep their processes,
 re-form the data-parallel group among themselves (plus a warm spare or a replacement), agree on
 the newest committed state, and hand it to whoever lacks it from memory.
 
@@ -13,5 +13,6 @@ compare-and-set after its announcement), :mod:`.group` (process groups), :mod:`.
 (per-window streams); :mod:`.recover` runs the sequence for one process
 (:class:`~worker.recovery.recover.GroupMember`) and :mod:`.seam` is what the trainer provides and
 gets back. :mod:`worker.start.lifeline` (a worker dies with its agent) serves both recovery modes.
-The README's "Recovery without a restart: the workers' side" says why, with the measurements.
+docs/recovery.md ("Recovery without a restart: the workers' side") says why; docs/benchmarks.md
+has the measurements.
 """

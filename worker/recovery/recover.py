@@ -1,4 +1,4 @@
-"""The recovery sequence of one process (the README's "Recovery without a restart: the
+"""The recovery sequence of one process (docs/recovery.md, "Recovery without a restart: the
 workers' side"), and the seam to the trainer.
 
 :class:`GroupMember` is this process's membership in the job's data-parallel group: it joins a

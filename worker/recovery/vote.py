@@ -34,8 +34,9 @@ window, which also catches two members holding the same rank -- and every :data:
 windows after, as a guard. Which windows carry them is counted in windows of the generation, not
 from the version the stamps check, so the members never disagree on the vector's length.
 
-Until issue 14's steady-state measurement the vote was its own ``all_reduce(MAX)`` of two int64
-after the step's; then it rode whole on the step's reduction (``1 + 2 W`` numbers every window).
+The vote rides on the step's own reduction rather than as a collective of its own: on gloo a
+small all-reduce costs by the count of its numbers, and a second collective costs more than a few
+numbers added to the first (``benchmarks/allreduce_length.py``, ``benchmarks/vote_carrier.py``).
 
 The rule the callers keep: no collective between the vote and the end of the apply (scaler
 update, clip, ``optimizer.step``, cursor and version advance). A member applies the window only

@@ -1,6 +1,6 @@
 """Tied weights under real torchrun (gloo, CPU) with FSDP2: a ``transformers`` GPT-2 (2 layers,
 tied embeddings, dropout) saved at W=2 stores the tie once, resumes bit for bit at W=2, and
-loads at W'=1 and 3 (FSDP and DDP) with the head still the embedding (issue 12 item 3)."""
+loads at W'=1 and 3 (FSDP and DDP) with the head still the embedding."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The real worker (``python -m worker``, one process) and what it finds in a checkpoint
-directory: a bomb manifest is skipped like a corrupt shard (issue 13 item 2)."""
+directory: a bomb manifest is skipped like a corrupt shard."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_another_jobs_directory_is_refused_and_read_only_resume_leaves_it_alone(tmp_path: Path) -> None:
-    """Issue 13 item 4: a spec whose checkpoint.dir names job a's directory is refused with a
+    """A spec whose checkpoint.dir names job a's directory is refused with a
     line naming the field and the fix, and nothing in it changes; ``checkpoint.resume: <dir>``
     starts from job a's checkpoint and writes only into the job's own directory."""
     owned = tmp_path / "a"

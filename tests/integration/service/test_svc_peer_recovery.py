@@ -1,4 +1,4 @@
-"""Issue 14, the control plane's half, with the real service (uvicorn, etcd, the reconciler, the
+"""Peer recovery, the control plane's half, with the real service (uvicorn, etcd, the reconciler, the
 file-backed fake scheduler) and a FAKE worker group: this test posts the peer contract's events
 with the job's worker token, as the workers' rank 0 would, and sets the node apps' fates.
 
@@ -189,7 +189,7 @@ def test_the_node_failure_first_then_the_workers_report_is_one_peer_recovery(svc
 def test_restart_mode_a_lost_agent_and_the_reformation_are_one_recovery(
     svc: ServiceProcess, node_first: bool
 ) -> None:
-    """Issue 14 item 7: node 1's agent ends (its scheduler records when); the survivors' group
+    """Node 1's agent ends (its scheduler records when); the survivors' group
     re-forms with a replacement and steps. One recovery, timed from the node's end, one restart."""
     job_id = submit(svc, recovery={"mode": "restart"})
     before = kinds(svc)

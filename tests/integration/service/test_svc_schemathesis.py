@@ -317,10 +317,10 @@ def _numbers(value: Any, path: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
 def test_non_finite_numbers_and_keys_given_twice_are_refused_in_every_body(
     service: ServiceProcess, operations: list[Any]
 ) -> None:
-    """Issue 13 items 1 and 9, over every operation that takes a JSON body: a schema-valid body
+    """Over every operation that takes a JSON body: a schema-valid body
     with one number made NaN, Infinity, -Infinity or 1e999, or with one key given twice, is a
-    422 ErrorResponse naming that field (Python's json accepted the first, and let the last of
-    two keys win)."""
+    422 ErrorResponse naming that field (Python's json would accept the first, and let the last
+    of two keys win)."""
     auth = {"Authorization": f"Bearer {service.token}", "Content-Type": "application/json"}
     with_body = [op for op in operations if op.body]
     sent: dict[str, int] = {}

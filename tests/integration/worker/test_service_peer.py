@@ -1,4 +1,4 @@
-"""Issue 14 end to end: the `elastrain serve` console script (embedded etcd, the local TorchX
+"""Peer recovery end to end: the `elastrain serve` console script (embedded etcd, the local TorchX
 scheduler), a DDP job in peer mode on 2 nodes of 1 real torchrun worker each, with a warm spare
 or without; the test SIGKILLs node 1's worker (or its torchrun agent) mid-run. The survivor
 keeps its process, the replacement (the spare, or the worker node 1's agent starts again) gets

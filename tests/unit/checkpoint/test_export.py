@@ -1,4 +1,4 @@
-"""Weights people can load elsewhere (issue 12 item 5): ``export-weights`` writes safetensors
+"""Weights people can load elsewhere: ``export-weights`` writes safetensors
 through the ``safetensors`` package (or a torch state dict), in the dtype asked for, tied weights
 once, a wrapper prefix stripped, and the Hugging Face ``config.json`` the checkpoint carries, so
 ``from_pretrained(DST)`` gives the same logits. Real ``transformers`` GPT-2, no download."""
@@ -62,7 +62,7 @@ def test_from_pretrained_loads_the_export_with_the_same_logits(
     assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys  # once, as HF saves it
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["n_layer"] == 2 and config["architectures"] == ["GPT2LMHeadModel"]
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the README's line
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # docs/checkpoints.md's line
     assert type(loaded).__name__ == "GPT2LMHeadModel" and loaded.config.n_layer == 2
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # re-tied by from_pretrained
     assert torch.equal(logits(loaded), logits(model))
@@ -111,7 +111,7 @@ def test_torch_format_keeps_the_tie_in_one_storage(trained: tuple[nn.Module, Pat
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "pt")
     assert torch.equal(logits(loaded), logits(model))
     fresh, _ = gpt2(seed=9)
-    fresh.load_state_dict(torch.load(tmp_path / "pt" / "pytorch_model.bin"))  # the README's line, strict
+    fresh.load_state_dict(torch.load(tmp_path / "pt" / "pytorch_model.bin"))  # the docs' line, strict
     assert torch.equal(logits(fresh), logits(model))
 
 

@@ -1,4 +1,4 @@
-"""Manifests are read with limits (issue 13 item 2): a size cap, a depth cap, the schema, and
+"""Manifests are read with limits: a size cap, a depth cap, the schema, and
 every number that sizes a read or an allocation checked against the files on disk first. A
 refused manifest is refused like a corrupt shard: resume falls back to the previous step, the
 CLI prints one line. Memory is measured as "bounded" (tracemalloc peak), never as a time."""

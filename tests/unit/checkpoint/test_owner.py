@@ -1,4 +1,4 @@
-"""A checkpoint directory belongs to one job (issue 13 item 4): the marker, the refusal, the
+"""A checkpoint directory belongs to one job: the marker, the refusal, the
 read-only resume from another job's directory, and retention that never deletes there."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The checkpoint package's shape (issue 15): no import loop, one record type per thing, and
+"""The checkpoint package's shape: no import loop, one record type per thing, and
 the wire and disk formats exactly as older versions wrote them."""
 
 from __future__ import annotations

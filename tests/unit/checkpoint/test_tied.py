@@ -1,5 +1,5 @@
 """Tied and shared parameters are stored once and re-tied on load; persistent buffers are
-saved, non-persistent ones are not (issue 12 item 3). A real ``transformers`` GPT-2 built from
+saved, non-persistent ones are not. A real ``transformers`` GPT-2 built from
 a small config (no download) is the tied model; the world of one runs here, other world sizes
 and FSDP run in tests/integration/checkpoint/test_tied_torchrun.py."""
 

@@ -111,7 +111,7 @@ TEAM_NODE = NodeLaunch("job-7", TEAM, 0, "job-7-n0-a0", {"ELASTRAIN_SERVICE_URL"
 
 
 def test_a_jobs_image_and_env_are_what_its_pods_run() -> None:
-    """Issue 12 item 6: a team ships its code in its own image (FROM the worker image) and
+    """A team ships its code in its own image (FROM the worker image) and
     sets its environment; the service's own variables still win."""
     pod = worker_pod(kubernetes_dryrun(TEAM_NODE, K8S))
     container = pod["spec"]["containers"][0]

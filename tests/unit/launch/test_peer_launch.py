@@ -1,4 +1,4 @@
-"""Peer mode at launch (issue 14): what a node app runs and is told, as the dry-run values show it,
+"""Peer mode at launch: what a node app runs and is told, as the dry-run values show it,
 next to restart mode, which stays as it was."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_the_local_dry_run_shows_the_peer_command_and_environment(local: TorchXS
 
 
 def test_an_ended_local_node_says_when_its_agent_ended() -> None:
-    """The lost node's last sign of life (issue 14 item 7): node_exec's exit record."""
+    """The lost node's last sign of life (a recovery is timed from it): node_exec's exit record."""
     from service.launch.torchx_scheduler import status_from_records
 
     node = {"pid": 1, "pgid": 1, "child_pid": 2, "started_at": 10.0}

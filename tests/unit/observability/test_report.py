@@ -255,7 +255,7 @@ def test_parse_events_keeps_only_event_objects() -> None:
 
 
 def peer_run() -> list[dict[str, Any]]:
-    """Issue 14: rank 1 is lost after step 12; the survivors and a spare re-form (generation 2,
+    """Peer mode: rank 1 is lost after step 12; the survivors and a spare re-form (generation 2,
     the same processes), the state moves from a peer, and training goes on from step 12."""
     events = [ev("run_record", 0.0, world_size=2, restart_count=0)]
     events += [progress(1.0 + 0.1 * s, s) for s in range(1, 13)]

@@ -19,7 +19,7 @@ from worker.jobspec.spec import JobSpec
 def with_recovery(
     spec: JobSpec, *, mode: str = "peer", spares: int = 0, max_incidents: int | None = None
 ) -> JobSpec:
-    """``spec`` with ``recovery.mode``, ``recovery.max_incidents`` and ``spares`` (issue 14),
+    """``spec`` with ``recovery.mode``, ``recovery.max_incidents`` and ``spares``,
     validated as a submitted spec is."""
     raw = spec.model_dump(mode="json", by_alias=True)
     raw["recovery"] = {**raw["recovery"], "mode": mode, "max_incidents": max_incidents}

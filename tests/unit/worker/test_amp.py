@@ -27,7 +27,8 @@ def test_scale_never_below_minimum_and_fixed_when_disabled() -> None:
 
 
 def test_the_precision_table_draws_from_no_generator() -> None:
-    """It runs between the RNG restore and the first step of a resumed run (issue 12, item 2)."""
+    """It runs between the RNG restore and the first step of a resumed run, so it must move no
+    generator."""
     import torch
 
     from worker.train.amp import precision_table

@@ -1,5 +1,5 @@
 """Sizes that pass the schema but cannot run are one line naming the field, before anything is
-allocated (issue 13 item 7: data.samples 5e7 with the default MLP died in the worker with
+allocated (data.samples 5e7 with the default MLP would otherwise die in the worker with
 numpy's _ArrayMemoryError, a traceback, exit 1)."""
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ Layout rules the validator enforces:
 * ``digests[i]`` is the xxh3-128 hex digest of bytes ``[i*block_size, (i+1)*block_size)`` of the
   piece; a file's ``digest`` is :func:`worker.checkpoint.blocks.file_digest` of its blocks.
 
-Limits (issue 13): the text is parsed by :func:`worker.jobspec.jsonlimits.loads` (nested at most
-:data:`MAX_DEPTH` levels: a run record holds a job spec, which the API admits 64 levels deep);
+Limits (a manifest is untrusted input): the text is parsed by
+:func:`worker.jobspec.jsonlimits.loads` (nested at most :data:`MAX_DEPTH` levels: a run record holds
+a job spec, which the API admits 64 levels deep);
 integers are below 2**63, a shape has at most :data:`MAX_NDIM` dimensions and ``block_size`` is at
 most :data:`MAX_BLOCK_SIZE`, so no number here sizes a read or a buffer beyond that before the
 files are checked. The size cap and the check against the files on disk belong to the reader

@@ -1,4 +1,4 @@
-"""What every request body must be before any route reads it (issue 13 items 1 and 9): JSON
+"""What every request body must be before any route reads it: JSON
 numbers are finite, each key appears once per object, integers have a sane number of digits,
 nesting is shallow. Each refusal is a 422 that names the field, on every route."""
 
@@ -56,8 +56,8 @@ NON_FINITE = ["Infinity", "-Infinity", "NaN", "1e999", "-1e999"]
 def test_a_non_finite_number_in_a_spec_is_422_naming_the_field(
     client: TestClient, token: str, field: str, raw: str
 ) -> None:
-    """Found by probing (issue 13 item 1): ``"lr": Infinity`` was 201 and stored as null, and
-    every reconciler pass failed from then on."""
+    """A non-finite number is refused: ``"lr": Infinity`` stored as null would fail every
+    reconciler pass from then on."""
     body = spec_text(**{field: raw % token})
     resp = client.post("/v1/jobs", content=body, headers=AUTH)
     assert resp.status_code == 422, resp.text
@@ -129,7 +129,7 @@ def test_a_body_that_is_not_json_is_left_to_its_route(client: TestClient) -> Non
     ],
 )
 def test_a_key_given_twice_is_422_naming_it(client: TestClient, body: bytes, field: str) -> None:
-    """Issue 13 item 9: the last of two equal keys won, silently."""
+    """A key given twice is refused rather than letting the last of the two win silently."""
     resp = client.post("/v1/jobs", content=body, headers=AUTH)
     assert resp.status_code == 422, resp.text
     error = resp.json()["error"]
@@ -149,7 +149,8 @@ def test_a_key_given_twice_in_a_worker_body_is_422(client: TestClient) -> None:
 def test_an_integer_of_thousands_of_digits_gets_a_message_for_the_client(
     client: TestClient, where: str
 ) -> None:
-    """Issue 13 item 9: the answer said 'use sys.set_int_max_str_digits()'."""
+    """An integer with thousands of digits is a 422 naming the field, not Python's advice to use
+    sys.set_int_max_str_digits()."""
     digits = "9" * 5000
     if where == "scale":
         job = client.post("/v1/jobs", json=SPEC, headers=AUTH).json()

@@ -1,5 +1,5 @@
-"""``GET /v1/jobs/{id}/logs`` serves a node's own log files and nothing a link leads to (issue 13
-item 6: ``ln -s <data-dir>/api-token <node log dir>/x.log`` returned the API token)."""
+"""``GET /v1/jobs/{id}/logs`` serves a node's own log files and nothing a link leads to
+(``ln -s <data-dir>/api-token <node log dir>/x.log`` must not return the API token)."""
 
 from __future__ import annotations
 

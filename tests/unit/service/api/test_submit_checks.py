@@ -1,5 +1,5 @@
-"""What a submit refuses because it could never run (issue 13 items 7, 8, 10; issue 12 item 6):
-a 422 naming the field and the fix, at submit, instead of a failure at launch or in the worker."""
+"""What a submit refuses because it could never run: a 422 naming the field and the fix, at
+submit, instead of a failure at launch or in the worker."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def refused(client: TestClient, spec: dict[str, Any]) -> dict[str, Any]:
 def test_resources_that_no_scheduler_can_use_are_refused_at_submit(
     client: TestClient, resources: dict[str, str], field: str, words: str
 ) -> None:
-    """Issue 13 item 8: {"cpu": "x"} was accepted and failed only at launch, as a failed node."""
+    """A malformed resource such as {"cpu": "x"} is refused at submit, not left to fail at launch
+    as a failed node."""
     error = refused(client, SPEC | {"resources": resources})
     assert error["field"] == field and words in error["message"], error
 
@@ -67,9 +68,9 @@ FACTORY_FIELDS = {
 
 @pytest.mark.parametrize("field", sorted(FACTORY_FIELDS))
 def test_with_an_empty_allowlist_only_built_ins_run(tmp_path: Path, field: str) -> None:
-    """Issue 13 item 10: holding the API token meant running any importable code on the workers
-    ('torch.hub:load' with source 'local' ran a hubconf.py). ELASTRAIN_FACTORY_ALLOWLIST='' (the
-    chart's default) allows the built-ins only."""
+    """Holding the API token must not mean running any importable code on the workers ('torch.hub:load'
+    with source 'local' would run a hubconf.py). ELASTRAIN_FACTORY_ALLOWLIST='' (the chart's
+    default) allows the built-ins only."""
     with make_client(tmp_path, factory_allowlist="") as client:
         error = refused(client, SPEC | FACTORY_FIELDS[field]("torch.hub:load"))
         assert error["field"] == field, error
@@ -137,7 +138,7 @@ def test_an_allowlist_entry_must_be_a_module_name(tmp_path: Path, value: str) ->
 def test_sizes_no_run_can_use_are_refused_at_submit(
     client: TestClient, change: dict[str, Any], field: str
 ) -> None:
-    """Issue 13 item 7: max_steps 1e30 and micro_batch_size 1e12 were accepted."""
+    """Sizes past what a run can do at all (max_steps 1e30, micro_batch_size 1e12) are refused."""
     error = refused(client, SPEC | change)
     assert error["field"] == field, error
     assert field in error["message"]
@@ -173,7 +174,7 @@ def test_the_largest_sizes_the_spec_allows_are_accepted(client: TestClient) -> N
 def test_a_jobs_env_and_image_are_checked_at_submit(
     client: TestClient, change: dict[str, Any], field: str
 ) -> None:
-    """Issue 12 item 6: a bounded map, names checked, nothing the service or torchrun sets."""
+    """``env`` is a bounded map, names checked, nothing the service or torchrun sets."""
     error = refused(client, SPEC | change)
     assert error["field"] == field, error
 

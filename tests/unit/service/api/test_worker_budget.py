@@ -1,6 +1,6 @@
-"""A worker token cannot fill etcd (issue 13 item 4): 30 checkpoint reports of 1 MB with distinct
-steps were all 200 (etcd grew 2.7 -> 48.8 MB in 4.7 s), and heartbeats with made-up launch ids
-on a SUCCEEDED job created keys never deleted. Every field is bounded; launch ids, ranks, world
+"""A worker token cannot fill etcd: unbounded, 30 checkpoint reports of 1 MB with distinct steps
+would all be stored, and heartbeats with made-up launch ids on a SUCCEEDED job would create keys
+never deleted. Every field is bounded; launch ids, ranks, world
 sizes and steps are checked against the job's record; a job's keys are bounded in count; over
 its budget a worker gets 429 and a metric names the job; a worker token stops working when the
 job ends. (tests/integration/service/test_svc_poison.py measures etcd's size under a flood.)"""

@@ -1,4 +1,4 @@
-"""A checkpoint directory belongs to one job (issue 13 item 4, the service half): a claim the
+"""A checkpoint directory belongs to one job (the service half): a claim the
 service records in etcd in the same transaction as the job, and the marker in the directory
 (worker.checkpoint.owner). A job whose checkpoint.dir is another job's (or inside it, or holds
 it) is refused at submit with 422 naming checkpoint.dir and the fix; starting from it with

@@ -1,4 +1,4 @@
-"""One incident = one recovery (issue 14 item 7), on the pure machine: a lost node and the group
+"""One incident = one recovery, on the pure machine: a lost node and the group
 re-formation it causes, or a lost node and the workers' recovery report, are one recovery in
 whatever order they arrive, timed from the lost node's last sign of life to the repaired group's
 first step; restart-mode recoveries use a restart, peer ones do not."""

@@ -235,7 +235,7 @@ def test_worker_restart_opens_and_first_step_closes_a_recovery() -> None:
     record = apply_worker_event(record, WorkerEvent(kind="first_step", step=31), 14.0)
     assert record.state == S.RUNNING
     recovery = record.recoveries[-1]
-    # timed from the old group's last sign of life, its newest progress (issue 14 item 7)
+    # timed from the old group's last sign of life, its newest progress
     assert recovery.failed_at == 8.0 and recovery.seconds == 6.0 and recovery.kind == "restart"
     assert recovery.steps_lost == 10 and recovery.state_loaded_at == 12.0
 

@@ -64,7 +64,7 @@ def test_a_record_stored_before_loads_with_its_spec_as_a_value_and_is_written_ba
     before, written = json.loads(raw), json.loads(record.to_json())
     assert {key: written[key] for key in before} == before  # written back as it was stored
     added = {key: written[key] for key in written.keys() - before.keys()}
-    assert added == {  # issue 14: a record from before runs as it did (restart, no spares)
+    assert added == {  # a record written without these fields runs in restart mode, no spares
         "recovery_mode": "restart",
         "spares": 0,
         "max_incidents": None,

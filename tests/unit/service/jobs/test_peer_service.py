@@ -1,4 +1,4 @@
-"""Peer mode in the control plane (issue 14), against the in-memory store and the fake scheduler:
+"""Peer mode in the control plane, against the in-memory store and the fake scheduler:
 which jobs run in it, the spares the reconciler keeps, the ``desired`` key the workers read, and
 what a worker's recovery report may say."""
 

@@ -1,4 +1,4 @@
-"""One job's record never stops the reconciler or the API for the others (issue 13 item 2):
+"""One job's record never stops the reconciler or the API for the others:
 records written straight into the store -- not JSON, JSON of the wrong shape, a valid record
 whose spec no longer validates, a state the code does not know -- next to a healthy job. The
 healthy job is reconciled as before; each bad one is failed with the reason, counted, and
@@ -185,7 +185,7 @@ def test_a_job_the_reconciler_keeps_failing_on_is_failed_and_the_others_go_on(
 def test_readyz_says_not_ready_while_the_leaders_passes_do_not_complete(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 13 item 3: every pass failed while /readyz stayed 200. A leader whose reconciler
+    """/readyz must not stay 200 while every pass fails. A leader whose reconciler
     has not completed a pass for 3 idle intervals (15 s by default) is not ready, with why."""
     r = world.reconciler
     assert r.stalled() is None  # nothing expected yet: it has only just started
