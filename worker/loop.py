@@ -37,6 +37,7 @@ from worker.dist import DistInfo
 from worker.errors import ElastrainError
 from worker.feed import Feed, make_feed
 from worker.objective import call_model
+from worker.preemption import Preempted
 from worker.progress import Progress
 from worker.recovery.failure import Failure, classify, is_incident
 from worker.recovery.group import GroupInfo, teardown
@@ -248,6 +249,8 @@ class PeerLoop:
                     self.reform = False
                     failure = Failure.planned()
                     break
+        except Preempted:  # the whole group stopped on request and saved: not a failure
+            raise
         except Exception as exc:
             failure = classify(exc, in_window=self.state.version() == start)
         finally:

@@ -62,7 +62,9 @@ def _resuming(checkpoint_dir: str | None, resume: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     # Imported here so that `--help` and argument errors stay fast.
-    from worker import lifeline
+    from worker import lifeline, preemption
+
+    preemption.install()  # from now on a SIGTERM is a graceful stop at the next step boundary
 
     if lifeline.should_install(os.environ):  # both modes: a worker dies with its torchrun agent
         lifeline.install()
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.start()
         startgc.release()
         trainer.run()
+    except preemption.Preempted:
+        _stopped(client, trainer)
     except BaseException as exc:
         text = f"elastrain worker (rank {info.rank}): error: {exc}\n"
         line = f"error: {exc}"
@@ -143,6 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     del trainer  # the DDP reducer holds the group: release it before the group goes
     dist.shutdown()
     return 0
+
+
+def _stopped(client: ServiceClient | None, trainer: Trainer | None) -> NoReturn:
+    """The group stopped on request and saved: report, then exit with
+    :data:`worker.preemption.EXIT_PREEMPTED` without tearing the group down (see :func:`_die`)."""
+    from worker.preemption import EXIT_PREEMPTED
+
+    if client is not None:
+        client.close(drain_s=2.0)
+    if trainer is not None and trainer.metrics is not None:
+        trainer.metrics.close()
+    exit_now(EXIT_PREEMPTED)
 
 
 def exit_now(code: int) -> NoReturn:

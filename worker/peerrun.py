@@ -7,6 +7,7 @@ the service read the right thing: 0 when training finished or the group let this
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from worker import startgc
 from worker.errors import ElastrainError
-from worker.main import _checkpointer, _die
+from worker.main import _checkpointer, _die, _stopped
+from worker.preemption import Preempted
 
 if TYPE_CHECKING:
     from worker.build import Built
@@ -84,6 +86,11 @@ def run_peer(
         loop.join()
         joined.set()
         loop.run()
+    except Preempted:  # the group stopped on request and saved
+        if member is not None:
+            with contextlib.suppress(ElastrainError):
+                member.close()
+        _stopped(client, trainer)
     except PeerExit as exc:  # not a failure of the job: nothing to report
         events.emit("peer_left", reason=str(exc))
         if exc.code != 0:

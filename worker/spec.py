@@ -40,6 +40,7 @@ from worker.spec_limits import (
     Frozen,
     check_env_name,
 )
+from worker.spec_preemption import PreemptionSpec
 from worker.spec_recovery import MAX_SPARES, RecoverySpec
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -336,6 +337,7 @@ class JobSpec(_Frozen):
     log_every_steps: Steps = 10
     # Fields for the control plane; a bare torchrun worker ignores them.
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     spares: int = Field(
         default=0,
         ge=0,

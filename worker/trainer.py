@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker import lifeline, startgc
+from worker import lifeline, preemption, startgc
 from worker.amp import OPTIMIZER_ROW, DynamicLossScaler, optimizer_row, state_dtypes
 from worker.build import Built
 from worker.checkpoint.rng import capture_rng
@@ -221,6 +221,24 @@ class Trainer:
             self._evaluate()
         if save:
             self._save()
+        if result.stop and not final:
+            self._stop()
+
+    def _stop(self) -> None:
+        """The group agreed to stop after this window (:mod:`worker.preemption`): save the step
+        it reached (unless just saved) and wait for its publication; then raise
+        :class:`Preempted`."""
+        began = time.time()
+        if self.checkpointer is not None:
+            self._save()
+            self.checkpointer.close()
+        request = preemption.REQUEST
+        self.events.emit(
+            "preempted", step=self.progress.step, signal=request.signal_name,
+            received_at=request.received_at, save_seconds=round(time.time() - began, 4),
+            saved_step=self.checkpointer.stats.last_published_step if self.checkpointer else None,
+        )  # fmt: skip
+        raise preemption.Preempted(self.progress.step)
 
     def _train_window(self, feed: Feed, window: Window) -> StepResult:
         batches = feed.batches(self.progress.sampler, window)
@@ -257,6 +275,7 @@ class Trainer:
             measure=(self.progress.step + 1) % self.spec.monitor.every_steps == 0,
             votes=self._save_vote(),
             commit=self.commit,
+            stop=preemption.REQUEST.requested,
         )
         lifeline.glance()
         return result

@@ -27,6 +27,7 @@ machine. What a launch will submit, as a value, is :mod:`service.launch.dryrun`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -126,6 +127,13 @@ def resource_from_spec(resources: Mapping[str, str]) -> specs.Resource:
     return specs.Resource(cpu=parsed.cpu, gpu=parsed.gpu, memMB=parsed.mem_mb, capabilities=capabilities)
 
 
+def shutdown_timeout(spec: JobSpec) -> int:
+    """torchrun's wait for its workers after it forwarded a SIGTERM, before its SIGKILL: the
+    job's grace period (``preemption.grace_s``, rounded up), so that a save that fits the grace
+    is not cut short. Pure."""
+    return math.ceil(spec.preemption.grace_s)
+
+
 def torchrun_args(
     job_id: str,
     spec: JobSpec,
@@ -145,6 +153,7 @@ def torchrun_args(
             "--nnodes=1:1",
             f"--nproc-per-node={spec.nproc_per_node}",
             f"--max-restarts={spec.max_restarts}",
+            f"--shutdown-timeout={shutdown_timeout(spec)}",
             "--monitor-interval=0.1",
             "--module", module,
             "--config", spec_path,
@@ -159,6 +168,7 @@ def torchrun_args(
         f"--rdzv-id={job_id}",
         f"--max-restarts={spec.max_restarts}",
         f"--rdzv-conf={rdzv_conf_arg(rdzv)}",
+        f"--shutdown-timeout={shutdown_timeout(spec)}",
         "--monitor-interval=0.1",
         "--module", module,
         "--config", spec_path,
