@@ -337,6 +337,9 @@ class EventForwarder:
             client.event("first_step", rank=0, step=int(fields["step"]))
         elif event == "finished":
             client.event("finished", rank=0, step=int(fields["step"]), message="training finished")
+        elif event == "preempted":
+            why = f"{fields.get('signal') or 'a peer'} received; saved in {fields.get('save_seconds')} s"
+            client.event("preempted", rank=0, step=int(fields["step"]), message=why)
 
 
 def forward_events(

@@ -28,7 +28,15 @@ from service.jobs.model import JobRecord, JobState, Progress, RecoveryKind
 
 S = JobState
 WorkerEventKind = Literal[
-    "group_formed", "state_loaded", "first_step", "failed", "finished", "log", "recovery", "spare_promoted"
+    "group_formed",
+    "state_loaded",
+    "first_step",
+    "failed",
+    "finished",
+    "log",
+    "recovery",
+    "spare_promoted",
+    "preempted",
 ]
 WINDOW_S = Policy().merge_window_s
 MAX_TIME = 1e11
@@ -96,6 +104,8 @@ def apply_worker_event(
         job = _update_recovery(job, state_loaded_at=now, resumed_step=event.step)
         return job.with_event(now, "worker", f"state loaded at step {event.step}")
     if event.kind == "first_step":
+        if job.preempted_step is not None:  # a stop no incident followed (a rescale's): over
+            job = job.model_copy(update={"preempted_step": None})
         return first_step_done(job, event.step, now, new_group=True)
     if event.kind == "failed":
         return _failed(job, event, now)
@@ -103,6 +113,8 @@ def apply_worker_event(
         return _recovery(job, event, now, window_s=window_s)
     if event.kind == "spare_promoted":
         return _spare_promoted(job, event, now)
+    if event.kind == "preempted":
+        return _preempted(job, event, now)
     who = f"rank {event.rank}" if event.rank is not None else "worker"
     return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
 
@@ -210,6 +222,18 @@ def _recovery(job: JobRecord, event: WorkerEvent, now: float, *, window_s: float
     if latest and not recovery.open and job.state == S.RECOVERING:
         return move(job, S.RUNNING, now)
     return job
+
+
+def _preempted(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
+    """The workers stopped on request (a SIGTERM: an eviction, a drained or reclaimed node) at
+    ``step`` and saved it: the node losses or the re-formation that follow are a preemption
+    (:func:`service.jobs.incidents.preempted`), which uses no restart. A cancel or a scale-down
+    stops workers the same way; what the service asked for is not an incident."""
+    what = f"the workers stopped on request at step {event.step}: {event.message}"
+    job = job.with_event(now, "preempted", what)
+    if job.cancel_requested or event.step is None:
+        return job
+    return job.model_copy(update={"preempted_step": event.step})
 
 
 def _spare_promoted(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
