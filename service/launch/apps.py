@@ -134,6 +134,17 @@ def shutdown_timeout(spec: JobSpec) -> int:
     return math.ceil(spec.preemption.grace_s)
 
 
+TERMINATION_MARGIN_S = 5
+"""What a worker pod's grace period adds to the job's ``preemption.grace_s``: torchrun's own
+exit after its workers' (its SIGKILL fires at ``grace_s``), and the kubelet's slack."""
+
+
+def termination_grace_seconds(spec: JobSpec) -> int:
+    """A worker pod's ``terminationGracePeriodSeconds``: the kubelet's SIGKILL comes after the
+    workers' graceful stop had its ``preemption.grace_s``. Pure."""
+    return shutdown_timeout(spec) + TERMINATION_MARGIN_S
+
+
 def torchrun_args(
     job_id: str,
     spec: JobSpec,
