@@ -52,6 +52,11 @@ ROWS: dict[str, str] = {
     "bad-large-bodies": T + "test_bad_input.py::test_large_and_deep_bodies_are_refused",
     "bad-manifest-code": T + "test_bad_input.py::test_crafted_checkpoint_never_executes_code",
     "poison": T + "test_poison.py::test_poison_next_to_a_healthy_job",
+    # Graceful preemption: a SIGTERM from outside, under the README's bare torchrun command.
+    "preempt-agent": T + "test_preemption.py::test_sigterm_to_the_agent_saves_and_the_same_command_resumes",
+    "preempt-worker": T + "test_preemption.py::test_sigterm_to_one_worker_stops_the_group_at_one_step",
+    "preempt-job-second-signal": T
+    + "test_preemption.py::test_a_second_signal_during_the_save_keeps_the_published_checkpoint",
     # Peer recovery (issue 14): each row's cases (W, replacement, who dies) run once per seed.
     "peer-sigkill-rank": R + "test_peer_recovery.py::test_sigkill_of_a_random_rank",
     "peer-kill-in-transfer": R + "test_peer_faults.py::test_kill_during_the_state_transfer",
