@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from worker.checkpoint import Checkpointer
     from worker.dist import DistInfo
     from worker.events import Events
+    from worker.hangs import Store
     from worker.service_client import EventForwarder, ServiceClient
     from worker.spec import JobSpec
     from worker.trainer import Trainer
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = _trainer(
             built, info, events=events, client=client, generation=generation, timeout_s=timeout_s
         )
+        if info.world_size > 1:
+            from worker.hangs import Beacon
+
+            trainer.beacon = Beacon(_default_store(), rank=info.rank, world_size=info.world_size)
         trainer.start()
         startgc.release()
         trainer.run()
@@ -138,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             text = traceback.format_exc()
             line = text.strip().splitlines()[-1]
         step = trainer.progress.step if trainer is not None else None
-        _die(text, client, line=line, rank=info.rank, step=step, generation=generation)
+        waited = _waited_for(trainer, events) if "timed out" in str(exc).lower() else None
+        if waited:
+            text, line = f"{text.rstrip()}\n{waited[0]}\n", f"{line}; {waited[0]}"
+        ranks = waited[1] if waited else ()
+        _die(text, client, line=line, rank=info.rank, step=step, generation=generation, ranks=ranks)
     assert trainer is not None
     if client is not None:
         client.close()
@@ -147,6 +156,33 @@ def main(argv: list[str] | None = None) -> int:
     del trainer  # the DDP reducer holds the group: release it before the group goes
     dist.shutdown()
     return 0
+
+
+def _default_store() -> Store:
+    from torch.distributed import distributed_c10d
+
+    store: Store = distributed_c10d._get_default_store()
+    return store
+
+
+def _waited_for(trainer: Trainer | None, events: Events) -> tuple[str, list[int]] | None:
+    """When this rank's collective inside a step timed out: the ranks it waited for, said as the
+    event ``collective_timeout`` (written whatever this rank) and as one line. (A peer that
+    died breaks the collective at once, and its node's exit names it.)"""
+    beacon = trainer.beacon if trainer is not None else None
+    if trainer is None or beacon is None or beacon.position <= 2 * beacon.completed:
+        return None
+    from worker.hangs import describe
+
+    missing = beacon.missing()
+    if not missing:
+        return None
+    events.record(
+        "collective_timeout", step=trainer.progress.step + 1, rank=trainer.info.rank,
+        missing_ranks=[a.rank for a in missing],
+        last_completed_steps={str(a.rank): a.completed for a in missing},
+    )  # fmt: skip
+    return f"the collective waited for {describe(missing)}", [a.rank for a in missing]
 
 
 def _stopped(client: ServiceClient | None, trainer: Trainer | None) -> NoReturn:
@@ -286,12 +322,14 @@ def _die(
     rank: int,
     step: int | None,
     generation: int | None,
+    ranks: list[int] | tuple[int, ...] = (),
 ) -> NoReturn:
-    """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown)."""
+    """Exit 1 at once: a normal interpreter exit can hang in gloo's teardown (see dist.shutdown).
+    ``ranks``: the ranks a timed-out collective waited for (the service's incident names them)."""
     if client is not None:
         from worker.service_client import attempt_id
 
-        client.failed(line, rank=rank, step=step, attempt=attempt_id(os.environ, generation))
+        client.failed(line, rank=rank, step=step, attempt=attempt_id(os.environ, generation), ranks=ranks)
         client.close(drain_s=2.0)
     sys.stderr.write(message)
     sys.stderr.flush()

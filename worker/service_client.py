@@ -107,12 +107,17 @@ class ServiceClient:
     def event(self, kind: str, **fields: Any) -> None:
         self.send("/workers/events", {"kind": kind, "node_index": self.cfg.node_index, **fields})
 
-    def failed(self, line: str, *, rank: int, step: int | None, attempt: str) -> None:
+    def failed(
+        self, line: str, *, rank: int, step: int | None, attempt: str, ranks: Sequence[int] = ()
+    ) -> None:
         """This rank stops with ``line`` (one line, what went wrong) at ``step`` (None: before
         training began) in ``attempt`` (see :func:`attempt_id`). The service fails the job when
         the next attempt stops with the same line at the same step: a deterministic error would
-        only spend the remaining restarts."""
-        self.event("failed", rank=rank, step=step, group_id=attempt[:200], message=line.strip()[:2000])
+        only spend the remaining restarts. ``ranks``: those a timed-out collective waited for."""
+        extra = {"lost_ranks": list(ranks)[:1024]} if ranks else {}
+        self.event(
+            "failed", rank=rank, step=step, group_id=attempt[:200], message=line.strip()[:2000], **extra
+        )
 
     def progress(
         self, *, step: int, samples_seen: int, samples_per_s: float, loss: float | None, world_size: int

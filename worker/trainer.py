@@ -19,6 +19,7 @@ from worker.dist import DistInfo
 from worker.evaluation import evaluate
 from worker.events import Events, progress_line
 from worker.feed import Feed, make_feed
+from worker.hangs import Beacon
 from worker.metrics import WorkerMetrics, peak_memory_bytes
 from worker.monitor import GradMonitor, GradStats
 from worker.progress import Progress
@@ -92,6 +93,8 @@ class Trainer:
         self.commit: Commit | None = None
         self.window_rng: Callable[[], None] | None = None
         self.on_first_step: Callable[[], None] | None = None
+        # Restart mode: where this rank is, for naming the ranks a timed-out collective waited for
+        self.beacon: Beacon | None = None
         if metrics is not None and spec.monitor.time_communication and not self.wrapped.fsdp:
             self.wrapped.module.register_comm_hook(None, metrics.comm.hook)  # type: ignore[operator]
 
@@ -202,6 +205,8 @@ class Trainer:
             self.events.emit("skipped_step", step=prog.step, loss_scale=self.scaler.scale)
             return
         prog.step += 1
+        if self.beacon is not None:
+            self.beacon.done(prog.step)
         prog.samples_seen += window.samples
         prog.last_loss = result.loss_sum / window.samples
         if result.stats is not None:
@@ -230,7 +235,7 @@ class Trainer:
         :class:`Preempted`."""
         began = time.time()
         if self.checkpointer is not None:
-            self._save()
+            self._save(extra=True)
             self.checkpointer.close()
         request = preemption.REQUEST
         self.events.emit(
@@ -245,6 +250,8 @@ class Trainer:
         if self.recorder is not None:
             batches = self.recorder.record(batches)
         batches = lifeline.glancing(batches)  # peer mode: the agent's sign of life stays fresh
+        if self.beacon is not None:
+            self.beacon.entered(self.progress.step + 1)
         local_loss, self.local_samples = forward_backward(
             self.wrapped,
             batches,
@@ -263,6 +270,8 @@ class Trainer:
             schedule=self.spec.lr_schedule,
             total=total,
         )
+        if self.beacon is not None:
+            self.beacon.reduces(self.progress.step + 1)
         result = optimizer_step(
             self.params,
             self.optimizer,
@@ -404,11 +413,14 @@ class Trainer:
             self.progress.best_metric = value
         self.events.emit("eval", step=self.progress.step, loss=value, samples=count)
 
-    def _save(self) -> None:
+    def _save(self, *, extra: bool = False) -> None:
+        """Checkpoint the step reached. ``extra``: a save the run's policy did not ask for (a
+        graceful stop's): it leaves the best metric alone, so that the state the run goes on with
+        is the one an undisturbed run has at this step."""
         checkpointer = self.checkpointer
         assert checkpointer is not None  # _want_save is False without one
         metric = self.progress.best_metric if self.eval_data is not None else self.progress.last_loss
-        if self.eval_data is None and metric is not None:
+        if self.eval_data is None and metric is not None and not extra:
             best = self.progress.best_metric
             self.progress.best_metric = metric if best is None else min(best, metric)
         progress = self.progress.to_json(self.scaler, self.monitor, self.plan)

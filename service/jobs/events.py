@@ -300,10 +300,20 @@ def repeated(failure: Failure, earlier: list[Failure]) -> Failure | None:
     return same[0] if same else None
 
 
+def _waited_for(job: JobRecord, ranks: tuple[int, ...]) -> JobRecord:
+    """The open incident takes the ranks; else the next one will."""
+    recovery = job.current_recovery
+    if job.state == S.RECOVERING and recovery is not None and recovery.open and not recovery.lost_ranks:
+        return _update_recovery(job, lost_ranks=ranks)
+    return job.model_copy(update={"waited_for": ranks})
+
+
 def _failed(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
     """Record a rank's failure once per attempt and line; fail the job when the attempt before
     stopped the same way (see the module docstring)."""
     failure = Failure.of(event)
+    if event.lost_ranks:  # a timed-out collective named the ranks it waited for
+        job = _waited_for(job, tuple(event.lost_ranks))
     earlier = recorded_failures(job)
     if not failure.line or failure in earlier:
         return job  # another rank of the same attempt said the same

@@ -160,8 +160,9 @@ def open_for_losses(
         step_before=job.last_step,
         world_before=job.world_size,
         charged=charged,
+        lost_ranks=job.waited_for,
     )
-    return _append(job, recovery)
+    return _append(job.model_copy(update={"waited_for": ()}), recovery)
 
 
 def open_for_reformation(
@@ -181,8 +182,9 @@ def open_for_reformation(
         group_formed_at=now,
         world_before=job.world_size,
         charged=True,
+        lost_ranks=job.waited_for,
     )
-    return _append(job, recovery).model_copy(update={"restarts": job.restarts + 1})
+    return _append(job, recovery).model_copy(update={"restarts": job.restarts + 1, "waited_for": ()})
 
 
 def preempted(job: JobRecord, *, lost: tuple[str, ...], now: float, reason: str) -> JobRecord:

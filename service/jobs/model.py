@@ -209,6 +209,9 @@ class JobRecord(_Frozen):
     preempted_step: int | None = None
     """A worker reported a graceful stop at this step that no incident took yet: the node losses
     or the re-formation that follow it are that preemption's."""
+    waited_for: tuple[int, ...] = ()
+    """The ranks a worker's timed-out collective waited for (its ``failed`` report), for the
+    incident it causes (its ``lost_ranks``): the open one, else the next."""
     cancel_requested: bool = False
     world_size: int | None = None
     last_step: int | None = None

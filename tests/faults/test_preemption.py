@@ -12,8 +12,8 @@ The README's command, ``torchrun --nproc-per-node 2 -m worker --config spec.json
   save (a second SIGTERM to all, or a SIGKILL to all): the newest published checkpoint stays
   intact whatever the second signal cut, and the next run resumes from it.
 
-Each ends digest-equal to the uninterrupted run; with one signal no step is trained twice (the
-run resumed at the step it stopped at).
+Each ends with the uninterrupted run's state digest (its last checkpoint's); with one signal no
+step is trained twice (the run resumed at the step it stopped at).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from tests.faults.conftest import train
 from tests.faults.test_bare_torchrun import TORCHRUN, descendants, static_port_lock, user_env
 from tests.integration.launch import REPO, Run, write_spec
 from tests.integration.worker.test_resume import spec
+from tests.integration.worker.test_service_e2e import digest
 from tests.seeds import seeded, swept
 from tests.shared_runs import once
 
@@ -50,14 +51,20 @@ def preempt_spec(ck: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def preempt_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The uninterrupted run's final digest (trained once for the session's pytest processes)."""
+    """The uninterrupted run's final state digest (``elastrain checkpoint digest`` of its last
+    checkpoint: parameters, optimizer, progress; trained once for the session's pytest
+    processes)."""
 
     def reference(tmp: Path) -> str:
-        run = train(tmp, "ref", max_steps=STEPS, log_every_steps=10,
-                    checkpoint={"dir": str(tmp / "ref"), "interval_steps": 100})  # fmt: skip
-        return str(run.last("finished")["params_digest"])
+        train(tmp, "ref", max_steps=STEPS, log_every_steps=10,
+              checkpoint={"dir": str(tmp / "ref"), "interval_steps": 100})  # fmt: skip
+        return final_digest(tmp / "ref")
 
     return str(once(tmp_path_factory, "faults-preempt-reference", reference))
+
+
+def final_digest(ck: Path) -> str:
+    return digest(ck / f"step-{STEPS:08d}")
 
 
 class Watched:
@@ -163,7 +170,7 @@ def test_sigterm_to_the_agent_saves_and_the_same_command_resumes(
     assert not stopped.all("finished"), f"{what}: the stopped run says it finished"
     run = resume(tmp_path, what)
     assert run.last("resumed")["step"] == step, f"{what}: steps were lost"
-    assert run.last("finished")["params_digest"] == preempt_digest, what
+    assert final_digest(tmp_path / "ck") == preempt_digest, what
 
 
 @seeded
@@ -182,7 +189,7 @@ def test_sigterm_to_one_worker_stops_the_group_at_one_step(
     assert run.code == 0, f"{what}: exit {run.code}:\n{run.stderr[-3000:]}"
     step = run.last("preempted")["step"]
     assert step >= at and run.last("resumed")["step"] == step, f"{what}: steps were lost"
-    assert run.last("finished")["params_digest"] == preempt_digest, what
+    assert final_digest(tmp_path / "ck") == preempt_digest, what
 
 
 @seeded
@@ -216,4 +223,4 @@ def test_a_second_signal_during_the_save_keeps_the_published_checkpoint(
     assert resumed == newest, f"{what}: resumed {resumed}, newest published {newest}"
     if second == "SIGTERM":  # the save went on: nothing lost
         assert newest == stopped.last("preempted")["step"], f"{what}: the second SIGTERM cut the save"
-    assert run.last("finished")["params_digest"] == preempt_digest, what
+    assert final_digest(tmp_path / "ck") == preempt_digest, what

@@ -75,5 +75,6 @@ def test_a_record_stored_before_loads_with_its_spec_as_a_value_and_is_written_ba
         "spare_failures": 0,
         "preemptions": 0,  # a record from before was never preempted
         "preempted_step": None,
+        "waited_for": [],
     }
     assert json.loads(record.to_json())["spec"]["checkpoint"]["async"] is True  # the alias
