@@ -57,6 +57,10 @@ ROWS: dict[str, str] = {
     "preempt-worker": T + "test_preemption.py::test_sigterm_to_one_worker_stops_the_group_at_one_step",
     "preempt-job-second-signal": T
     + "test_preemption.py::test_a_second_signal_during_the_save_keeps_the_published_checkpoint",
+    "service-preempt": T
+    + "test_service_preemption.py::test_sigterm_to_nodes_is_a_preemption_that_loses_no_step",
+    "peer-preempt": T
+    + "test_service_preemption.py::test_in_peer_mode_a_preempted_node_hands_off_and_a_preempted_job_saves",
     # Peer recovery (issue 14): each row's cases (W, replacement, who dies) run once per seed.
     "peer-sigkill-rank": R + "test_peer_recovery.py::test_sigkill_of_a_random_rank",
     "peer-kill-in-transfer": R + "test_peer_faults.py::test_kill_during_the_state_transfer",

@@ -84,10 +84,18 @@ def ballot(requested: bool) -> float:
     return STOP_UNIT if requested else 0.0
 
 
-def split(summed: float) -> tuple[bool, float]:
-    """(whether any rank asked to stop, the flag without the requests) from the reduced element
+def split(summed: float) -> tuple[int, float]:
+    """(how many ranks asked to stop, the flag without the requests) from the reduced element
     0. A NaN stays NaN and carries no request. Pure."""
     if not math.isfinite(summed) or summed < STOP_UNIT:
-        return False, summed
+        return 0, summed
     asking = math.floor(summed / STOP_UNIT)
-    return True, summed - asking * STOP_UNIT
+    return asking, summed - asking * STOP_UNIT
+
+
+def hand_off(*, asking: int, world_size: int, peer: bool) -> bool:
+    """Whether the ranks asking to stop leave without a save and the others go on: in peer mode,
+    when some ranks remain (they keep the state in memory and re-form without the leavers, who
+    exit at this step boundary with nothing in flight). Otherwise the whole group saves the step
+    and stops. Pure."""
+    return peer and 0 < asking < world_size

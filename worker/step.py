@@ -45,8 +45,8 @@ class StepResult:
     """The gradient statistics, on a step that measured them and was not skipped."""
     votes: tuple[float, ...] = ()
     """The ``votes`` given to :func:`optimizer_step`, summed over the ranks."""
-    stop: bool = False
-    """Some rank asked the group to stop after this window (:mod:`worker.preemption`)."""
+    stop: int = 0
+    """How many ranks asked the group to stop after this window (:mod:`worker.preemption`)."""
 
 
 class Commit(Protocol):
@@ -127,8 +127,8 @@ def optimizer_step(
     flag is 0, and is lost when it is NaN), and once every rank's contribution arrived and before
     any state changes it decides the group's flag, or raises when the group broke (then nothing
     was applied). ``stop``: this rank asks the group to stop after this window; the request
-    rides on element 0 too (:mod:`worker.preemption`) and ``StepResult.stop`` says whether any
-    rank asked.
+    rides on element 0 too (:mod:`worker.preemption`) and ``StepResult.stop`` says how many
+    ranks asked.
     With ``sharded`` (FSDP) each rank holds a slice of every gradient, so the clipping norm is
     summed over ranks.
     """

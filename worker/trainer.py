@@ -227,17 +227,26 @@ class Trainer:
         if save:
             self._save()
         if result.stop and not final:
-            self._stop()
+            self._stop(result.stop)
 
-    def _stop(self) -> None:
-        """The group agreed to stop after this window (:mod:`worker.preemption`): save the step
-        it reached (unless just saved) and wait for its publication; then raise
-        :class:`Preempted`."""
+    def _stop(self, asking: int) -> None:
+        """``asking`` ranks asked the group to stop after this window (:mod:`worker.preemption`).
+        In peer mode with ranks remaining, the ones asking leave now without a save and the
+        others go on (they re-form without them from memory). Otherwise save the step reached
+        (unless just saved), wait for its publication, and raise :class:`Preempted`."""
+        request = preemption.REQUEST
+        if preemption.hand_off(asking=asking, world_size=self.info.world_size, peer=self.commit is not None):
+            if not request.requested:
+                return
+            self.events.record(
+                "preempted", step=self.progress.step, signal=request.signal_name,
+                received_at=request.received_at, save_seconds=0.0, saved_step=None, handed_off=True,
+            )  # fmt: skip
+            raise preemption.Preempted(self.progress.step)
         began = time.time()
         if self.checkpointer is not None:
             self._save(extra=True)
             self.checkpointer.close()
-        request = preemption.REQUEST
         self.events.emit(
             "preempted", step=self.progress.step, signal=request.signal_name,
             received_at=request.received_at, save_seconds=round(time.time() - began, 4),

@@ -24,12 +24,12 @@ def test_the_summed_request_splits_back_into_a_stop_and_the_flag(ranks_asking: i
     """Element 0 summed over the ranks: each rank's ballot plus the flag (in peer mode the flag
     carries the commit vote's count of members asking to re-form)."""
     summed = sum(preemption.ballot(True) for _ in range(ranks_asking)) + flag
-    assert preemption.split(summed) == (ranks_asking > 0, flag)
+    assert preemption.split(summed) == (ranks_asking, flag)
 
 
 def test_a_nan_window_carries_no_request() -> None:
     stop, rest = preemption.split(preemption.ballot(True) + math.nan)
-    assert not stop and math.isnan(rest)
+    assert stop == 0 and math.isnan(rest)
 
 
 def test_the_first_sigterm_is_the_request_and_later_ones_change_nothing(
@@ -43,6 +43,16 @@ def test_the_first_sigterm_is_the_request_and_later_ones_change_nothing(
     assert request.requested and request.signal_name == "SIGTERM"
     assert request.received_at == first and request.repeats == 1
     assert "already under way" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("asking", "world_size", "peer", "handed_off"),
+    [(1, 2, True, True), (2, 2, True, False), (1, 4, True, True), (1, 2, False, False), (3, 3, False, False)],
+)
+def test_in_peer_mode_some_ranks_leaving_hand_off_and_all_leaving_save(
+    asking: int, world_size: int, peer: bool, handed_off: bool
+) -> None:
+    assert preemption.hand_off(asking=asking, world_size=world_size, peer=peer) is handed_off
 
 
 def _model(grad: list[float]) -> nn.Linear:
@@ -64,7 +74,7 @@ def test_a_step_with_a_request_applies_and_says_stop() -> None:
         list(reference.parameters()), torch.optim.SGD(reference.parameters(), lr=0.1),
         DynamicLossScaler(LossScaleSpec(init_scale=4.0), enabled=True), lr=0.1, clip=None,
     )  # fmt: skip
-    assert result.stop and not result.skipped and not plain.stop
+    assert result.stop == 1 and not result.skipped and plain.stop == 0
     assert torch.equal(model.weight, reference.weight), "the request changed the step"
 
 
