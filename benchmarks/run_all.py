@@ -27,6 +27,7 @@ BENCHMARKS = (
     ("what a few more numbers cost on the step's small gloo all-reduce", ["benchmarks.allreduce_length"]),
     ("where the commit vote can ride in a DDP step", ["benchmarks.vote_carrier"]),
     ("joining without stopping: a 2 -> 3 scale-up in peer mode", ["benchmarks.peer_join", "--rounds", "2"]),
+    ("a SIGTERM: exit time vs the grace period, steps lost", ["benchmarks.preemption", "--rounds", "1"]),
 )
 
 
