@@ -66,6 +66,8 @@ BENCHMARKS = (
           quick=("--iterations", "600")),
     Bench("benchmarks.peer_join", "the longest step across a 2 -> 3 scale-up in peer mode vs its bound",
           full=("--rounds", "2"), quick=("--rounds", "1", "--steps", "300", "--warm", "50")),
+    Bench("benchmarks.preemption", "a SIGTERM: exit time vs the grace period, steps lost",
+          full=("--rounds", "3"), quick=("--rounds", "1")),
 )  # fmt: skip
 
 

@@ -53,6 +53,15 @@ ROWS: dict[str, str] = {
     "bad-manifest-code": T + "test_bad_input.py::test_crafted_checkpoint_never_executes_code",
     "poison": T + "test_poison.py::test_poison_next_to_a_healthy_job",
     "hostile-job": T + "test_hostile_job.py::test_a_hostile_job_reaches_nothing_beside_a_victim",
+    # Graceful preemption: a SIGTERM from outside, under the README's bare torchrun command.
+    "preempt-agent": T + "test_preemption.py::test_sigterm_to_the_agent_saves_and_the_same_command_resumes",
+    "preempt-worker": T + "test_preemption.py::test_sigterm_to_one_worker_stops_the_group_at_one_step",
+    "preempt-job-second-signal": T
+    + "test_preemption.py::test_a_second_signal_during_the_save_keeps_the_published_checkpoint",
+    "service-preempt": T
+    + "test_service_preemption.py::test_sigterm_to_nodes_is_a_preemption_that_loses_no_step",
+    "peer-preempt": T
+    + "test_service_preemption.py::test_in_peer_mode_a_preempted_node_hands_off_and_a_preempted_job_saves",
     # Peer recovery: each row's cases (W, replacement, who dies) run once per seed.
     "peer-sigkill-rank": R + "test_peer_recovery.py::test_sigkill_of_a_random_rank",
     "peer-kill-in-transfer": R + "test_peer_faults.py::test_kill_during_the_state_transfer",

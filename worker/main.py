@@ -10,28 +10,24 @@ next attempt fails the job instead of spending its restarts.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import dataclasses
-import gc
-import io
 import os
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from worker.errors import ElastrainError, FinalCheckpointError, SpecError
 from worker.start import startgc
-from worker.wiring import die, job_checkpointer
+from worker.wiring import die, job_checkpointer, preempted
 
 if TYPE_CHECKING:
     from worker.report.events import Events
     from worker.report.service_client import EventForwarder, ServiceClient
     from worker.start.build import Built
     from worker.start.dist import DistInfo
+    from worker.start.hangs import Store
     from worker.train.trainer import Trainer
 
 EXIT_BAD_INPUT = 2
@@ -61,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     # Imported here so that `--help` and argument errors stay fast.
     from worker.start import lifeline
+    from worker.train import preemption
+
+    preemption.install()  # from now on a SIGTERM is a graceful stop at the next step boundary
 
     if lifeline.should_install(os.environ):  # both modes: a worker dies with its torchrun agent
         lifeline.install()
@@ -123,14 +122,27 @@ def main(argv: list[str] | None = None) -> int:
         trainer = _trainer(
             built, info, events=events, client=client, generation=generation, timeout_s=timeout_s
         )
+        if info.world_size > 1:
+            from worker.start.hangs import Beacon
+
+            trainer.beacon = Beacon(_default_store(), rank=info.rank, world_size=info.world_size)
         trainer.start()
         startgc.release()
         trainer.run()
+    except preemption.Preempted:
+        preempted(client, trainer)
     except BaseException as exc:
         step = trainer.progress.step if trainer is not None else None
         text, line = _stopped(exc, info, spec.checkpoint.dir, step)
+        waited = _waited_for(trainer, events) if "timed out" in str(exc).lower() else None
+        if waited:
+            text, line = f"{text.rstrip()}\n{waited[0]}\n", f"{line}; {waited[0]}"
+        ranks = waited[1] if waited else ()
         again = not isinstance(exc, FinalCheckpointError)
-        die(text, client, line=line, rank=info.rank, step=step, generation=generation, restartable=again)
+        die(
+            text, client, line=line, rank=info.rank, step=step, generation=generation,
+            restartable=again, ranks=ranks,
+        )  # fmt: skip
     assert trainer is not None
     if client is not None:
         client.close()
@@ -176,26 +188,31 @@ def _keep_traceback(run_dir: str | None, rank: int, text: str) -> str | None:
     return str(path)
 
 
-def exit_now(code: int) -> NoReturn:
-    """End the process with ``code`` without the interpreter's teardown: about 1.6 s of a
-    2-process torchrun launch here (dropping the modules torch, its compiler stack and sympy
-    bring, with the two workers of a node on 2 cores), for no one's benefit once training is over.
-    What a normal exit guarantees is done first, in its order: the interpreter's own
-    ``threading._shutdown`` (the threading-atexit callbacks, which end idle
-    ``ThreadPoolExecutor`` workers, then a join of the non-daemon threads: an async save's writer
-    included), the ``atexit`` handlers (``logging``'s flush and ``weakref.finalize`` among them),
-    and a flush of every Python file object still open (a user's data or model code that left one
-    open loses nothing); then ``os._exit``. :func:`worker.wiring.die` exits at once for a failure; this is the
-    end of a run."""
-    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
-    atexit._run_exitfuncs()
-    for stream in [o for o in gc.get_objects() if type(o) in _FILE_TYPES]:  # exact types: fast
-        with contextlib.suppress(OSError, ValueError):  # closed, a broken pipe: nothing to say there
-            stream.flush()
-    os._exit(code)
+def _default_store() -> Store:
+    from torch.distributed import distributed_c10d
+
+    store: Store = distributed_c10d._get_default_store()
+    return store
 
 
-_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+def _waited_for(trainer: Trainer | None, events: Events) -> tuple[str, list[int]] | None:
+    """When this rank's collective inside a step timed out: the ranks it waited for, said as the
+    event ``collective_timeout`` (written whatever this rank) and as one line. (A peer that
+    died breaks the collective at once, and its node's exit names it.)"""
+    beacon = trainer.beacon if trainer is not None else None
+    if trainer is None or beacon is None or beacon.position <= 2 * beacon.completed:
+        return None
+    from worker.start.hangs import describe
+
+    missing = beacon.missing()
+    if not missing:
+        return None
+    events.record(
+        "collective_timeout", step=trainer.progress.step + 1, rank=trainer.info.rank,
+        missing_ranks=[a.rank for a in missing],
+        last_completed_steps={str(a.rank): a.completed for a in missing},
+    )  # fmt: skip
+    return f"the collective waited for {describe(missing)}", [a.rank for a in missing]
 
 
 def _trainer(

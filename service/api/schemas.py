@@ -180,8 +180,11 @@ class RecoveryPublic(BaseModel):
     incident: str = Field(
         description="The workers' incident id, or node:<launch id> / group:<id> (service-seen)."
     )
-    kind: Literal["peer", "storage", "restart"] = Field(
-        description="State from a peer's memory, from the checkpoint in process, or a restart of the workers."
+    kind: Literal["peer", "storage", "restart", "preemption"] = Field(
+        description=(
+            "State from a peer's memory, from the checkpoint in process, a restart of the workers, "
+            "or a relaunch after a graceful stop on request (SIGTERM; uses no restart)."
+        )
     )
     reported: bool = Field(description="A worker's recovery report measured it.")
     reason: str
@@ -234,6 +237,7 @@ class JobPublic(JobSummary):
     )
     spares: int = Field(description="Warm spare node apps the job keeps (peer mode).")
     peer_incidents: int
+    preemptions: int = Field(description="Graceful stops on request (SIGTERM); they use no restart.")
     cancel_requested: bool
     nodes: list[NodePublic]
     step: int | None
@@ -308,6 +312,7 @@ def public(record: JobRecord, progress: Progress | None) -> JobPublic:
         recovery_mode=record.recovery_mode,
         spares=record.spares,
         peer_incidents=record.peer_incidents,
+        preemptions=record.preemptions,
         cancel_requested=record.cancel_requested,
         nodes=[NodePublic.model_validate(n.model_dump()) for n in record.nodes],
         step=record.last_step,

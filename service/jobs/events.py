@@ -31,7 +31,15 @@ from service.jobs.model import JobRecord, JobState, Progress, RecoveryKind
 
 S = JobState
 WorkerEventKind = Literal[
-    "group_formed", "state_loaded", "first_step", "failed", "finished", "log", "recovery", "spare_promoted"
+    "group_formed",
+    "state_loaded",
+    "first_step",
+    "failed",
+    "finished",
+    "log",
+    "recovery",
+    "spare_promoted",
+    "preempted",
 ]
 WINDOW_S = Policy().merge_window_s
 MAX_TIME = 1e11
@@ -111,6 +119,8 @@ def apply_worker_event(
         )
         return job.with_event(now, "worker", f"state loaded at step {event.step}")
     if event.kind == "first_step":
+        if job.preempted_step is not None:  # a stop no incident followed (a rescale's): over
+            job = job.model_copy(update={"preempted_step": None})
         return first_step_done(job, event.step, now, new_group=True)
     if event.kind == "failed":
         return _failed(job, event, now)
@@ -118,6 +128,8 @@ def apply_worker_event(
         return _recovery(job, event, now, window_s=window_s, heard=heard, progress_at=progress_at)
     if event.kind == "spare_promoted":
         return _spare_promoted(job, event, now)
+    if event.kind == "preempted":
+        return _preempted(job, event, now)
     who = f"rank {event.rank}" if event.rank is not None else "worker"
     return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
 
@@ -238,6 +250,18 @@ def _recovery(
     return job
 
 
+def _preempted(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
+    """The workers stopped on request (a SIGTERM: an eviction, a drained or reclaimed node) at
+    ``step`` and saved it: the node losses or the re-formation that follow are a preemption
+    (:func:`service.jobs.incidents.preempted`), which uses no restart. A cancel or a scale-down
+    stops workers the same way; what the service asked for is not an incident."""
+    what = f"the workers stopped on request at step {event.step}: {event.message}"
+    job = job.with_event(now, "preempted", what)
+    if job.cancel_requested or event.step is None:
+        return job
+    return job.model_copy(update={"preempted_step": event.step})
+
+
 def _spare_promoted(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
     if event.launch_id is None or event.node_index is None:
         return job.with_event(now, "spare", "a spare_promoted report without launch_id or node_index")
@@ -302,10 +326,20 @@ def repeated(failure: Failure, earlier: list[Failure]) -> Failure | None:
     return same[0] if same else None
 
 
+def _waited_for(job: JobRecord, ranks: tuple[int, ...]) -> JobRecord:
+    """The open incident takes the ranks; else the next one will."""
+    recovery = job.current_recovery
+    if job.state == S.RECOVERING and recovery is not None and recovery.open and not recovery.lost_ranks:
+        return _update_recovery(job, lost_ranks=ranks)
+    return job.model_copy(update={"waited_for": ranks})
+
+
 def _failed(job: JobRecord, event: WorkerEvent, now: float) -> JobRecord:
     """Record a rank's failure once per attempt and line; fail the job when the attempt before
     stopped the same way (see the module docstring)."""
     failure = Failure.of(event)
+    if event.lost_ranks:  # a timed-out collective named the ranks it waited for
+        job = _waited_for(job, tuple(event.lost_ranks))
     earlier = recorded_failures(job)
     if event.step is not None and event.step > (job.reached_step or 0):  # the step it completed
         job = job.model_copy(update={"reached_step": event.step})

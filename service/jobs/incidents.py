@@ -158,7 +158,10 @@ def _join(recovery: Recovery, loss: Loss, join: Join, now: float) -> Recovery:
 def open_for_losses(
     job: JobRecord, losses: Sequence[Loss], *, now: float, reason: str, charged: bool
 ) -> JobRecord:
-    """A new incident for nodes no incident took."""
+    """A new incident for nodes no incident took: a preemption's when the workers reported a
+    graceful stop (:func:`preempted`), which costs no restart."""
+    if job.preempted_step is not None:
+        return preempted(job, lost=tuple(loss.node.launch_id for loss in losses), now=now, reason=reason)
     first = min(losses, key=lambda loss: loss.life)
     recovery = Recovery(
         reason=reason,
@@ -169,8 +172,9 @@ def open_for_losses(
         step_before=step_reached(job),
         world_before=job.world_size,
         charged=charged,
+        lost_ranks=job.waited_for,
     )
-    return _append(job, recovery)
+    return _append(job.model_copy(update={"waited_for": ()}), recovery)
 
 
 def step_reached(job: JobRecord) -> int | None:
@@ -192,7 +196,11 @@ def open_for_reformation(
     job: JobRecord, *, group_id: str | None, last_alive: float, now: float, reason: str
 ) -> JobRecord:
     """A new incident for a re-formation of the group the service did not cause (a restart: it
-    uses one of ``max_restarts``); ``last_alive`` is the old group's last sign of life."""
+    uses one of ``max_restarts``; after a graceful stop the workers reported, a preemption,
+    which does not); ``last_alive`` is the old group's last sign of life."""
+    if job.preempted_step is not None:
+        job = preempted(job, lost=(), now=now, reason="the workers stopped on request (SIGTERM) and saved")
+        return _update_last(job, group_formed_at=now)
     recovery = Recovery(
         reason=reason,
         failed_at=min(last_alive, now),
@@ -201,8 +209,33 @@ def open_for_reformation(
         group_formed_at=now,
         world_before=job.world_size,
         charged=True,
+        lost_ranks=job.waited_for,
     )
-    return _append(job, recovery).model_copy(update={"restarts": job.restarts + 1})
+    return _append(job, recovery).model_copy(update={"restarts": job.restarts + 1, "waited_for": ()})
+
+
+def preempted(job: JobRecord, *, lost: tuple[str, ...], now: float, reason: str) -> JobRecord:
+    """The incident of a graceful stop (kind ``preemption``): the workers saved the step they
+    stopped at (``step_before``), so a resume from it loses no step; uses no restart."""
+    step = job.preempted_step
+    recovery = Recovery(
+        reason=f"preempted at step {step}: {reason}",
+        kind="preemption",
+        failed_at=now,
+        incident=f"preemption:{job.id}:{job.preemptions + 1}",
+        lost=lost,
+        detected_at=now,
+        step_before=step,
+        world_before=job.world_size,
+        charged=False,
+    )
+    job = job.model_copy(update={"preempted_step": None, "preemptions": job.preemptions + 1})
+    return _append(job, recovery)
+
+
+def _update_last(job: JobRecord, **fields: object) -> JobRecord:
+    last = len(job.recoveries) - 1
+    return _replace(job, last, job.recoveries[last].model_copy(update=fields))
 
 
 # ---------------------------------------------------------------------------- worker reports

@@ -271,7 +271,8 @@ def _on_failure(
     fresh = [loss for loss in folded.fresh if loss.node.role == "member"]
     if spares:
         job = job.model_copy(update={"spare_failures": job.spare_failures + len(spares)})
-    charge = folded.replacements + (1 if fresh and job.recovery_mode == "restart" else 0)
+    preemption = job.preempted_step is not None  # the workers stopped on request and saved
+    charge = folded.replacements + (1 if fresh and job.recovery_mode == "restart" and not preemption else 0)
     if not fresh and not charge:
         return job, []
     reason = why or "; ".join(_describe_failure(loss.node) for loss in fresh or losses)
@@ -281,7 +282,7 @@ def _on_failure(
         return move(job, S.FAILED, now, reason=why), stops
     job = job.model_copy(update={"restarts": job.restarts + charge})
     if fresh:
-        charged = job.recovery_mode == "restart"
+        charged = job.recovery_mode == "restart" and not preemption
         job = incidents.open_for_losses(job, fresh, now=now, reason=reason, charged=charged)
         if job.state in (S.RUNNING, S.RESCALING, S.LAUNCHING):
             job = move(job, S.RECOVERING, now, reason=reason)

@@ -24,9 +24,10 @@ MAX_LOST_RANKS = 256
 
 RecoveryMode = Literal["peer", "restart"]
 """How a job recovers (:mod:`service.jobs.peer`): from its peers' memory, or by torchrun's restart."""
-RecoveryKind = Literal["peer", "storage", "restart"]
-"""Which recovery happened: state from a peer's memory, from the checkpoint in process, or a
-restart of the workers (torchrun's, or the service's relaunch)."""
+RecoveryKind = Literal["peer", "storage", "restart", "preemption"]
+"""Which recovery happened: state from a peer's memory, from the checkpoint in process, a
+restart of the workers (torchrun's, or the service's relaunch), or a relaunch after a graceful
+stop on request (a SIGTERM: the workers saved the step they reached; it uses no restart)."""
 NodeRole = Literal["member", "spare"]
 """A node app of the job's group (one per slot), or a warm spare outside it (peer mode)."""
 
@@ -205,6 +206,14 @@ class JobRecord(_Frozen):
     """Recoveries that restarted the workers (they use ``max_restarts``); peer ones do not."""
     peer_incidents: int = 0
     spare_failures: int = 0
+    preemptions: int = 0
+    """Graceful stops on request (SIGTERM) the job went through; they use no restart."""
+    preempted_step: int | None = None
+    """A worker reported a graceful stop at this step that no incident took yet: the node losses
+    or the re-formation that follow it are that preemption's."""
+    waited_for: tuple[int, ...] = ()
+    """The ranks a worker's timed-out collective waited for (its ``failed`` report), for the
+    incident it causes (its ``lost_ranks``): the open one, else the next."""
     cancel_requested: bool = False
     world_size: int | None = None
     last_step: int | None = None

@@ -28,6 +28,7 @@ machine. What a launch will submit, as a value, is :mod:`service.launch.dryrun`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -121,6 +122,24 @@ def resource_from_spec(resources: Mapping[str, str]) -> specs.Resource:
     return specs.Resource(cpu=parsed.cpu, gpu=parsed.gpu, memMB=parsed.mem_mb, capabilities=capabilities)
 
 
+def shutdown_timeout(spec: JobSpec) -> int:
+    """torchrun's wait for its workers after it forwarded a SIGTERM, before its SIGKILL: the
+    job's grace period (``preemption.grace_s``, rounded up), so that a save that fits the grace
+    is not cut short. Pure."""
+    return math.ceil(spec.preemption.grace_s)
+
+
+TERMINATION_MARGIN_S = 5
+"""What a worker pod's grace period adds to the job's ``preemption.grace_s``: torchrun's own
+exit after its workers' (its SIGKILL fires at ``grace_s``), and the kubelet's slack."""
+
+
+def termination_grace_seconds(spec: JobSpec) -> int:
+    """A worker pod's ``terminationGracePeriodSeconds``: the kubelet's SIGKILL comes after the
+    workers' graceful stop had its ``preemption.grace_s``. Pure."""
+    return shutdown_timeout(spec) + TERMINATION_MARGIN_S
+
+
 def torchrun_args(
     job_id: str,
     spec: JobSpec,
@@ -140,6 +159,7 @@ def torchrun_args(
             "--nnodes=1:1",
             f"--nproc-per-node={spec.nproc_per_node}",
             f"--max-restarts={spec.max_restarts}",
+            f"--shutdown-timeout={shutdown_timeout(spec)}",
             "--monitor-interval=0.1",
             "--module", module,
             "--config", spec_path,
@@ -154,6 +174,7 @@ def torchrun_args(
         f"--rdzv-id={job_id}",
         f"--max-restarts={spec.max_restarts}",
         f"--rdzv-conf={rdzv_conf_arg(rdzv)}",
+        f"--shutdown-timeout={shutdown_timeout(spec)}",
         "--monitor-interval=0.1",
         "--module", module,
         "--config", spec_path,

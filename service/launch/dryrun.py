@@ -24,7 +24,13 @@ from torchx import specs
 from torchx.specs import AppDryRunInfo
 
 from service.launch import threads
-from service.launch.apps import NODE_ADDR_ENV, SchedulerSettings, k8s_name, node_app
+from service.launch.apps import (
+    NODE_ADDR_ENV,
+    SchedulerSettings,
+    k8s_name,
+    node_app,
+    termination_grace_seconds,
+)
 from service.launch.protocol import NodeLaunch
 from worker.jobspec.spec import JobSpec
 
@@ -101,6 +107,9 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
     name = k8s_name(node.launch_id, limit=63)
     job = finish_volcano_job(info.request.resource, settings, name=name)
     for task in job["spec"]["tasks"]:
+        # an eviction's SIGTERM reaches torchrun (the container's first process) and its workers
+        # save; the kubelet's SIGKILL waits for the job's grace period
+        task["template"]["spec"]["terminationGracePeriodSeconds"] = termination_grace_seconds(node.spec)
         if node.recovery == "peer":
             give_pod_ip(task["template"])
     info.request.resource = job

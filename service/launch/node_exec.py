@@ -10,14 +10,17 @@ The command's environment is :func:`service.launch.environment.node_environment`
 wrapper's: the names given with ``--env`` (what the service set for the node) and the allowed
 variables of the machine's; nothing else of the service's environment reaches the node.
 
-The wrapper runs the command in its own process group (TorchX gave it a new session) and
-ignores SIGTERM/SIGINT/SIGHUP itself: a cancel signals the whole group, the command shuts
-down its workers, and the wrapper records how it ended. Torch-free.
+The wrapper runs the command in its own process group (TorchX gave it a new session) and is
+the node's first process, as a container's entry point is on Kubernetes: a SIGTERM, SIGINT or
+SIGHUP sent to it is passed on to the command once (a kubelet signals only the first process;
+torchrun forwards it to its workers, which stop gracefully: :mod:`worker.train.preemption`), and the
+wrapper records how the command ended. A cancel signals the wrapper the same way. Torch-free.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -48,8 +51,15 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def _ignore(signum: int, frame: FrameType | None) -> None:
-    """The command got the same group-wide signal; wait for it to finish."""
+class _Forward:
+    """The wrapper's handler: pass each signal on to the command, then wait for it to end."""
+
+    def __init__(self, child_pid: int) -> None:
+        self.child_pid = child_pid
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it has ended; the wait reaps it
+            os.kill(self.child_pid, signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(state / EXIT_FILE, {"exit_code": 127, "ended_at": time.time(), "error": str(exc)})
         print(f"node_exec: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
+    forward = _Forward(child.pid)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _ignore)
+        signal.signal(sig, forward)
     write_json_atomic(
         state / NODE_FILE,
         {"pid": os.getpid(), "pgid": os.getpgid(0), "child_pid": child.pid, "started_at": time.time()},

@@ -187,9 +187,11 @@ class TorchXScheduler:
 
     # -- cancel --------------------------------------------------------------------------
     def cancel(self, handle: str) -> None:
-        """Stop the node without waiting: SIGTERM to its process group (torchrun then stops its
-        workers); if it still runs ``cancel_grace_s`` later, SIGKILL (from a timer, and from any
-        repeated cancel). Idempotent: cancelling an ended, cancelled or unknown node is a no-op."""
+        """Stop the node without waiting: SIGTERM to its first process, the node wrapper, as a
+        kubelet sends it (the wrapper passes it to torchrun, which passes it to its workers:
+        they save and exit); if it still runs ``cancel_grace_s`` later, SIGKILL to the group and
+        every process below it (from a timer, and from any repeated cancel). Idempotent:
+        cancelling an ended, cancelled or unknown node is a no-op."""
         if not handle.startswith(LOCAL_PREFIX):
             self._cancel_kubernetes(handle)
             return
@@ -201,7 +203,8 @@ class TorchXScheduler:
         marker = node_dir / CANCELLED_FILE
         if not marker.exists():
             marker.write_text(str(time.time()), encoding="utf-8")
-            _signal_group(pgid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
             timer = threading.Timer(self._cancel_grace_s, self._escalate, args=(handle, pid, pgid))
             timer.daemon = True
             timer.start()

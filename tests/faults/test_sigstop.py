@@ -4,8 +4,10 @@ What torch 2.13 + gloo does (worker/start/dist.py init_group takes the collectiv
 ``ELASTRAIN_COLLECTIVE_TIMEOUT_S``, 12 s in these rows; torchrun's local agent watches only exit
 codes, not liveness): a stop shorter than the timeout stalls the peers inside the all-reduce and
 the group simply carries on after SIGCONT -- nothing re-forms (one group, no resume). A stop
-longer than the timeout: the peer's collective times out, it exits non-zero, torchrun tears down
-the group (including the stopped process) and restarts it from the newest checkpoint.
+longer than the timeout: the peer's collective times out, it names the rank it waited for and
+the last step that rank completed (event ``collective_timeout``, :mod:`worker.start.hangs`), exits
+non-zero, and torchrun tears down the group (including the stopped process) and restarts it from
+the newest checkpoint.
 
 Where the stop lands: the victim rank holds for a few seconds at a seeded training window (a
 ``sleep`` failpoint, first attempt only), and the test stops the very process whose failpoint
@@ -103,6 +105,12 @@ def test_sigstop_a_worker_then_sigcont(tmp_path: Path, reference: Reference, see
 def test_sigstop_past_the_collective_timeout(tmp_path: Path, reference: Reference, seed: int) -> None:
     run, what, stopped_at = stop_and_continue(tmp_path, seed, COLLECTIVE_TIMEOUT_S + 12)
     assert run.code == 0, f"{what}: {run.stderr[-3000:]}"
+    # The peer whose collective timed out names the stopped rank and the last step it completed.
+    rng = random.Random(seed)
+    victim, window = rng.randrange(2), rng.randrange(12, 27)
+    (timeout,) = run.all("collective_timeout")
+    assert timeout["missing_ranks"] == [victim], f"{what}: {timeout}"
+    assert timeout["last_completed_steps"] == {str(victim): window - 1}, f"{what}: {timeout}"
     groups = run.all("run_record")
     assert len(groups) == 2, f"{what}: {len(groups)} groups, expected one re-formed group"
     published = [e["step"] for e in run.before_last("checkpoint_published", "resumed")]

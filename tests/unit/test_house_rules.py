@@ -89,14 +89,14 @@ WORKER_MAY_IMPORT: dict[str, set[str]] = {
     "worker.start": _BELOW | {"worker.datapath", "worker.train"},
     "worker.train": _BELOW | {"worker.datapath", "worker.start", "worker.metrics", "worker.report"},
     "worker.recovery": _BELOW | {"worker.start", "worker.etcdclient"},
-    "worker.wiring": {"worker.checkpoint", "worker.report", "worker.start"},
+    "worker.wiring": {"worker.checkpoint", "worker.report", "worker.start", "worker.train"},
     "worker.peer": _BELOW
     | {"worker.datapath", "worker.start", "worker.train", "worker.metrics", "worker.report"}
     | {"worker.recovery", "worker.wiring"},
     "worker.main": _BELOW
     | {"worker.start", "worker.train", "worker.metrics", "worker.report", "worker.peer", "worker.wiring"}
     | {"worker.recovery"},  # what a broken group's failure means (recovery.failure, pure)
-    "worker.__main__": {"worker.main", "worker.start"},
+    "worker.__main__": {"worker.main", "worker.start", "worker.wiring"},
 }
 # The project's code, whose modules may not import one another in a cycle.
 PACKAGES = ("service", "worker", "scripts", "benchmarks")

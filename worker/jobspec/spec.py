@@ -41,6 +41,7 @@ from worker.jobspec.limits import (
     check_env_name,
 )
 from worker.jobspec.paths import check_env_value, check_local_path, check_resume
+from worker.jobspec.preemption import PreemptionSpec
 from worker.jobspec.recovery import MAX_SPARES, RecoverySpec
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -345,6 +346,7 @@ class JobSpec(_Frozen):
     log_every_steps: Steps = 10
     # Fields for the control plane; a bare torchrun worker ignores them.
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     spares: int = Field(
         default=0,
         ge=0,

@@ -46,6 +46,7 @@ from worker.report.service_client import EventForwarder
 from worker.start.dist import DistInfo
 from worker.start.parts import Wrapped
 from worker.train.objective import call_model
+from worker.train.preemption import Preempted
 from worker.train.progress import Progress
 from worker.train.schedule import plan_batch
 from worker.train.trainer import Trainer
@@ -248,6 +249,8 @@ class PeerLoop:
                     self.reform = False
                     failure = Failure.planned()
                     break
+        except Preempted:  # the whole group stopped on request and saved: not a failure
+            raise
         except Exception as exc:
             failure = classify(exc, in_window=self.state.version() == start)
         finally:

@@ -7,6 +7,7 @@ the service read the right thing: 0 when training finished or the group let this
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from worker.errors import ElastrainError, FinalCheckpointError
 from worker.start import startgc
-from worker.wiring import die, job_checkpointer
+from worker.train.preemption import Preempted
+from worker.wiring import die, job_checkpointer, preempted
 
 if TYPE_CHECKING:
     from worker.checkpoint import Checkpointer
@@ -84,6 +86,11 @@ def run_peer(
         loop.join()
         joined.set()
         loop.run()
+    except Preempted:  # the group stopped on request and saved
+        if member is not None:
+            with contextlib.suppress(ElastrainError):
+                member.close()
+        preempted(client, trainer)
     except PeerExit as exc:  # not a failure of the job: nothing to report
         events.emit("peer_left", reason=str(exc))
         if exc.code != 0:

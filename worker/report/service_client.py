@@ -108,13 +108,23 @@ class ServiceClient:
         self.send("/workers/events", {"kind": kind, "node_index": self.cfg.node_index, **fields})
 
     def failed(
-        self, line: str, *, rank: int, step: int | None, attempt: str, restartable: bool = True
+        self,
+        line: str,
+        *,
+        rank: int,
+        step: int | None,
+        attempt: str,
+        restartable: bool = True,
+        ranks: Sequence[int] = (),
     ) -> None:
         """This rank stops with ``line`` (one line, what went wrong) at ``step`` (None: before
         training began) in ``attempt`` (see :func:`attempt_id`). The service fails the job when
         the next attempt stops with the same line at the same step: a deterministic error would
-        only spend the remaining restarts; or at once when not ``restartable``."""
-        fields = {} if restartable else {"restartable": False}
+        only spend the remaining restarts; or at once when not ``restartable``. ``ranks``: those a
+        timed-out collective waited for."""
+        fields: dict[str, Any] = {} if restartable else {"restartable": False}
+        if ranks:
+            fields["lost_ranks"] = list(ranks)[:1024]
         self.event(
             "failed", rank=rank, step=step, group_id=attempt[:200], message=line.strip()[:2000], **fields
         )
@@ -346,6 +356,9 @@ class EventForwarder:
         elif event == "events_stopped":  # a full volume: the service's record says it instead
             message = f"events are no longer written to {fields['place']}: {fields['reason']}"
             client.event("log", rank=0, message=message)
+        elif event == "preempted":
+            why = f"{fields.get('signal') or 'a peer'} received; saved in {fields.get('save_seconds')} s"
+            client.event("preempted", rank=0, step=int(fields["step"]), message=why)
 
 
 def forward_events(

@@ -28,6 +28,7 @@ from torch import nn
 from worker.datapath.feed import MicroBatch
 from worker.failpoints import failpoint
 from worker.start.parts import Wrapped, local
+from worker.train import preemption
 from worker.train.amp import DynamicLossScaler, autocast
 from worker.train.monitor import GradMonitor, GradStats
 from worker.train.objective import Objective, call_model
@@ -44,6 +45,8 @@ class StepResult:
     """The gradient statistics, on a step that measured them and was not skipped."""
     votes: tuple[float, ...] = ()
     """The ``votes`` given to :func:`optimizer_step`, summed over the ranks."""
+    stop: int = 0
+    """How many ranks asked the group to stop after this window (:mod:`worker.train.preemption`)."""
 
 
 class Commit(Protocol):
@@ -108,6 +111,7 @@ def optimizer_step(
     measure: bool = False,
     votes: Sequence[float] = (),
     commit: Commit | None = None,
+    stop: bool = False,
 ) -> StepResult:
     """Unscale, agree across ranks on non-finite gradients, clip, step; ``params`` are the
     optimizer's, in the monitor's order.
@@ -122,7 +126,9 @@ def optimizer_step(
     the same all-reduce (its first number added to the flag: a request that counts, while the
     flag is 0, and is lost when it is NaN), and once every rank's contribution arrived and before
     any state changes it decides the group's flag, or raises when the group broke (then nothing
-    was applied).
+    was applied). ``stop``: this rank asks the group to stop after this window; the request
+    rides on element 0 too (:mod:`worker.train.preemption`) and ``StepResult.stop`` says how many
+    ranks asked.
     With ``sharded`` (FSDP) each rank holds a slice of every gradient, so the clipping norm is
     summed over ranks.
     """
@@ -139,8 +145,9 @@ def optimizer_step(
     # the ranks it stays NaN if any rank's was. Two ops, where isfinite/any take six.
     flag = (norms * 0).sum().double()
     ballot = commit.ballot() if commit is not None else ()
-    if ballot and ballot[0]:  # a request (adding 0 would change nothing)
-        flag = flag + ballot[0]
+    request = (ballot[0] if ballot else 0.0) + preemption.ballot(stop)
+    if request:  # a request (adding 0 would change nothing)
+        flag = flag + request
     shared = torch.stack([flag, loss_sum.detach().double().to(device)])
     extra = [*votes, *ballot[1:]]
     if extra:
@@ -162,7 +169,8 @@ def optimizer_step(
     if work is not None:
         work.wait()
     values = to_host(torch.cat([shared, *local_values]) if local_values else shared)
-    values_0, global_loss = values[0], values[1]
+    stopping, values_0 = preemption.split(values[0])
+    global_loss = values[1]
     found = not math.isfinite(values_0)
     summed, ballots, values = (
         tuple(values[2 : 2 + len(votes)]),
@@ -174,7 +182,7 @@ def optimizer_step(
     scaler.update(found)
     if found:
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(skipped=True, loss_sum=global_loss, votes=summed)
+        return StepResult(skipped=True, loss_sum=global_loss, votes=summed, stop=stopping)
     stats = None
     if monitor is not None and zero_run is not None:
         monitor.commit(zero_run)
@@ -184,7 +192,7 @@ def optimizer_step(
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(skipped=False, loss_sum=global_loss, stats=stats, votes=summed)
+    return StepResult(skipped=False, loss_sum=global_loss, stats=stats, votes=summed, stop=stopping)
 
 
 def _clip(grads: list[torch.Tensor], norms: torch.Tensor, max_norm: float, *, sharded: bool) -> None:

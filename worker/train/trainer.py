@@ -22,6 +22,7 @@ from worker.report.events import Events, progress_line, resumed_line
 from worker.start import lifeline, startgc
 from worker.start.build import Built
 from worker.start.dist import DistInfo
+from worker.start.hangs import Beacon
 from worker.start.parts import (
     build_optimizer,
     params_digest,
@@ -32,6 +33,7 @@ from worker.start.parts import (
     spec_hash,
     wrap,
 )
+from worker.train import preemption
 from worker.train.amp import OPTIMIZER_ROW, DynamicLossScaler, optimizer_row, state_dtypes
 from worker.train.evaluation import evaluate
 from worker.train.monitor import GradMonitor, GradStats
@@ -94,6 +96,8 @@ class Trainer:
         self.commit: Commit | None = None
         self.window_rng: Callable[[], None] | None = None
         self.on_first_step: Callable[[], None] | None = None
+        # Restart mode: where this rank is, for naming the ranks a timed-out collective waited for
+        self.beacon: Beacon | None = None
         if metrics is not None and spec.monitor.time_communication and not self.wrapped.fsdp:
             self.wrapped.module.register_comm_hook(None, metrics.comm.hook)  # type: ignore[operator]
 
@@ -216,6 +220,8 @@ class Trainer:
             self.events.emit("skipped_step", step=prog.step, loss_scale=self.scaler.scale)
             return
         prog.step += 1
+        if self.beacon is not None:
+            self.beacon.done(prog.step)
         prog.samples_seen += window.samples
         prog.last_loss = result.loss_sum / window.samples
         if result.stats is not None:
@@ -235,12 +241,41 @@ class Trainer:
             self._evaluate()
         if save:
             self._save()
+        if result.stop and not final:
+            self._stop(result.stop)
+
+    def _stop(self, asking: int) -> None:
+        """``asking`` ranks asked the group to stop after this window (:mod:`worker.train.preemption`).
+        In peer mode with ranks remaining, the ones asking leave now without a save and the
+        others go on (they re-form without them from memory). Otherwise save the step reached
+        (unless just saved), wait for its publication, and raise :class:`Preempted`."""
+        request = preemption.REQUEST
+        if preemption.hand_off(asking=asking, world_size=self.info.world_size, peer=self.commit is not None):
+            if not request.requested:
+                return
+            self.events.record(
+                "preempted", step=self.progress.step, signal=request.signal_name,
+                received_at=request.received_at, save_seconds=0.0, saved_step=None, handed_off=True,
+            )  # fmt: skip
+            raise preemption.Preempted(self.progress.step)
+        began = time.time()
+        if self.checkpointer is not None:
+            self._save(extra=True)
+            self.checkpointer.close()
+        self.events.emit(
+            "preempted", step=self.progress.step, signal=request.signal_name,
+            received_at=request.received_at, save_seconds=round(time.time() - began, 4),
+            saved_step=self.checkpointer.stats.last_published_step if self.checkpointer else None,
+        )  # fmt: skip
+        raise preemption.Preempted(self.progress.step)
 
     def _train_window(self, feed: Feed, window: Window) -> StepResult:
         batches = feed.batches(self.progress.sampler, window)
         if self.recorder is not None:
             batches = self.recorder.record(batches)
         batches = lifeline.glancing(batches)  # peer mode: the agent's sign of life stays fresh
+        if self.beacon is not None:
+            self.beacon.entered(self.progress.step + 1)
         local_loss, self.local_samples = forward_backward(
             self.wrapped,
             batches,
@@ -259,6 +294,8 @@ class Trainer:
             schedule=self.spec.lr_schedule,
             total=total,
         )
+        if self.beacon is not None:
+            self.beacon.reduces(self.progress.step + 1)
         result = optimizer_step(
             self.params,
             self.optimizer,
@@ -271,6 +308,7 @@ class Trainer:
             measure=(self.progress.step + 1) % self.spec.monitor.every_steps == 0,
             votes=self._save_vote(),
             commit=self.commit,
+            stop=preemption.REQUEST.requested,
         )
         lifeline.glance()
         return result
@@ -399,11 +437,14 @@ class Trainer:
             self.progress.best_metric = value
         self.events.emit("eval", step=self.progress.step, loss=value, samples=count)
 
-    def _save(self) -> None:
+    def _save(self, *, extra: bool = False) -> None:
+        """Checkpoint the step reached. ``extra``: a save the run's policy did not ask for (a
+        graceful stop's): it leaves the best metric alone, so that the state the run goes on with
+        is the one an undisturbed run has at this step."""
         checkpointer = self.checkpointer
         assert checkpointer is not None  # _want_save is False without one
         metric = self.progress.best_metric if self.eval_data is not None else self.progress.last_loss
-        if self.eval_data is None and metric is not None:
+        if self.eval_data is None and metric is not None and not extra:
             best = self.progress.best_metric
             self.progress.best_metric = metric if best is None else min(best, metric)
         progress = self.progress.to_json(self.scaler, self.monitor, self.plan)

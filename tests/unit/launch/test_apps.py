@@ -252,6 +252,7 @@ def test_worker_pod_meets_the_restricted_profile_and_declares_metrics() -> None:
     assert spec["securityContext"]["fsGroup"] == 10001
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert spec["automountServiceAccountToken"] is False
+    assert spec["terminationGracePeriodSeconds"] == 25 + 5  # preemption.grace_s and a margin
     (container,) = spec["containers"]
     sc = container["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}

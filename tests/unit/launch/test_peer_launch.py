@@ -23,7 +23,8 @@ SPARE = dataclasses.replace(MEMBER, node_index=3, launch_id="job-7-n3-a0", role=
 K8S = SchedulerSettings(scheduler="kubernetes", rdzv_endpoint="http://etcd:2379", worker_image="img:1")
 PEER_ARGS = [
     *("-m", "torch.distributed.run", "--standalone", "--nnodes=1:1", "--nproc-per-node=2"),
-    *("--max-restarts=4", "--monitor-interval=0.1", "--module", "worker", "--config", "/s.json"),
+    *("--max-restarts=4", "--shutdown-timeout=25", "--monitor-interval=0.1"),
+    *("--module", "worker", "--config", "/s.json"),
 ]
 
 

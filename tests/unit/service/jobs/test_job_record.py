@@ -74,5 +74,8 @@ def test_a_record_stored_before_loads_with_its_spec_as_a_value_and_is_written_ba
         "reached_step": None,
         "queue_position": None,  # and waits for no slots
         "waiting": None,
+        "preemptions": 0,  # a record from before was never preempted
+        "preempted_step": None,
+        "waited_for": [],
     }
     assert json.loads(record.to_json())["spec"]["checkpoint"]["async"] is True  # the alias

@@ -1,0 +1,101 @@
+"""A graceful stop on SIGTERM: the request, and how the group agrees on it.
+
+A kubelet evicting a pod, a drained or reclaimed node, a cancel and torchrun's agent (which
+forwards the SIGTERM it got to its workers) all ask a worker to stop with SIGTERM, then SIGKILL
+it once the grace period is over. A worker that got one stops at the next commit point (an
+optimizer-step boundary), saves the step it reached and exits with :data:`EXIT_PREEMPTED`.
+
+The ranks must stop at the same step, or the ones still training would wait in a collective for
+the ones saving. The request rides on the all-reduce every step already runs
+(:func:`worker.train.step.optimizer_step`): a rank asking adds :data:`STOP_UNIT` to element 0, the
+non-finite flag (0, or NaN when a gradient is not finite; in peer mode plus the commit vote's
+small count). Summed, ``element 0 // STOP_UNIT`` counts the ranks asking; the rest is the flag
+as it would have been. A NaN window loses the request and it is made again the next window (a
+skipped step saves nothing new either way). No number is added to the reduction.
+
+The first SIGTERM is the request (SIGINT keeps Python's meaning: an interactive Ctrl-C stops at
+once); later ones are noted and ignored: a stop is already
+under way, a signal to a process group reaches a worker from its agent and from the sender
+alike, and a save cut short would only lose its step. The sender's SIGKILL is the hard stop,
+and the two-phase publish keeps the newest published checkpoint intact under it.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+from worker.errors import ElastrainError
+
+STOP_UNIT = float(2**20)
+"""What a rank asking to stop adds to the step's flag: above any count the commit vote adds
+(at most one per member), and a sum over 2**20 ranks stays exact in float64."""
+
+EXIT_PREEMPTED = 128 + int(signal.SIGTERM)
+"""A worker that stopped on request exits as a process killed by SIGTERM reads (143): not 0,
+which torchrun and a Kubernetes Job would take for a finished run."""
+
+
+@dataclass(slots=True)
+class StopRequest:
+    """The first stop signal this process received, if any."""
+
+    signal_name: str | None = None
+    received_at: float | None = None
+    repeats: int = 0
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def handle(self, signum: int, frame: FrameType | None = None) -> None:
+        """The signal handler: remember the first signal; note the others."""
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name, self.received_at = name, time.time()
+            return
+        self.repeats += 1
+        sys.stderr.write(f"elastrain worker: {name} again: the graceful stop already under way goes on\n")
+
+
+REQUEST = StopRequest()
+"""This process's request (one per process: signals are per process)."""
+
+
+def install() -> None:
+    """Make SIGTERM a graceful stop request (main thread only)."""
+    signal.signal(signal.SIGTERM, REQUEST.handle)
+
+
+class Preempted(ElastrainError):
+    """The group stopped on request at ``step`` (saved, when it has a checkpoint directory)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped on request at step {step}")
+        self.step = step
+
+
+def ballot(requested: bool) -> float:
+    """This rank's addition to the step's flag. Pure."""
+    return STOP_UNIT if requested else 0.0
+
+
+def split(summed: float) -> tuple[int, float]:
+    """(how many ranks asked to stop, the flag without the requests) from the reduced element
+    0. A NaN stays NaN and carries no request. Pure."""
+    if not math.isfinite(summed) or summed < STOP_UNIT:
+        return 0, summed
+    asking = math.floor(summed / STOP_UNIT)
+    return asking, summed - asking * STOP_UNIT
+
+
+def hand_off(*, asking: int, world_size: int, peer: bool) -> bool:
+    """Whether the ranks asking to stop leave without a save and the others go on: in peer mode,
+    when some ranks remain (they keep the state in memory and re-form without the leavers, who
+    exit at this step boundary with nothing in flight). Otherwise the whole group saves the step
+    and stops. Pure."""
+    return peer and 0 < asking < world_size
