@@ -40,6 +40,7 @@ from worker.jobspec.limits import (
     Frozen,
     check_env_name,
 )
+from worker.jobspec.location import parse_location
 from worker.jobspec.recovery import MAX_SPARES, RecoverySpec
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -296,6 +297,19 @@ class CheckpointSpec(_Frozen):
     retention: RetentionSpec = Field(default_factory=RetentionSpec)
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_location(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_location(value, field="checkpoint.dir")
+        return value
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_location(cls, value: str) -> str:
+        parse_location(value, field="checkpoint.resume")
+        return value
 
     @model_validator(mode="after")
     def _one_interval(self) -> CheckpointSpec:
