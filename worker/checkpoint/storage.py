@@ -107,6 +107,8 @@ class S3Storage:
                 )
         except BaseError as exc:
             raise _error(self.location, exc) from None
+        # Some stores (SeaweedFS) list a directory marker named like the prefix: not an object under it.
+        objects = [m for m in objects if m["path"].startswith(full)]
         return dirs, [ObjectInfo(self._rel(m["path"]), m["size"], m["e_tag"] or "") for m in objects]
 
     def head(self, key: str) -> ObjectInfo | None:
