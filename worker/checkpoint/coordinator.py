@@ -222,6 +222,6 @@ class InJobCoordinator:
     def _abort(self, staging: Place, step: int, generation: int, reason: str) -> Outcome:
         try:
             abort_staged(staging, reason)
-        except OSError as exc:
+        except (OSError, ElastrainError) as exc:
             reason = f"{reason}; removing the staging directory failed too: {exc}"
         return Outcome(False, step, generation, reason)

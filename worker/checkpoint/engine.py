@@ -23,7 +23,7 @@ from worker.checkpoint.layout import fsync_dir, shard_file_name, staging_dir_nam
 from worker.checkpoint.loadplan import Need, plan_reads
 from worker.checkpoint.manifest import Manifest, TensorEntry
 from worker.checkpoint.places import Place, reader
-from worker.checkpoint.remote import upload_shard
+from worker.checkpoint.remote import is_published, upload_shard
 from worker.checkpoint.saveplan import Assignment, plan_rank
 from worker.checkpoint.shardio import write_shard
 from worker.checkpoint.state import LiveState, byte_view, rows_of
@@ -127,6 +127,8 @@ def stage(job: SaveJob) -> Report:
             )
             fsync_dir(job.staging)
         else:
+            if is_published(job.staging):  # never overwrite a committed step's shards
+                raise CheckpointError(f"{job.staging} is already published")
             pieces, fentry = upload_shard(
                 job.staging / shard_file_name(job.rank),
                 items,

@@ -73,6 +73,10 @@ def upload_shard(
     return pieces, FileEntry(size=offset, digest=file_digest(offset, all_blocks))
 
 
+def is_published(step: S3Location) -> bool:
+    return storage_for(step).head(step.key(MANIFEST_NAME)) is not None
+
+
 def object_sizes(step: S3Location) -> dict[str, int]:
     """The sizes of the objects directly under a step's prefix (what phase 2 compares with the
     ranks' reports)."""
@@ -180,12 +184,15 @@ def move_latest(job: S3Location, step: int, *, backwards: bool = False) -> None:
     raise CheckpointError(f"{job}/{LATEST}: kept changing under this writer; not moved to step {step}")
 
 
-def abort(step: S3Location, reason: str) -> None:
-    """Remove the shards of an unpublished step (never a published one) and log why."""
-    log.warning("checkpoint save aborted: %s (removing %s)", reason, step)
+def abort(step: S3Location, reason: str) -> int:
+    """Remove the shards of an unpublished step (never a published one) and log why; returns
+    how many objects were removed."""
     sizes = object_sizes(step)
-    if MANIFEST_NAME not in sizes:
-        storage_for(step).delete([step.key(name) for name in sizes])
+    if MANIFEST_NAME in sizes or not sizes:
+        return 0
+    log.warning("checkpoint save aborted: %s (removing %s)", reason, step)
+    storage_for(step).delete([step.key(name) for name in sizes])
+    return len(sizes)
 
 
 def delete_step(step: S3Location) -> None:
@@ -197,15 +204,17 @@ def delete_step(step: S3Location) -> None:
 
 
 def collect_unpublished(job: S3Location) -> list[str]:
-    """Remove every step prefix without a manifest (a save that never committed). Only when no
-    save of this job is in flight: at a generation's opening. Returns the steps removed."""
+    """Remove the shards under every step prefix without a manifest (a save that never
+    committed). Only when no save of this job is in flight: at a generation's opening. Returns
+    the steps whose shards were removed. An upload cut off before it completed leaves no object,
+    only an incomplete multipart upload, which this does not see (a bucket lifecycle rule
+    ``AbortIncompleteMultipartUpload`` removes those)."""
     dirs, _ = storage_for(job).listing(job.prefix)
     published = {p.name for _, p in list_published(job)}
     removed = []
     for d in dirs:
         name = d.rsplit("/", 1)[-1]
-        if parse_step_dir(name) is not None and name not in published:
-            abort(job / name, "unpublished at start")
+        if parse_step_dir(name) is not None and name not in published and abort(job / name, "unpublished"):
             removed.append(name)
     return removed
 

@@ -74,6 +74,22 @@ def test_killed_rank_resumes_from_s3(reference_ddp: Reference, killed_s3: S3Run)
     assert digest.returncode == 0 and digest.stdout.startswith(reference_ddp.digest), digest.stderr
 
 
+def test_kill_before_the_commit_is_never_loaded_and_cleaned_up(
+    s3server: SeaweedServer, s3_env: None, reference_ddp: Reference
+) -> None:
+    loc = _prefix()
+    # rank 1 dies after uploading its shard of the first save (step 2), before the commit
+    run = torchrun(
+        2, "--dir", str(loc), "--steps", str(STEPS), "--every", str(EVERY), "--seed", str(SEED),
+        max_restarts=1, extra_env=_env(s3server, ELASTRAIN_FAILPOINTS="after_shard_write=kill@1^0"),
+    ).check()  # fmt: skip
+    assert "elastrain failpoint after_shard_write: kill" in run.stderr
+    assert run.all("resumed") == []  # step 2 never committed: the restarted group starts over
+    collected = run.all("checkpoint_orphans_collected")
+    assert collected and f"step-{EVERY:08d}" in collected[0]["removed"]
+    assert run.last("finished")["digest"] == reference_ddp.digest
+
+
 def _copy(src: S3Location, dst: S3Location, *, skip: str = "") -> None:
     store = storage_for(src)
     _, objects = store.listing(src.prefix, recursive=True)
