@@ -74,6 +74,19 @@ def test_killed_rank_resumes_from_s3(reference_ddp: Reference, killed_s3: S3Run)
     assert digest.returncode == 0 and digest.stdout.startswith(reference_ddp.digest), digest.stderr
 
 
+def test_offline_commands_on_s3_urls(killed_s3: S3Run, reference_ddp: Reference, tmp_path: Path) -> None:
+    loc = killed_s3.loc
+    inspect = cli("inspect", "--json", str(loc))
+    assert inspect.returncode == 0, inspect.stderr
+    assert json.loads(inspect.stdout)["path"] == f"{loc}/step-{STEPS:08d}"
+    verify = cli("verify", str(loc))
+    assert verify.returncode == 0 and "every block verified" in verify.stdout, verify.stderr
+    export = cli("export-weights", str(loc), str(tmp_path / "weights"))
+    assert export.returncode == 0, export.stderr
+    marker = json.loads((tmp_path / "weights" / "EXPORT.json").read_text())
+    assert marker["source_logical_digest"] == reference_ddp.digest
+
+
 def test_kill_before_the_commit_is_never_loaded_and_cleaned_up(
     s3server: SeaweedServer, s3_env: None, reference_ddp: Reference
 ) -> None:
