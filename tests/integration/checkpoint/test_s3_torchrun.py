@@ -103,6 +103,17 @@ def test_kill_before_the_commit_is_never_loaded_and_cleaned_up(
     assert run.last("finished")["digest"] == reference_ddp.digest
 
 
+def test_async_saves_to_s3(s3server: SeaweedServer, s3_env: None, reference_ddp: Reference) -> None:
+    loc = _prefix()
+    run = torchrun(
+        2, "--dir", str(loc), "--async-save", "--steps", str(STEPS), "--every", str(EVERY),
+        "--seed", str(SEED), extra_env=_env(s3server),
+    ).check()  # fmt: skip
+    assert [e["step"] for e in run.all("checkpoint_published")][-1] == STEPS
+    assert all(e["background"] for e in run.all("checkpoint_published"))
+    assert run.last("finished")["digest"] == reference_ddp.digest == logical_digest(str(loc))
+
+
 def _copy(src: S3Location, dst: S3Location, *, skip: str = "") -> None:
     store = storage_for(src)
     _, objects = store.listing(src.prefix, recursive=True)
