@@ -1,7 +1,9 @@
 """Checkpoints in S3 under real torchrun, against a real S3-compatible server (SeaweedFS): a
-killed rank resumes from the bucket to the same final state as the run on a local directory; a
-flipped byte is refused and the step before it used; a step without a manifest is never loaded;
-a W=2 checkpoint loads at W=1; a missing bucket or refused credentials are one line, exit 2."""
+killed rank resumes from the bucket to the same final state as the run on a local directory;
+retention applies in the bucket; a kill before the commit is never loaded and its shards are
+removed; async saves; a flipped byte is refused and the step before used; a step without a
+manifest is never loaded; a W=2 checkpoint loads at W=1; the offline commands take s3:// URLs; a
+missing bucket, refused credentials or no endpoint are one line naming checkpoint.dir, exit 2."""
 
 from __future__ import annotations
 
