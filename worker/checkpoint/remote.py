@@ -32,7 +32,7 @@ from worker.checkpoint.manifest import (
 )
 from worker.checkpoint.saveplan import Assignment
 from worker.checkpoint.shardio import ShardReader
-from worker.checkpoint.storage import PART_SIZE, StorageError, storage_for
+from worker.checkpoint.storage import PART_SIZE, storage_for
 from worker.errors import CheckpointError, CorruptCheckpointError
 from worker.failpoints import failpoint
 from worker.jobspec.location import S3Location
@@ -109,12 +109,11 @@ def read_latest(job: S3Location) -> tuple[str | None, str]:
 
 def load_manifest(step: S3Location, *, check_files: bool = True) -> Manifest:
     """A published step's manifest, read with the limits of ``layout.load_manifest`` and, with
-    ``check_files``, every shard present with its size. Raises :class:`CorruptCheckpointError`."""
+    ``check_files``, every shard present with its size. Raises :class:`CorruptCheckpointError`
+    for what is wrong with the step, :class:`StorageError` when the store cannot be read (not a
+    reason to set the step aside)."""
     store = storage_for(step)
-    try:
-        sizes = object_sizes(step)
-    except StorageError as exc:
-        raise CorruptCheckpointError(str(exc)) from None
+    sizes = object_sizes(step)
     size = sizes.pop(MANIFEST_NAME, None)
     if size is None:
         raise CorruptCheckpointError(f"{step}: manifest.json is missing")
@@ -123,10 +122,7 @@ def load_manifest(step: S3Location, *, check_files: bool = True) -> Manifest:
         cap = manifest_cap(sum(sizes.values()))
         if size > cap:
             raise CorruptCheckpointError(f"{step}/{MANIFEST_NAME}: {size} bytes is over the limit of {cap}")
-    try:
-        data = store.read(step.key(MANIFEST_NAME))
-    except StorageError as exc:
-        raise CorruptCheckpointError(str(exc)) from None
+    data = store.read(step.key(MANIFEST_NAME))
     m = manifest_from_json(data, what=f"{step}/{MANIFEST_NAME}", max_bytes=cap)
     if check_files:
         for name, entry in sorted(m.files.items()):
@@ -231,7 +227,9 @@ def set_aside(step: S3Location, tag: str) -> str:
 
 class ObjectShardReader(ShardReader):
     """:class:`ShardReader` on a published step in S3: ranged reads of exactly the planned
-    bytes, every block verified by the same code as on disk."""
+    bytes, every block verified by the same code as on disk. A store that cannot be read raises
+    :class:`StorageError`: the restore fails (torchrun restarts it) instead of refusing a step
+    that may be intact."""
 
     def __init__(self, step: S3Location, manifest: Manifest) -> None:
         super().__init__(step, manifest)  # type: ignore[arg-type]
@@ -250,8 +248,5 @@ class ObjectShardReader(ShardReader):
         return 0
 
     def _pread_into(self, op, view: memoryview) -> None:  # type: ignore[no-untyped-def]
-        try:
-            storage_for(self._loc).read_into(self._loc.key(op.file), op.offset, view[: op.nbytes])
-        except StorageError as exc:
-            raise CorruptCheckpointError(str(exc)) from None
+        storage_for(self._loc).read_into(self._loc.key(op.file), op.offset, view[: op.nbytes])
         self.bytes_read += op.nbytes

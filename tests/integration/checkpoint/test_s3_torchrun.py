@@ -1,9 +1,10 @@
 """Checkpoints in S3 under real torchrun, against a real S3-compatible server (SeaweedFS): a
 killed rank resumes from the bucket to the same final state as the run on a local directory;
 retention applies in the bucket; a kill before the commit is never loaded and its shards are
-removed; async saves; a flipped byte is refused and the step before used; a step without a
-manifest is never loaded; a W=2 checkpoint loads at W=1; the offline commands take s3:// URLs; a
-missing bucket, refused credentials or no endpoint are one line naming checkpoint.dir, exit 2."""
+removed; async saves; a flipped byte or a missing shard is refused and the step before used; a
+step without a manifest is never loaded; a W=2 checkpoint loads at W=1 and W=3; the offline
+commands take s3:// URLs; a missing bucket, refused credentials or no endpoint are one line
+naming checkpoint.dir, exit 2."""
 
 from __future__ import annotations
 
@@ -125,12 +126,12 @@ def _copy(src: S3Location, dst: S3Location, *, skip: str = "") -> None:
             store.write(dst.key(rel), store.read(o.key))
 
 
-def test_flipped_byte_and_manifestless_step_are_never_loaded(
+def test_flipped_byte_missing_shard_and_manifestless_step_are_never_loaded(
     s3server: SeaweedServer, killed_s3: S3Run, reference_ddp: Reference
 ) -> None:
     newest, previous = STEPS, STEPS - EVERY
-    flipped, bare = _prefix(), _prefix()
-    for dst in (flipped, bare):
+    flipped, bare, shardless = _prefix(), _prefix(), _prefix()
+    for dst in (flipped, bare, shardless):
         _copy(killed_s3.loc, dst)
     store = storage_for(flipped)
     shard = flipped.key(f"step-{newest:08d}", "rank-00001.bin")
@@ -140,25 +141,35 @@ def test_flipped_byte_and_manifestless_step_are_never_loaded(
     assert cli("verify", str(flipped)).returncode == 1
     # a complete step whose manifest never landed: its shards are there, it is not published
     store.delete([bare.key(f"step-{newest:08d}", "manifest.json")])
-    run = torchrun(
-        2, "--phase", "restore-only", "--restore-dirs", f"{flipped},{bare}", extra_env=_env(s3server)
-    ).check()
-    assert [r["step"] for r in run.all("restored_from")] == [previous, previous]
+    # a manifest whose shard is not there
+    store.delete([shardless.key(f"step-{newest:08d}", "rank-00000.bin")])
+    dirs = f"{flipped},{bare},{shardless}"
+    run = torchrun(2, "--phase", "restore-only", "--restore-dirs", dirs, extra_env=_env(s3server)).check()
+    assert [r["step"] for r in run.all("restored_from")] == [previous] * 3
     refused = run.all("checkpoint_refused")
-    assert len(refused) == 1 and "rank-00001.bin" in refused[0]["reason"]
+    assert len(refused) == 2 and "rank-00001.bin" in refused[0]["reason"]
     assert "block digest mismatch" in refused[0]["reason"]
+    assert "rank-00000.bin: shard file is missing" in refused[1]["reason"]
     assert read_latest(flipped)[0] == f"step-{previous:08d}"
     assert [s for s, _ in list_published(flipped)][-1] == previous  # the corrupt one set aside
     assert store.head(flipped.key(f".corrupt-step-{newest:08d}.json")) is not None
 
 
-def test_reshard_two_to_one_from_s3(
-    s3server: SeaweedServer, killed_s3: S3Run, reference_ddp: Reference, tmp_path: Path
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_reshard_from_s3(
+    new_world: int, s3server: SeaweedServer, killed_s3: S3Run, reference_ddp: Reference, tmp_path: Path
 ) -> None:
-    dst = tmp_path / "w1"
+    dst = tmp_path / f"w{new_world}"
     jobs = [["ddp", str(killed_s3.loc), str(dst)]]
     run = torchrun(
-        1, "--phase", "resave", "--jobs", json.dumps(jobs), "--seed", str(SEED), extra_env=_env(s3server)
+        new_world,
+        "--phase",
+        "resave",
+        "--jobs",
+        json.dumps(jobs),
+        "--seed",
+        str(SEED),
+        extra_env=_env(s3server),
     ).check()
     (event,) = run.all("resaved")
     assert event["step"] == STEPS and event["digest"] == reference_ddp.digest == logical_digest(dst)
