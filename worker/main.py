@@ -46,11 +46,11 @@ def _resuming(checkpoint_dir: str | None, resume: str) -> bool:
         return True
     if checkpoint_dir is None:
         return False
-    from worker.checkpoint.layout import list_published
+    from worker.checkpoint.places import list_published, place_of
 
     # Not just `latest`: a kill between the publish rename and the `latest` update leaves a
     # published step that restore() will load.
-    return bool(list_published(Path(checkpoint_dir)))
+    return bool(list_published(place_of(checkpoint_dir)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,12 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         gpus = torch.cuda.device_count()
         info = dist.detect(os.environ, backend=spec.ddp.backend, gpus=gpus)
         peer = peermode.peer_requested(os.environ)
+        remote = _remote(spec.checkpoint.dir)
         if (
-            spec.checkpoint.dir is not None and not peer
+            spec.checkpoint.dir is not None and not peer and not remote
         ):  # it belongs to this job, before anything is written there
             _own(Path(spec.checkpoint.dir), spec.name, main=info.is_main)
         events = Events(enabled=info.is_main and not peer, job=spec.name, rank=info.rank)
-        if (info.is_main or peer) and spec.checkpoint.dir is not None:  # the run dir `elastrain report` reads
+        if (
+            (info.is_main or peer) and spec.checkpoint.dir is not None and not remote
+        ):  # the run dir `elastrain report` reads
             events.log_path = _run_dir(spec.checkpoint.dir) / "events.jsonl"
         default_timeout = str(spec.recovery.collective_timeout_s) if peer else "300"
         timeout_s = _collective_timeout(os.environ.get("ELASTRAIN_COLLECTIVE_TIMEOUT_S", default_timeout))
@@ -239,6 +242,21 @@ def _trainer(
         generation=generation,
         metrics=WorkerMetrics.from_env(job=job, rank=info.rank, world_size=info.world_size),
     )
+
+
+def _remote(checkpoint_dir: str | None) -> bool:
+    """Whether the checkpoints go to S3; if so, the bucket is checked here, before any rank waits
+    on another (a missing bucket, refused credentials, no endpoint: a SpecError naming
+    checkpoint.dir)."""
+    from worker.jobspec.location import parse_location
+
+    loc = parse_location(checkpoint_dir) if checkpoint_dir else None
+    if loc is None:
+        return False
+    from worker.checkpoint.storage import check_reachable
+
+    check_reachable(loc)
+    return True
 
 
 def _own(job_dir: Path, name: str, *, main: bool) -> None:

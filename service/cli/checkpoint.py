@@ -14,9 +14,9 @@ import sys
 from typing import Any
 
 from worker.checkpoint.export import DTYPES, FORMATS, export_weights
-from worker.checkpoint.layout import load_manifest, resolve_checkpoint
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest
 from worker.checkpoint.offline import reshard
+from worker.checkpoint.places import load_manifest, resolve_checkpoint
 from worker.checkpoint.verify import logical_digest, verify_checkpoint
 
 

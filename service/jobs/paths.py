@@ -47,10 +47,20 @@ def contained(given: str, *, root: Path, field: str, base: Path | None = None) -
     return Path(real)
 
 
+def _not_a_url(given: str, field: str) -> None:
+    """The service keeps a job's checkpoints under its storage root: an ``s3://`` location (which
+    a job run under bare torchrun may use) is refused here rather than taken for a relative path."""
+    if "://" in given:
+        raise PathError(
+            field, f"{given!r}: the service keeps checkpoints under its storage root; give a path inside it"
+        )
+
+
 def checkpoint_dir(given: str | None, *, root: Path, job_id: str) -> Path:
     """The job's checkpoint directory: ``<root>/<job id>`` by default, else ``given`` contained."""
     if given is None:
         return Path(os.path.realpath(root)) / job_id
+    _not_a_url(given, "checkpoint.dir")
     return contained(given, root=root, field="checkpoint.dir")
 
 
@@ -60,4 +70,5 @@ def resume_source(given: str, *, root: Path, job_dir: Path) -> str:
     directory (``step-00000012``: that step of the job's own)."""
     if given in RESUME_KEYWORDS:
         return given
+    _not_a_url(given, "checkpoint.resume")
     return str(contained(given, root=root, field="checkpoint.resume", base=job_dir))

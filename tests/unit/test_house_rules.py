@@ -60,6 +60,7 @@ WORKER_FOR_SERVICE = {
     "worker.checkpoint.manifest",
     "worker.checkpoint.offline",
     "worker.checkpoint.owner",
+    "worker.checkpoint.places",
     "worker.checkpoint.publish",
     "worker.checkpoint.retention",
     "worker.checkpoint.verify",

@@ -37,19 +37,22 @@ from worker.checkpoint.final import no_space, unpublished_final
 from worker.checkpoint.interval import auto_interval_seconds, observed_mtbf, policy_from_spec, should_save
 from worker.checkpoint.layout import (
     collect_orphans,
-    list_published,
     parse_staging_dir,
     remove_tree,
     staging_dir_name,
 )
 from worker.checkpoint.manifest import MAX_BLOCK_SIZE
 from worker.checkpoint.owner import check_owner, claim
+from worker.checkpoint.places import Place, list_published, place_of, same_place
+from worker.checkpoint.remote import collect_unpublished
 from worker.checkpoint.restore import RestoreContext, Restored, restore
 from worker.checkpoint.retention import apply_retention
 from worker.checkpoint.rng import capture_rng
 from worker.checkpoint.state import capture, optimizer_owned
+from worker.checkpoint.storage import check_reachable
 from worker.errors import CheckpointError
 from worker.failpoints import failpoint
+from worker.jobspec.location import S3Location
 from worker.jobspec.spec import CheckpointSpec
 
 log = logging.getLogger("elastrain.checkpoint")
@@ -132,7 +135,7 @@ class Checkpointer:
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self.parallelism, self.seed, self.run_record = parallelism, seed, run_record
         self.block_size, self.timeout_s = block_size, timeout_s
-        self.job_dir = Path(cfg.dir) if cfg.dir else None
+        self.job_dir: Place | None = place_of(cfg.dir) if cfg.dir else None
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise CheckpointError(f"block_size {block_size} must be between 1 and {MAX_BLOCK_SIZE} bytes")
         self.stats = CheckpointStats()
@@ -175,8 +178,10 @@ class Checkpointer:
         assert self.job_dir is not None
         self._close_after()
         job, rank, world_size, generation = self.job, self.rank, self.world_size, self.generation
+        if isinstance(self.job_dir, S3Location):
+            check_reachable(self.job_dir)  # one line, before any rank waits on another
         # Before anything is written there: the directory belongs to this job or to none.
-        if rank == 0:
+        elif rank == 0:
             claim(self.job_dir, job)
         else:
             check_owner(self.job_dir, job)
@@ -191,8 +196,11 @@ class Checkpointer:
             session=self.session,
         )
         if rank == 0:
-            self.job_dir.mkdir(parents=True, exist_ok=True)
-            removed = collect_orphans(self.job_dir, current_generation=generation)
+            if isinstance(self.job_dir, S3Location):
+                removed = collect_unpublished(self.job_dir)
+            else:
+                self.job_dir.mkdir(parents=True, exist_ok=True)
+                removed = collect_orphans(self.job_dir, current_generation=generation)
             self.stats.orphans_collected_total += len(removed)
             if removed:
                 self.event("checkpoint_orphans_collected", removed=removed)
@@ -364,6 +372,8 @@ class Checkpointer:
     def _collect_stale_staging(self, step: int) -> None:
         """Staging left by an aborted save of this generation (no other save is in flight)."""
         assert self.job_dir is not None
+        if isinstance(self.job_dir, S3Location):
+            return  # on S3 an aborted save's shards are removed by the abort
         current = staging_dir_name(step, self.generation)
         for p in self.job_dir.iterdir():
             if parse_staging_dir(p.name) is not None and p.name != current:
@@ -427,7 +437,7 @@ class Checkpointer:
             self.stats.bytes_read_total += result.bytes_read
             self._parent_step = result.step
             self._origin = result.origin
-            if self.job_dir is not None and result.path.parent.resolve() == self.job_dir.resolve():
+            if self.job_dir is not None and same_place(result.path.parent, self.job_dir):
                 self._last_step = result.step  # already in this job's directory: saving it again is a no-op
             copy_to = os.environ.get(COPY_ON_RESUME_ENV)
             if copy_to:

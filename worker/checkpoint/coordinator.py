@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Protocol
 
 from worker.checkpoint.commit import (
@@ -35,8 +34,7 @@ from worker.checkpoint.commit import (
     report_from_json,
     report_to_json,
 )
-from worker.checkpoint.layout import file_sizes, staging_dir_name
-from worker.checkpoint.publish import abort_staged, publish_staged
+from worker.checkpoint.places import Place, abort_staged, publish_staged, staged_sizes, staging_of
 from worker.errors import ElastrainError
 
 
@@ -151,7 +149,7 @@ class InJobCoordinator:
     """Rank 0 of the job coordinates through the rendezvous Store (see the module docstring)."""
 
     def __init__(
-        self, store: KeyValueStore, *, rank: int, world_size: int, job: str, job_dir: Path,
+        self, store: KeyValueStore, *, rank: int, world_size: int, job: str, job_dir: Place,
         session: str = "s0", poll: float = 0.1, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         """``clock``: what the reports' deadline is measured on (tests inject one, so that
@@ -187,7 +185,7 @@ class InJobCoordinator:
 
     def _coordinate(self, step: int, generation: int, prefix: str, timeout: float) -> Outcome:
         expected = Expected(step, generation, self.world_size)
-        staging = self.job_dir / staging_dir_name(step, generation)
+        staging = staging_of(self.job_dir, step, generation)
         deadline = self.clock() + timeout
         reports: dict[int, Report] = {}
         keys = [f"{prefix}/report/{r}" for r in range(self.world_size)]
@@ -208,7 +206,7 @@ class InJobCoordinator:
                 expected,
                 list(reports.values()),
                 deadline_passed=self.clock() >= deadline,
-                observed_sizes=file_sizes(staging) if len(reports) == self.world_size else None,
+                observed_sizes=staged_sizes(staging) if len(reports) == self.world_size else None,
             )
             if decision.action == "abort":
                 return self._abort(staging, step, generation, decision.reason)
@@ -221,9 +219,9 @@ class InJobCoordinator:
             return self._abort(staging, step, generation, f"publishing failed: {exc}")
         return Outcome(True, step, generation, decision.reason, str(path))
 
-    def _abort(self, staging: Path, step: int, generation: int, reason: str) -> Outcome:
+    def _abort(self, staging: Place, step: int, generation: int, reason: str) -> Outcome:
         try:
             abort_staged(staging, reason)
-        except OSError as exc:
+        except (OSError, ElastrainError) as exc:
             reason = f"{reason}; removing the staging directory failed too: {exc}"
         return Outcome(False, step, generation, reason)

@@ -19,11 +19,13 @@ import torch
 
 from worker.checkpoint.commit import Report
 from worker.checkpoint.coordinator import Coordinator, Outcome
-from worker.checkpoint.layout import fsync_dir, shard_file_name, staging_dir_name
+from worker.checkpoint.layout import fsync_dir, shard_file_name, staging_dir_name, step_dir_name
 from worker.checkpoint.loadplan import Need, plan_reads
 from worker.checkpoint.manifest import Manifest, TensorEntry
+from worker.checkpoint.places import Place, reader
+from worker.checkpoint.remote import is_published, upload_shard
 from worker.checkpoint.saveplan import Assignment, plan_rank
-from worker.checkpoint.shardio import ShardReader, write_shard
+from worker.checkpoint.shardio import write_shard
 from worker.checkpoint.state import LiveState, byte_view, rows_of
 from worker.checkpoint.verify import meta_digest
 from worker.errors import CheckpointError
@@ -41,7 +43,7 @@ class SaveJob:
     seq: int
     rank: int
     world_size: int
-    job_dir: Path
+    job_dir: Place
     block_size: int
     items: list[tuple[Assignment, torch.Tensor]]
     headers: dict[str, TensorEntry]
@@ -50,8 +52,10 @@ class SaveJob:
     context: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def staging(self) -> Path:
-        return self.job_dir / staging_dir_name(self.step, self.generation)
+    def staging(self) -> Place:
+        if isinstance(self.job_dir, Path):
+            return self.job_dir / staging_dir_name(self.step, self.generation)
+        return self.job_dir / step_dir_name(self.step)  # on S3 shards go under the step itself
 
 
 def json_copy(value: Any, what: str) -> Any:
@@ -81,7 +85,7 @@ def headers_of(live: LiveState) -> dict[str, TensorEntry]:
 
 
 def new_job(
-    live: LiveState, *, step: int, generation: int, seq: int, rank: int, world_size: int, job_dir: Path,
+    live: LiveState, *, step: int, generation: int, seq: int, rank: int, world_size: int, job_dir: Place,
     block_size: int, meta: dict[str, Any], rank_meta: dict[str, Any], context: dict[str, Any],
 ) -> SaveJob:  # fmt: skip
     return SaveJob(
@@ -112,18 +116,28 @@ def stage(job: SaveJob) -> Report:
     """Phase 1 on this rank: write the shard file into staging, fsync, build the report.
     An OSError (ENOSPC, EIO...) becomes a failure report instead of an exception."""
     try:
-        os.makedirs(job.staging, exist_ok=True)
         items = [(a, byte_view(t)) for a, t in host_items(job.items)]
-        pieces, fentry = write_shard(
-            job.staging / shard_file_name(job.rank),
-            items,
-            block_size=job.block_size,
-            after_first_piece=lambda: failpoint("during_shard_write"),
-        )
-        fsync_dir(job.staging)
+        if isinstance(job.staging, Path):
+            os.makedirs(job.staging, exist_ok=True)
+            pieces, fentry = write_shard(
+                job.staging / shard_file_name(job.rank),
+                items,
+                block_size=job.block_size,
+                after_first_piece=lambda: failpoint("during_shard_write"),
+            )
+            fsync_dir(job.staging)
+        else:
+            if is_published(job.staging):  # never overwrite a committed step's shards
+                raise CheckpointError(f"{job.staging} is already published")
+            pieces, fentry = upload_shard(
+                job.staging / shard_file_name(job.rank),
+                items,
+                block_size=job.block_size,
+                after_first_piece=lambda: failpoint("during_shard_write"),
+            )
         failpoint("after_shard_write")
         failpoint("before_report")
-    except OSError as exc:
+    except (OSError, CheckpointError) as exc:
         return failure_report(job, exc)
     return Report(
         job.step,
@@ -197,7 +211,7 @@ def check_compatible(manifest: Manifest, live: LiveState) -> None:
             )
 
 
-def load_into(step_dir: Path, manifest: Manifest, live: LiveState) -> int:
+def load_into(step_dir: Place, manifest: Manifest, live: LiveState) -> int:
     """Fill this rank's live tensors from ``step_dir``; returns bytes read. Raises
     :class:`CorruptCheckpointError` (file and offset) on a missing, short or bad block."""
     needs = needs_of(live)
@@ -215,8 +229,8 @@ def load_into(step_dir: Path, manifest: Manifest, live: LiveState) -> int:
         if host is not local:
             staged.append((local, host))
         buffers[(need.name, need.start)] = byte_view(host)
-    with ShardReader(step_dir, manifest) as reader:
-        reader.run(plan_reads(manifest, needs), buffers)
+    with reader(step_dir, manifest) as shards:
+        shards.run(plan_reads(manifest, needs), buffers)
         for local, host in staged:
             local.copy_(host)
-        return reader.bytes_read
+        return shards.bytes_read

@@ -32,14 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from worker.checkpoint.layout import (
-    EXPORT_MARKER,
-    fsync_dir,
-    load_manifest,
-    resolve_checkpoint,
-    write_durable,
-)
+from worker.checkpoint.layout import EXPORT_MARKER, fsync_dir, write_durable
 from worker.checkpoint.manifest import Manifest
+from worker.checkpoint.places import load_manifest, reader, resolve_checkpoint
 from worker.checkpoint.shardio import ShardReader
 from worker.checkpoint.verify import iter_tensor_bytes, logical_digest
 from worker.errors import CheckpointError
@@ -127,8 +122,9 @@ def export_weights(
     src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype: str | None = None,
     strip_prefix: str | None = None,
 ) -> Exported:  # fmt: skip
-    """Write the model weights of ``src`` (a step or job directory) into the new directory
-    ``dst``. The export cannot resume training: it has no optimizer state, progress or RNG."""
+    """Write the model weights of ``src`` (a step or job directory, or its s3:// URL) into the
+    new local directory ``dst``. The export cannot resume training: it has no optimizer state,
+    progress or RNG."""
     if fmt not in FORMATS:
         raise CheckpointError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     step_dir = resolve_checkpoint(src)
@@ -139,11 +135,11 @@ def export_weights(
     plan = plan_export(m, strip_prefix=strip_prefix, dtype=dtype)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True)
-    with ShardReader(step_dir, m) as reader:
+    with reader(step_dir, m) as shards:
         if fmt == "torch":
-            nbytes = _write_torch(reader, plan, tmp / FORMATS[fmt])
+            nbytes = _write_torch(shards, plan, tmp / FORMATS[fmt])
         else:
-            nbytes = _write_safetensors(reader, plan, tmp / FORMATS[fmt])
+            nbytes = _write_safetensors(shards, plan, tmp / FORMATS[fmt])
     if plan.config is not None:
         write_durable(
             tmp / "config.json", (json.dumps(plan.config, indent=2, sort_keys=True) + "\n").encode()

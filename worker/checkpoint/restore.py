@@ -23,18 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.checkpoint import remote
 from worker.checkpoint.coordinator import KeyValueStore, store_allgather
 from worker.checkpoint.engine import check_compatible, load_into
-from worker.checkpoint.layout import (
-    fsync_dir,
-    list_published,
-    load_manifest,
-    read_latest,
-    resolve_checkpoint,
-    step_dir_name,
-    write_latest,
-)
+from worker.checkpoint.layout import fsync_dir, read_latest, step_dir_name, write_latest
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest
+from worker.checkpoint.places import Place, list_published, load_manifest, resolve_checkpoint, same_place
 from worker.checkpoint.rng import derive_rng, restore_rng
 from worker.checkpoint.state import LiveState, apply, capture
 from worker.errors import CheckpointError, CorruptCheckpointError
@@ -47,7 +41,7 @@ EventFn = Callable[..., None]
 class RestoreContext:
     """What a restore needs to know about this rank and its job (the Checkpointer's view)."""
 
-    job_dir: Path
+    job_dir: Place
     resume: str  # "auto" or a step/job directory (``checkpoint.resume``)
     job: str
     session: str
@@ -64,8 +58,8 @@ class RestoreContext:
 class Restored:
     step: int
     progress: dict[str, Any]
-    path: Path
-    manifest_path: Path
+    path: Place
+    manifest_path: Place
     rng_restored: bool
     notes: list[str] = field(default_factory=list)
     bytes_read: int = 0
@@ -73,7 +67,7 @@ class Restored:
     saved_world_size: int = 0  # the world size that wrote it
 
 
-def _candidates(ctx: RestoreContext) -> tuple[list[Path], bool]:
+def _candidates(ctx: RestoreContext) -> tuple[list[Place], bool]:
     """Step directories to try, newest first, and whether falling back is allowed.
 
     ``resume: <path>`` names where a job *starts*: once the job has published steps of its own
@@ -93,11 +87,11 @@ def _candidates(ctx: RestoreContext) -> tuple[list[Path], bool]:
         if since:  # the starting point is gone (e.g. retention removed a rolled-back-to step)
             return since, True
         raise
-    since = [p for p in since if p.resolve() != start.resolve()]
+    since = [p for p in since if not same_place(p, start)]
     return [*since, start], bool(since)
 
 
-def _origin(step_dir: Path) -> str | None:
+def _origin(step_dir: Place) -> str | None:
     """The ``checkpoint.resume`` a step's job started from, ``""`` for none, or None when its
     manifest cannot be read (kept as a candidate: the load refuses it, counted, like any corrupt
     step)."""
@@ -113,7 +107,7 @@ def origin_of(resume: str, manifest: Manifest) -> str:
     return resume if resume != "auto" else str(manifest.meta.get("origin") or "")
 
 
-def _try(ctx: RestoreContext, step_dir: Path, live: LiveState) -> tuple[str, str, Manifest | None, int]:
+def _try(ctx: RestoreContext, step_dir: Place, live: LiveState) -> tuple[str, str, Manifest | None, int]:
     """(status, reason, manifest, bytes read); status is ok, corrupt or incompatible."""
     try:
         manifest = load_manifest(step_dir)
@@ -160,7 +154,7 @@ def restore(
         event("checkpoint_none_to_resume", dir=str(ctx.job_dir))
         return None
     live = capture(model, optimizer)
-    refused: list[Path] = []
+    refused: list[Place] = []
     for index, step_dir in enumerate(candidates):
         status, reason, manifest, nbytes = _try(ctx, step_dir, live)
         answers = _agree(ctx, attempt, index, status, reason)
@@ -216,16 +210,21 @@ def _rng(ctx: RestoreContext, manifest: Manifest, notes: list[str]) -> bool:
     return False
 
 
-def _settle(ctx: RestoreContext, step: int, step_dir: Path, refused: list[Path], event: EventFn) -> None:
+def _settle(ctx: RestoreContext, step: int, step_dir: Place, refused: list[Place], event: EventFn) -> None:
     """Rank 0 after a load: set newer steps aside and point ``latest`` at the loaded step.
     Only in this job's own directory: a checkpoint loaded from elsewhere is only read."""
     job_dir = ctx.job_dir
-    if step_dir.resolve().parent != job_dir.resolve():
+    if not same_place(step_dir.parent, job_dir):
         return
+    if isinstance(job_dir, remote.S3Location):
+        _settle_remote(job_dir, step, refused, event)
+        return
+    assert isinstance(step_dir, Path)
     refused_names = {p.name for p in refused}
     for newer, path in list_published(job_dir):
         if newer <= step:
             continue
+        assert isinstance(path, Path)
         tag = "corrupt" if path.name in refused_names else "superseded"
         aside = _unused(job_dir / f".{tag}-{path.name}-g{ctx.generation}")
         os.replace(path, aside)
@@ -233,6 +232,17 @@ def _settle(ctx: RestoreContext, step: int, step_dir: Path, refused: list[Path],
     if read_latest(job_dir) != step_dir_name(step):
         write_latest(job_dir, step)
     fsync_dir(job_dir)
+
+
+def _settle_remote(job: remote.S3Location, step: int, refused: list[Place], event: EventFn) -> None:
+    """:func:`_settle` on S3: newer steps are unpublished (their manifest kept aside as
+    ``.corrupt-step-N.json`` or ``.superseded-step-N.json``), then ``latest`` moves back."""
+    refused_names = {p.name for p in refused}
+    for newer, path in remote.list_published(job):
+        if newer > step:
+            tag = "corrupt" if path.name in refused_names else "superseded"
+            event("checkpoint_set_aside", path=str(path), to=remote.set_aside(path, tag))
+    remote.move_latest(job, step, backwards=True)
 
 
 def _unused(path: Path) -> Path:

@@ -18,8 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.checkpoint.layout import list_published, load_manifest, remove_tree, step_dir_name
+from worker.checkpoint import remote
+from worker.checkpoint.layout import remove_tree, step_dir_name
 from worker.checkpoint.owner import owned_by_other
+from worker.checkpoint.places import Place, list_published, load_manifest
 from worker.errors import CheckpointError
 from worker.failpoints import failpoint
 from worker.jobspec.spec import RetentionSpec
@@ -77,7 +79,7 @@ def _best(checkpoints: Sequence[CheckpointInfo], policy: RetentionSpec) -> list[
     return [s for _, s in scored[: policy.keep_best]]
 
 
-def published_infos(job_dir: Path) -> list[CheckpointInfo]:
+def published_infos(job_dir: Place) -> list[CheckpointInfo]:
     """The published steps of ``job_dir`` with the metrics their manifests hold (none for a
     manifest that cannot be read: it is never kept as "best")."""
     infos = []
@@ -91,7 +93,7 @@ def published_infos(job_dir: Path) -> list[CheckpointInfo]:
 
 
 def apply_retention(
-    job_dir: Path,
+    job_dir: Place,
     policy: RetentionSpec,
     *,
     newest: int,
@@ -104,7 +106,7 @@ def apply_retention(
     ``job``: the job applying it; nothing is deleted in a directory another job owns
     (:mod:`worker.checkpoint.owner`). A step that cannot be deleted is logged and kept (the
     next publish tries again)."""
-    other = owned_by_other(job_dir, job) if job is not None else None
+    other = owned_by_other(job_dir, job) if job is not None and isinstance(job_dir, Path) else None
     if other is not None:
         log.warning("retention deletes nothing in %s: it belongs to job %r, not %r", job_dir, other.job, job)
         return []
@@ -113,8 +115,11 @@ def apply_retention(
     for step in plan_retention(infos, policy, newest_verified=newest).delete:
         try:
             failpoint("before_retention_delete")
-            remove_tree(job_dir / step_dir_name(step))
-        except OSError as exc:
+            if isinstance(job_dir, Path):
+                remove_tree(job_dir / step_dir_name(step))
+            else:
+                remote.delete_step(job_dir / step_dir_name(step))
+        except (OSError, CheckpointError) as exc:
             log.warning("retention could not delete step %s in %s: %s", step, job_dir, exc)
             continue
         deleted.append(step)

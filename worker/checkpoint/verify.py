@@ -20,19 +20,22 @@ logical state however it was sharded, and across an offline reshard.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from worker.checkpoint.blocks import file_digest
-from worker.checkpoint.layout import load_manifest, resolve_checkpoint
 from worker.checkpoint.loadplan import Need, plan_reads
 from worker.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorEntry
+from worker.checkpoint.places import Place, load_manifest, reader, resolve_checkpoint
+from worker.checkpoint.remote import object_sizes
 from worker.checkpoint.shardio import ShardReader
+from worker.checkpoint.storage import storage_for
 from worker.errors import CheckpointError
+from worker.jobspec.location import S3Location
 
 EXCLUDED_PROGRESS_KEYS = frozenset(
     {"batch_plan", "world_size", "topology", "wall_time", "elapsed_seconds", "spec_hash", "digest_exclude"}
@@ -83,7 +86,7 @@ def iter_tensor_bytes(reader: ShardReader, name: str) -> Iterator[memoryview]:
         yield view
 
 
-def logical_digest(path: str | Path) -> str:
+def logical_digest(path: str | Place) -> str:
     """The logical digest of a checkpoint (a step or job directory); verifies what it reads.
 
     Raises :class:`CorruptCheckpointError` naming the file and offset of a bad block."""
@@ -91,13 +94,13 @@ def logical_digest(path: str | Path) -> str:
     m = load_manifest(step_dir)
     h = xxhash.xxh3_128()
     h.update(b"elastrain-logical-v1\0")
-    with ShardReader(step_dir, m) as reader:
+    with reader(step_dir, m) as shards:
         for name in sorted(m.tensors):
             entry = m.tensors[name]
             if entry.kind == "per_rank":
                 continue
             h.update(canonical_json([name, entry.dtype, list(entry.shape)]) + b"\0")
-            for chunk in iter_tensor_bytes(reader, name):
+            for chunk in iter_tensor_bytes(shards, name):
                 h.update(chunk)
     if m.aliases:  # only then, so the digest of a model without ties is what it always was
         h.update(b"aliases\0" + canonical_json(sorted(m.aliases.items())))
@@ -116,7 +119,7 @@ class Problem:
         return f"{where}: {self.message}"
 
 
-def verify_checkpoint(path: str | Path, *, limit: int = 100) -> tuple[Path, list[Problem]]:
+def verify_checkpoint(path: str | Place, *, limit: int = 100) -> tuple[Place, list[Problem]]:
     """Check every block of every file, the file sizes and file digests. Returns the step
     directory and up to ``limit`` problems (empty: the checkpoint verifies)."""
     step_dir = resolve_checkpoint(path)
@@ -132,12 +135,16 @@ def verify_checkpoint(path: str | Path, *, limit: int = 100) -> tuple[Path, list
     return step_dir, problems[:limit]
 
 
-def _verify_file(step_dir: Path, m: Manifest, fname: str) -> list[Problem]:
+def _verify_file(step_dir: Place, m: Manifest, fname: str) -> list[Problem]:
     entry = m.files[fname]
-    path = step_dir / fname
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+    if isinstance(step_dir, S3Location):
+        size: int | None = object_sizes(step_dir).get(fname)
+    else:
+        try:
+            size = (step_dir / fname).stat().st_size
+        except FileNotFoundError:
+            size = None
+    if size is None:
         return [Problem(fname, None, "shard file is missing")]
     if size != entry.size:
         return [
@@ -148,15 +155,30 @@ def _verify_file(step_dir: Path, m: Manifest, fname: str) -> list[Problem]:
     )
     out: list[Problem] = []
     blocks: list[str] = []
-    with open(path, "rb") as f:
+    with _ranges(step_dir, fname) as read:
         for offset, nbytes, digests in spans:
             blocks.extend(digests)
             for i, want in enumerate(digests):
                 start = offset + i * m.block_size
-                f.seek(start)
-                data = f.read(min(m.block_size, nbytes - i * m.block_size))
+                data = read(start, min(m.block_size, nbytes - i * m.block_size))
                 if xxhash.xxh3_128_hexdigest(data) != want:
                     out.append(Problem(fname, start, f"block digest mismatch ({len(data)} bytes)"))
     if file_digest(entry.size, blocks) != entry.digest:
         out.append(Problem(fname, None, "file digest does not match its block digests"))
     return out
+
+
+@contextmanager
+def _ranges(step_dir: Place, fname: str) -> Iterator[Callable[[int, int], bytes]]:
+    """``read(offset, nbytes)`` on one shard: a file, or ranged reads of an object."""
+    if isinstance(step_dir, S3Location):
+        store, key = storage_for(step_dir), step_dir.key(fname)
+        yield lambda start, n: store.read(key, start, start + n)
+        return
+    with open(step_dir / fname, "rb") as f:
+
+        def read(start: int, n: int) -> bytes:
+            f.seek(start)
+            return f.read(n)
+
+        yield read

@@ -5,7 +5,9 @@ The schema (:mod:`worker.jobspec.spec`) applies these rules, so the service refu
 2) with the same words. A path is a local one (no ``scheme://`` URL: only directories on this
 machine or on a filesystem every node mounts are supported), of at most ``MAX_PATH_BYTES``
 bytes, ``MAX_PATH_DEPTH`` components and ``MAX_NAME_BYTES`` bytes a component (Linux's own
-``PATH_MAX`` and ``NAME_MAX``; no checkpoint layout needs a deeper tree). ``checkpoint.resume``
+``PATH_MAX`` and ``NAME_MAX``; no checkpoint layout needs a deeper tree). A checkpoint's location
+(``checkpoint.dir``, ``checkpoint.resume``) may also be ``s3://BUCKET/PREFIX``
+(:func:`worker.jobspec.location.parse_location`, which refuses every other scheme). ``checkpoint.resume``
 is one of :data:`RESUME_KEYWORDS` or a path; a word or a number that looks like a keyword is
 refused instead of being read as a directory that does not exist.
 """
@@ -13,6 +15,8 @@ refused instead of being read as a directory that does not exist.
 from __future__ import annotations
 
 import re
+
+from worker.jobspec.location import is_url, parse_location
 
 MAX_PATH_BYTES = 4095
 MAX_PATH_DEPTH = 64
@@ -58,8 +62,21 @@ def check_local_path(value: str) -> str:
     return value
 
 
+def check_location(value: str | None, *, field: str = "checkpoint.dir") -> str | None:
+    """A checkpoint's location: ``s3://BUCKET/PREFIX`` (:func:`parse_location`; every other
+    scheme is refused naming ``field``) or a local path (:func:`check_local_path`)."""
+    if value is None:
+        return None
+    if is_url(value):
+        if len(value.encode("utf-8")) > MAX_PATH_BYTES:
+            raise ValueError(f"is longer than {MAX_PATH_BYTES} bytes; give a shorter location")
+        parse_location(value, field=field)
+        return value
+    return check_local_path(value)
+
+
 def check_resume(value: str) -> str:
-    """``checkpoint.resume``: a keyword as is, else a local path (:func:`check_local_path`); a
+    """``checkpoint.resume``: a keyword as is, else a location (:func:`check_location`); a
     keyword in other letters, a look-alike word or a bare number is refused with the forms the
     worker accepts."""
     if value in RESUME_KEYWORDS:
@@ -67,7 +84,9 @@ def check_resume(value: str) -> str:
     word = value.strip().lower()
     if word in RESUME_KEYWORDS or word in _NOT_KEYWORDS or word.isdigit():
         raise ValueError(f"{value[:40]!r} is not a value the worker accepts; {_RESUME_FORMS}")
-    return check_local_path(value)
+    checked = check_location(value, field="checkpoint.resume")
+    assert checked is not None
+    return checked
 
 
 def check_env_value(name: str, value: str) -> str:

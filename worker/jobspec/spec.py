@@ -40,7 +40,7 @@ from worker.jobspec.limits import (
     Frozen,
     check_env_name,
 )
-from worker.jobspec.paths import check_env_value, check_local_path, check_resume
+from worker.jobspec.paths import check_env_value, check_local_path, check_location, check_resume
 from worker.jobspec.preemption import PreemptionSpec
 from worker.jobspec.recovery import MAX_SPARES, RecoverySpec
 
@@ -97,6 +97,10 @@ _Frozen = Frozen
 
 def _check_path(value: str | None) -> str | None:
     return None if value is None else check_local_path(value)
+
+
+def _check_dir(value: str | None) -> str | None:
+    return check_location(value, field="checkpoint.dir")
 
 
 def _check_factory(value: str | None) -> str | None:
@@ -304,7 +308,7 @@ class CheckpointSpec(_Frozen):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
 
-    _dir = field_validator("dir")(_check_path)
+    _dir = field_validator("dir")(_check_dir)
     _resume = field_validator("resume")(check_resume)
 
     @model_validator(mode="after")

@@ -86,6 +86,7 @@ def test_relative_and_absolute_dirs_inside_the_root_are_accepted(tmp_path: Path)
         ("a\x00b", "NUL"),
         ("", "empty"),
         (".", "outside the storage root"),
+        ("s3://ckpt/runs/a", "keeps checkpoints under its storage root"),
     ],
 )
 def test_escapes_are_refused_with_the_field_named(tmp_path: Path, given: str, match: str) -> None:
@@ -112,6 +113,8 @@ def test_resume_keywords_pass_and_paths_are_contained(tmp_path: Path) -> None:
     assert resume_source("step-x", root=tmp_path, job_dir=job_dir) == str(tmp_path.resolve() / "j/step-x")
     with pytest.raises(PathError, match=r"checkpoint\.resume"):
         resume_source("/tmp/../etc", root=tmp_path, job_dir=job_dir)
+    with pytest.raises(PathError, match=r"checkpoint\.resume"):
+        resume_source("s3://ckpt/runs/a", root=tmp_path, job_dir=job_dir)
 
 
 # ---------------------------------------------------------------- settings
