@@ -107,7 +107,9 @@ DESCRIPTIONS: dict[str, str] = {
     "eval.every_steps": "Evaluate every this many steps (also at the end when there is held-out data).",
     "log_every_steps": "A `progress` event and a readable line every this many steps.",
     "recovery": "How a lost rank is recovered (see [docs/recovery.md](docs/recovery.md)).",
-    "preemption": "A SIGTERM (a node drain, a spot reclaim, a cancel) is a graceful stop: every rank stops at the same step, the group saves it, the processes exit (see [docs/recovery.md](docs/recovery.md)).",
+    "preemption": "A SIGTERM (a node drain, a spot reclaim, a cancel) is a graceful stop: every rank stops "
+    "at the same step, the group saves it, the processes exit (see "
+    "[docs/recovery.md](docs/recovery.md#preemption-a-sigterm-is-a-graceful-stop)).",
     "nodes": "Under the service: nodes (torchrun agents), `N` or `MIN:MAX`; scaling stays within it.",
     "initial_nodes": "Nodes launched first (unset: the maximum).",
     "nproc_per_node": "Processes (ranks) per node.",
