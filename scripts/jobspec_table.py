@@ -93,9 +93,9 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.mtbf_seconds": "The mean time between failures for `interval: auto` (unset: observed from "
     "the run's restarts, else 24 h).",
     "checkpoint.async": "Save in the background: training waits only for the snapshot's copy.",
-    "checkpoint.resume": "`auto`: the newest verified step of `dir`; `never`: start over; a step number; "
-    "or a path: start from that step or job directory (read only; later restarts resume the job's own "
-    "newer steps).",
+    "checkpoint.resume": "`auto`: the newest verified step of `dir`, else a fresh start; `never`: start "
+    "over; or a local path: start from that step or job directory (read only; later restarts resume the "
+    "job's own newer steps; under the service a relative path is inside the job's directory).",
     "checkpoint.retention": "Which published steps are kept; the newest verified one never goes.",
     "checkpoint.retention.keep_latest": "The newest K steps (at least 2).",
     "checkpoint.retention.milestone_every_steps": "Also keep every step that is a multiple of this.",
@@ -107,7 +107,9 @@ DESCRIPTIONS: dict[str, str] = {
     "eval.every_steps": "Evaluate every this many steps (also at the end when there is held-out data).",
     "log_every_steps": "A `progress` event and a readable line every this many steps.",
     "recovery": "How a lost rank is recovered (see [docs/recovery.md](docs/recovery.md)).",
-    "preemption": "A SIGTERM (a node drain, a spot reclaim, a cancel) is a graceful stop: every rank stops at the same step, the group saves it, the processes exit (see [docs/recovery.md](docs/recovery.md)).",
+    "preemption": "A SIGTERM (a node drain, a spot reclaim, a cancel) is a graceful stop: every rank stops "
+    "at the same step, the group saves it, the processes exit (see "
+    "[docs/recovery.md](docs/recovery.md#preemption-a-sigterm-is-a-graceful-stop)).",
     "nodes": "Under the service: nodes (torchrun agents), `N` or `MIN:MAX`; scaling stays within it.",
     "initial_nodes": "Nodes launched first (unset: the maximum).",
     "nproc_per_node": "Processes (ranks) per node.",
