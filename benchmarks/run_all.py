@@ -17,6 +17,10 @@ BENCHMARKS = (
     ("async checkpoint: blocking and background cost", ["benchmarks.checkpoint_async"]),
     ("re-rendezvous after a worker SIGKILL", ["benchmarks.rendezvous_recovery", "--skip-default"]),
     ("control plane GET/submit load", ["benchmarks.service_api"]),
+    (
+        "the control plane at scale: simulated nodes of 5 and 20 jobs (the full run: --jobs 10 100 1000)",
+        ["benchmarks.control_plane_scale", "--quick"],
+    ),
     ("the etcd client's cost per request vs a bare http.client request", ["benchmarks.etcd_client"]),
     ("a job under the service vs bare torchrun; recovery vs its floor", ["benchmarks.service_job"]),
     ("recovery without a restart vs torchrun's restart", ["benchmarks.peer_recovery", "--rounds", "2"]),
