@@ -31,6 +31,7 @@ import re
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from urllib.parse import urlsplit
 import httpx
 
 HEARTBEAT_S, PROGRESS_S = 5.0, 2.0  # ServiceClient's periods
+STEPS_PER_S = 5.0
 NODES = 10
 
 
@@ -198,40 +200,45 @@ class Rank:
     token: str
 
 
-async def play(wire: Wire, rank: Rank, stop: float, checkpoint_s: float) -> None:
+def checkpoint_round(job: str, now: float, *, t0: float, period: float) -> tuple[int, float]:
+    """The newest checkpoint round of ``job`` begun by ``now``: (its index, when it began). Every
+    rank of a job computes the same rounds (a job's own phase in the period, from its id), so
+    its ranks report one step together, as a real job's do. Pure."""
+    phase = (zlib.crc32(job.encode()) % 1000) / 1000 * period
+    index = math.floor((now - t0 - phase) / period)
+    return index, t0 + phase + index * period
+
+
+async def play(wire: Wire, rank: Rank, stop: float, *, t0: float, checkpoint_s: float) -> None:
     """One rank: heartbeats, progress (node 0) and failed checkpoint reports, at their periods."""
     base = f"/v1/jobs/{rank.job}/workers"
     await asyncio.sleep(random.uniform(0, HEARTBEAT_S))
     if rank.node == 0:
         event = {"kind": "group_formed", "node_index": 0, "rank": 0, "group_id": "g", "world_size": NODES}
         await wire.send(wire.request("POST", f"{base}/events", rank.token, json.dumps(event).encode()))
-    step, next_beat, next_progress = 0, 0.0, 0.0
-    next_ckpt = time.monotonic() + random.uniform(0, checkpoint_s)
+    next_beat = next_progress = 0.0
+    reported = checkpoint_round(rank.job, time.monotonic(), t0=t0, period=checkpoint_s)[0]
     while (now := time.monotonic()) < stop:
-        step += 10
+        step = int((now - t0) * STEPS_PER_S)
         if now >= next_beat:
             beat = {"launch_id": rank.launch_id, "local_rank": 0, "step": step}
             await wire.send(wire.request("POST", f"{base}/heartbeat", rank.token, json.dumps(beat).encode()))
             next_beat = now + HEARTBEAT_S
         if rank.node == 0 and now >= next_progress:
-            body = {
-                "step": step,
-                "samples_seen": step * 8,
-                "samples_per_s": 100.0,
-                "loss": 1.0,
-                "world_size": NODES,
-            }
+            body = {"step": step, "samples_seen": 8 * step, "samples_per_s": 8.0 * STEPS_PER_S}
+            body |= {"loss": 1.0, "world_size": NODES}
             await wire.send(wire.request("POST", f"{base}/progress", rank.token, json.dumps(body).encode()))
             next_progress = now + PROGRESS_S
-        if now >= next_ckpt:
-            report: dict[str, Any] = {"step": step, "generation": 0, "rank": rank.node, "ok": False}
-            report |= {"world_size": NODES}
-            report |= {"error": "simulated", "files": {}, "pieces": [], "tensors": {}, "meta_digest": ""}
-            report |= {"rank_meta": {}, "context": {}}
+        index, began = checkpoint_round(rank.job, now, t0=t0, period=checkpoint_s)
+        if index > reported:
+            reported, at = index, int((began - t0) * STEPS_PER_S)
+            report: dict[str, Any] = {"step": at, "generation": 0, "rank": rank.node, "ok": False}
+            report |= {"world_size": NODES, "error": "simulated", "files": {}, "pieces": [], "tensors": {}}
+            report |= {"meta_digest": "", "rank_meta": {}, "context": {}}
             path = f"{base}/checkpoints?seq=0"
             await wire.send(wire.request("POST", path, rank.token, json.dumps(report).encode()))
-            next_ckpt = now + checkpoint_s
-        await asyncio.sleep(max(0.05, min(next_beat, next_progress if rank.node == 0 else next_beat) - now))
+        due = min(next_beat, next_progress) if rank.node == 0 else next_beat
+        await asyncio.sleep(max(0.05, min(due, began + checkpoint_s) - now))
 
 
 async def probe(wire: Wire, token: str, jobs: list[str], stop: float, per_s: float) -> dict[str, list[float]]:
@@ -278,7 +285,11 @@ async def submit(url: str, token: str, bodies: list[dict[str, Any]]) -> tuple[li
 
         async def one(body: dict[str, Any]) -> str:
             async with gate:
-                answer = await client.post(f"{url}/v1/jobs", json=body)
+                for _ in range(30):  # 503 (a leader not elected yet) and 429 say: again
+                    answer = await client.post(f"{url}/v1/jobs", json=body)
+                    if answer.status_code not in (429, 503):
+                        break
+                    await asyncio.sleep(1.0)
                 answer.raise_for_status()
                 return str(answer.json()["id"])
 
@@ -307,8 +318,9 @@ async def drive(
     pids = (args.proc.pid, int((args.workdir / "etcd" / "etcd.pid").read_text()))
     wire, probes = Wire(url, args.connections), Wire(url, 1)
     runners = [asyncio.create_task(w.run()) for w in (wire, probes)]
-    stop = time.monotonic() + args.warmup + args.seconds
-    players = [asyncio.create_task(play(wire, r, stop, args.checkpoint_s)) for r in ranks]
+    t0 = time.monotonic()
+    stop = t0 + args.warmup + args.seconds
+    players = [asyncio.create_task(play(wire, r, stop, t0=t0, checkpoint_s=args.checkpoint_s)) for r in ranks]
     await asyncio.sleep(args.warmup)
     first = await asyncio.to_thread(sample, url, etcd, pids)
     lat = await probe(probes, token, jobs, stop, args.probe_rate)
@@ -371,7 +383,7 @@ def one_run(args: argparse.Namespace, playing: int, finished: int, label: str) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, nargs="+", default=[10, 100])
+    parser.add_argument("--jobs", type=int, nargs="*", default=[10, 100])
     parser.add_argument(
         "--idle", type=int, default=0, help="also: one playing job next to this many finished"
     )

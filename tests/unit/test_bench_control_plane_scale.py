@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from benchmarks.control_plane_scale import cost_ratio, db_after, history_s, p99, per_pass_ms, prom_value
+from benchmarks.control_plane_scale import (
+    checkpoint_round,
+    cost_ratio,
+    db_after,
+    history_s,
+    p99,
+    per_pass_ms,
+    prom_value,
+)
 
 METRICS = """# HELP etcd_mvcc_db_total_size_in_bytes Total size of the underlying database
 # TYPE etcd_mvcc_db_total_size_in_bytes gauge
@@ -52,3 +60,13 @@ def test_db_after_an_hour_stops_growing_at_the_compaction_retention() -> None:
     assert db_after(1e6, 1e3, retention_s=100.0) == pytest.approx(1.1e6)
     assert db_after(1e6, 1e3, retention_s=1e9) == pytest.approx(1e6 + 3.6e6)
     assert db_after(1e6, -5.0, retention_s=100.0) == 1e6
+
+
+def test_a_jobs_ranks_share_its_checkpoint_rounds_one_per_period() -> None:
+    index, began = checkpoint_round("job-a", 100.0, t0=0.0, period=10.0)
+    assert began <= 100.0 < began + 10.0
+    assert checkpoint_round("job-a", began, t0=0.0, period=10.0) == (index, began)
+    assert checkpoint_round("job-a", began + 9.99, t0=0.0, period=10.0) == (index, began)
+    assert checkpoint_round("job-a", began + 10.0, t0=0.0, period=10.0)[0] == index + 1
+    phases = {checkpoint_round(f"job-{i}", 100.0, t0=0.0, period=10.0)[1] for i in range(20)}
+    assert len(phases) > 1  # jobs' rounds are spread over the period, not all at once
