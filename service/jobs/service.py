@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from service.etcd.kv import Fence, KVStore, Write
+from service.etcd.kv import Fence, KVStore, Write, read_all
 from service.jobs import keys, peer
 from service.jobs.cache import TTLCache
 from service.jobs.claims import check_free, claim_write
@@ -163,14 +163,7 @@ class JobService:
     def scan(self) -> builtins.list[Stored]:
         """Every job as stored, in id order (one range read per 1,000 jobs); a record that cannot
         be read comes as its stand-in, with why (the reconciler quarantines it)."""
-        out: builtins.list[Stored] = []
-        after: str | None = None
-        while True:
-            batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=1000)
-            out += [self._decode(e.key, e.value, e.mod_revision) for e in batch]
-            if len(batch) < 1000:
-                return out
-            after = batch[-1].key
+        return [self._decode(e.key, e.value, e.mod_revision) for e in read_all(self.store, keys.JOBS)]
 
     def quarantine(self, bad: Unreadable, *, fence: Fence | None = None) -> JobRecord | None:
         """Replace a record that cannot be read by its FAILED stand-in and keep the bytes as found
