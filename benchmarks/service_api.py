@@ -74,10 +74,16 @@ def serve(port: int, data_dir: str, etcd: str = "") -> int:
 
 
 def start_service(
-    workdir: Path, *, etcd: str = "", token: str | None = None, etcd_password: str | None = None
+    workdir: Path,
+    *,
+    etcd: str = "",
+    token: str | None = None,
+    etcd_password: str | None = None,
+    module: str = "benchmarks.service_api",
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     """``elastrain serve`` in a child process: on its own embedded etcd, or on ``etcd`` (then
-    with the API token ``token``, as replicas share one, and etcd's root password)."""
+    with the API token ``token``, as replicas share one, and etcd's root password); ``module``:
+    the benchmark whose hidden ``--serve`` entry point runs it with that benchmark's scheduler."""
     from service.ports import free_port
 
     port = free_port()
@@ -87,7 +93,7 @@ def start_service(
         env["ELASTRAIN_API_TOKEN"] = token
     if etcd_password is not None:
         env["ELASTRAIN_ETCD_PASSWORD"] = etcd_password
-    cmd = [sys.executable, "-m", "benchmarks.service_api", "--serve", str(port), "--data-dir", str(workdir)]
+    cmd = [sys.executable, "-m", module, "--serve", str(port), "--data-dir", str(workdir)]
     cmd += ["--etcd", etcd] if etcd else []
     log = open(workdir / "service.log", "wb")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -72,6 +72,14 @@ def gateway_url(service_url: str, job_id: str) -> str:
     return f"{service_url.rstrip('/')}/v1/jobs/{job_id}/kv"
 
 
+Seen = tuple[dict[str, float], dict[str, float]]
+"""A job's heartbeats: per launch id, its quietest rank's newest beat and its newest beat."""
+
+
+def _stopping(record: JobRecord) -> bool:
+    return any(n.phase == NodePhase.STOPPING for n in record.nodes)
+
+
 ADOPT_EVERY_S = 10.0
 """How often a leader re-reconciles live jobs' checkpoint registries with storage."""
 SWEEP_AGAIN_S = 30.0
@@ -162,13 +170,19 @@ class Reconciler:
             # Workers under the service publish through it; this catches what a crash left behind.
             self._adopt_storage([r for r in records if not r.state.terminal])
             self._adopted_at = self.clock()
-        for record, revision in listed:
-            if record.state.terminal and not any(n.phase == NodePhase.STOPPING for n in record.nodes):
-                continue
-            if still_waiting(record, grants.get(record.id)):
-                continue
+        live = [
+            (r, rev)
+            for r, rev in listed
+            if (not r.state.terminal or _stopping(r)) and not still_waiting(r, grants.get(r.id))
+        ]
+        ids = [record.id for record, _ in live]
+        progress, beats = self.progress.newest_of(ids), self.heartbeats.seen_of(ids)
+        for record, revision in live:
             try:
-                self.reconcile_job(record.id, fence, known=(record, revision), grant=grants.get(record.id))
+                read = (progress[record.id], beats[record.id])
+                self.reconcile_job(
+                    record.id, fence, known=(record, revision), read=read, grant=grants.get(record.id)
+                )
             except NotLeaderError:
                 log.warning("lost leadership during a pass; stopping it")
                 self.metrics.is_leader.set(0)
@@ -322,18 +336,21 @@ class Reconciler:
         fence: Fence,
         *,
         known: tuple[JobRecord, int] | None = None,
+        read: tuple[Progress | None, Seen] | None = None,
         grant: Grant | None = None,
     ) -> JobRecord:
         """One job's pass. ``known``: the record and revision just listed (saves a read; a write
         that raced in since makes the compare-and-set fail and the next pass decide again);
+        ``read``: its progress and heartbeats as the pass read them for every job at once;
         ``grant``: what the queue allows it (the pass computes it from the same listing)."""
         stored, revision = known if known is not None else self.jobs.get_versioned(job_id)
-        progress = self.progress.newest(job_id)
+        progress = read[0] if read is not None else self.progress.newest(job_id)
         record = merge_progress(stored, progress)
         if progress is not None and progress.time > record.state_since:
             # a step after re-forming
             record = first_step_done(record, progress.step, progress.time, world_size=progress.world_size)
-        observation = dataclasses.replace(self._observe(record, progress), grant=grant)
+        seen = read[1] if read is not None else self.heartbeats.seen(job_id)
+        observation = dataclasses.replace(self._observe(record, progress, seen), grant=grant)
         decision = reconcile(record, observation, self.policy)
         # The step alone is not worth an etcd write each pass (GET reads it from the progress
         # key); it is persisted with the next real change, and recoveries read it merged above.
@@ -375,7 +392,7 @@ class Reconciler:
             self._drop_transient(job_id, fence)
             del self._sweep_again[job_id]
 
-    def _observe(self, record: JobRecord, progress: Progress | None) -> Observation:
+    def _observe(self, record: JobRecord, progress: Progress | None, seen: Seen) -> Observation:
         statuses: dict[str, NodeStatus] = {}
         for node in record.nodes:
             if node.handle and node.phase in (NodePhase.RUNNING, NodePhase.STOPPING):
@@ -384,7 +401,7 @@ class Reconciler:
                 except Exception as exc:
                     log.warning("status of %s failed: %s", node.handle, exc)
                     statuses[node.launch_id] = UNKNOWN
-        last_seen, last_heard = self.heartbeats.seen(record.id)
+        last_seen, last_heard = seen
         return Observation(
             now=self.clock(),
             statuses=statuses,

@@ -37,7 +37,7 @@ from service.etcd.election import LeaderElection, leader_address
 from service.etcd.gateway import KvGateway
 from service.etcd.gateway_budget import KvBudget
 from service.etcd.kv import EtcdStore, Fence
-from service.etcd.server import EtcdServer
+from service.etcd.server import EtcdServer, defragment_if_sparse
 from service.jobs.machine import Policy
 from service.jobs.parts import JobParts
 from service.jobs.service import ensure_worker_secret
@@ -138,7 +138,12 @@ def etcd_for(settings: Settings) -> Iterator[tuple[list[str], Credentials | None
     how = "adopted the still running" if server.adopted else "started"
     log.info("%s embedded etcd at %s (pid %s, data in %s)", how, server.endpoint, server.pid, server.data_dir)
     try:
-        yield [server.endpoint], embedded_credentials(settings, server.endpoint)
+        credentials = embedded_credentials(settings, server.endpoint)
+        member = EtcdClient([EtcdEndpoint.from_url(server.endpoint)], credentials=credentials, timeout_s=300)
+        shrunk = defragment_if_sparse(member)  # before it serves: defragmenting blocks etcd
+        if shrunk is not None:
+            log.info("embedded etcd defragmented: %d -> %d bytes", *shrunk)
+        yield [server.endpoint], credentials
     finally:
         server.stop()
         log.info("embedded etcd stopped")

@@ -112,6 +112,22 @@ def delete_if(store: KVStore, key: str, expected: int, *, fence: Fence | None = 
     return store.commit([Write(key, None, expected)], fence=fence)
 
 
+PAGE = 1000
+"""Keys per range read of :func:`read_all` (bounds one answer's size)."""
+
+
+def read_all(store: KVStore, prefix: str, *, page: int = PAGE) -> list[Entry]:
+    """Every key under ``prefix`` in key order, one range read per ``page`` keys."""
+    out: list[Entry] = []
+    after: str | None = None
+    while True:
+        batch = store.list_prefix(prefix, start_after=after, limit=page)
+        out += batch
+        if len(batch) < page:
+            return out
+        after = batch[-1].key
+
+
 # --------------------------------------------------------------------------- etcd
 
 

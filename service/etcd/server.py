@@ -32,8 +32,18 @@ from types import TracebackType
 
 from service.ports import free_port
 from worker.errors import ElastrainError
+from worker.etcdclient import EtcdClient
 
 _PR_SET_PDEATHSIG = 1
+
+RETAINED_REVISIONS = 10_000
+"""History etcd keeps: every few minutes it compacts away the revisions older than the newest
+this many (a write is one revision), so history stays bounded however long the service runs."""
+QUOTA_BACKEND_BYTES = 2 * 2**30
+"""The database's hard limit: past it etcd refuses writes (an alarm) instead of filling the disk."""
+DEFRAGMENT_FROM_BYTES = 64 * 2**20
+"""A database file at least this large, at least half of it free pages, is defragmented when the
+service starts: compaction frees pages that etcd reuses but never returns to the disk."""
 _PORTS_FILE = "ports.json"
 _LOG_FILE = "etcd.log"
 _PID_FILE = "etcd.pid"
@@ -195,7 +205,8 @@ class EtcdServer:
             f"--initial-cluster={self.name}={peer}",
             "--initial-cluster-state=new",
             "--auto-compaction-mode=revision",
-            "--auto-compaction-retention=10000",
+            f"--auto-compaction-retention={RETAINED_REVISIONS}",
+            f"--quota-backend-bytes={QUOTA_BACKEND_BYTES}",
             "--log-level=warn",
             # One member, no peers: raft ticks only keep its own leadership, so tick every 500 ms
             # rather than every 100 ms (election timeout ten ticks, as etcd recommends).
@@ -304,3 +315,21 @@ def _healthy(url: str) -> bool:
     except (OSError, ValueError, urllib.error.URLError):
         return False
     return str(body.get("health")) == "true"
+
+
+def wants_defragment(db_bytes: int, in_use_bytes: int) -> bool:
+    """Whether the file is large and at least half free pages (after a burst, compacted since).
+    Pure."""
+    return db_bytes >= DEFRAGMENT_FROM_BYTES and 2 * in_use_bytes <= db_bytes
+
+
+def defragment_if_sparse(client: EtcdClient) -> tuple[int, int] | None:
+    """Defragment the member ``client`` reaches when :func:`wants_defragment` says so: it blocks
+    the member while it rewrites the file (seconds for hundreds of MB), so the service does it
+    as it starts, before it serves. The file's size (before, after), or None when left alone."""
+    status = client.post("maintenance/status", {})
+    size, in_use = int(status.get("dbSize", 0)), int(status.get("dbSizeInUse", 0))
+    if not wants_defragment(size, in_use):
+        return None
+    client.post("maintenance/defragment", {}, replay_safe=True)
+    return size, int(client.post("maintenance/status", {}).get("dbSize", 0))

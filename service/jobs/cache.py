@@ -42,3 +42,24 @@ class TTLCache(Generic[V]):
     def drop(self, key: str) -> None:
         with self._lock:
             self._data.pop(key, None)
+
+
+class RevisionCache(Generic[V]):
+    """Values decoded from etcd, per key, valid for exactly the mod_revision they were decoded
+    from: a read that finds the same revision reuses the value (nothing to decode), any other
+    revision misses. Keeps at most ``max_entries`` (past that it starts over). Thread-safe."""
+
+    def __init__(self, *, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._data: dict[str, tuple[int, V]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, revision: int) -> V | None:
+        item = self._data.get(key)
+        return item[1] if item is not None and item[0] == revision else None
+
+    def put(self, key: str, revision: int, value: V) -> None:
+        with self._lock:
+            if len(self._data) >= self.max_entries and key not in self._data:
+                self._data.clear()
+            self._data[key] = (revision, value)

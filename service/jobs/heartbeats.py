@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
+from service.etcd.kv import read_all
 from service.jobs import keys
 from service.jobs.writes import LeaderWrites
 
@@ -52,18 +53,31 @@ class Heartbeats:
     def seen(self, job_id: str) -> tuple[dict[str, float], dict[str, float]]:
         """Per launch id: the oldest of its ranks' newest heartbeat times (as stored), and the
         newest of any of its ranks (stored, or taken by this instance since)."""
-        prefix = keys.heartbeats(job_id)
-        oldest: dict[str, float] = {}
-        newest = dict(self._heard.get(job_id, {}))
-        for entry in self._writes.store.list_prefix(prefix):
-            launch_id = entry.key[len(prefix) :].split("/", 1)[0]
+        return self.seen_of([job_id])[job_id]
+
+    def seen_of(self, job_ids: Collection[str]) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+        """:meth:`seen` of each of ``job_ids``, from one read of every stored beat (a pass reads
+        them once, not once a job; only live jobs have beats: an ended job's are deleted)."""
+        out: dict[str, tuple[dict[str, float], dict[str, float]]] = {
+            job_id: ({}, dict(self._heard.get(job_id, {}))) for job_id in job_ids
+        }
+        if len(out) == 1:  # one job: its own prefix
+            entries = self._writes.store.list_prefix(keys.heartbeats(next(iter(out))))
+        else:
+            entries = read_all(self._writes.store, keys.HEARTBEATS) if out else []
+        for entry in entries:
+            job_id, _, rest = entry.key[len(keys.HEARTBEATS) :].partition("/")
+            if job_id not in out:
+                continue
+            launch_id = rest.split("/", 1)[0]
             try:
                 seen = float(json.loads(entry.value)["time"])
             except (ValueError, KeyError, TypeError):
                 continue
+            oldest, newest = out[job_id]
             oldest[launch_id] = min(oldest.get(launch_id, seen), seen)
             newest[launch_id] = max(newest.get(launch_id, seen), seen)
-        return oldest, newest
+        return out
 
     def quietest(self, job_id: str) -> dict[str, float]:
         """Per launch id, the oldest of its ranks' newest beats, stored or taken by this instance

@@ -36,12 +36,16 @@ def quarantine(job_id: str) -> str:
     return f"{ROOT}/quarantine/{job_id}"
 
 
+PROGRESS = f"{ROOT}/progress/"
+HEARTBEATS = f"{ROOT}/heartbeats/"
+
+
 def progress(job_id: str) -> str:
-    return f"{ROOT}/progress/{job_id}"
+    return f"{PROGRESS}{job_id}"
 
 
 def heartbeats(job_id: str) -> str:
-    return f"{ROOT}/heartbeats/{job_id}/"
+    return f"{HEARTBEATS}{job_id}/"
 
 
 def heartbeat(job_id: str, launch_id: str, local_rank: int) -> str:

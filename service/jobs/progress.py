@@ -6,11 +6,12 @@ the newest report, held or stored."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from service.etcd.kv import read_all
 from service.jobs import keys
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.writes import LeaderWrites
@@ -55,7 +56,22 @@ class ProgressBuffer:
     def newest(self, job_id: str) -> Progress | None:
         """The newest progress: etcd's, or the newer one this instance holds but has not written."""
         found = self._writes.store.get(keys.progress(job_id))
-        stored = _decode(found.value) if found else None
+        return self._newer(job_id, _decode(found.value) if found else None)
+
+    def newest_of(self, job_ids: Collection[str]) -> dict[str, Progress | None]:
+        """:meth:`newest` of each of ``job_ids``, from one read of every stored progress (a pass,
+        or a page of jobs, reads them once, not once a job); only theirs are decoded."""
+        if len(job_ids) <= 1:
+            return {job_id: self.newest(job_id) for job_id in job_ids}
+        wanted = set(job_ids)
+        stored: dict[str, Progress | None] = {}
+        for entry in read_all(self._writes.store, keys.PROGRESS):
+            job_id = entry.key[len(keys.PROGRESS) :]
+            if job_id in wanted:
+                stored[job_id] = _decode(entry.value)
+        return {job_id: self._newer(job_id, stored.get(job_id)) for job_id in job_ids}
+
+    def _newer(self, job_id: str, stored: Progress | None) -> Progress | None:
         held = self._held.get(job_id)
         if held is not None and (stored is None or held.progress.time > stored.time):
             return held.progress

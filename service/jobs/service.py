@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from service.etcd.kv import Fence, KVStore, Write
+from service.etcd.kv import Fence, KVStore, Write, read_all
 from service.jobs import keys, peer
-from service.jobs.cache import TTLCache
+from service.jobs.cache import RevisionCache, TTLCache
 from service.jobs.claims import check_free, claim_write
 from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.events import WINDOW_S, WorkerEvent, apply_worker_event, first_step_done, merge_progress
@@ -96,6 +96,7 @@ class JobService:
         self.merge_window_s = merge_window_s
         """How long a completed incident takes late reports of it (two heartbeat timeouts)."""
         self._recent = TTLCache[JobRecord](record_cache_s, clock=time.monotonic)
+        self._decoded = RevisionCache[JobRecord]()
         """Records for :meth:`get_recent` (this instance's own writes drop them at once; only the
         leader writes, so one is stale only across a failover)."""
 
@@ -121,7 +122,14 @@ class JobService:
         return self.read(job_id).record
 
     def _decode(self, key: str, raw: bytes, revision: int) -> Stored:
+        """The record stored at ``revision``; decoded once per revision (records are frozen), so
+        that a pass over jobs that did not change, finished ones above all, decodes nothing."""
+        known = self._decoded.get(key, revision)
+        if known is not None:
+            return Stored(known, revision, None)
         record, unreadable = decode(key.removeprefix(keys.JOBS), raw, revision, now=self.clock())
+        if unreadable is None:  # a stand-in carries the time it was made: made again each read
+            self._decoded.put(key, revision, record)
         return Stored(record, revision, unreadable)
 
     def forget(self, job_id: str) -> None:
@@ -163,14 +171,7 @@ class JobService:
     def scan(self) -> builtins.list[Stored]:
         """Every job as stored, in id order (one range read per 1,000 jobs); a record that cannot
         be read comes as its stand-in, with why (the reconciler quarantines it)."""
-        out: builtins.list[Stored] = []
-        after: str | None = None
-        while True:
-            batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=1000)
-            out += [self._decode(e.key, e.value, e.mod_revision) for e in batch]
-            if len(batch) < 1000:
-                return out
-            after = batch[-1].key
+        return [self._decode(e.key, e.value, e.mod_revision) for e in read_all(self.store, keys.JOBS)]
 
     def quarantine(self, bad: Unreadable, *, fence: Fence | None = None) -> JobRecord | None:
         """Replace a record that cannot be read by its FAILED stand-in and keep the bytes as found

@@ -4,8 +4,9 @@ each), and at a seeded step a SIGTERM, with ``os.kill``, to one node's wrapper o
 whole job): what a kubelet sends a pod's first process. Restart mode: the workers stop at one step
 and save it, the service records one incident of kind ``preemption`` that uses no restart,
 relaunches the node(s) at once, and the job resumes at the saved step (0 steps lost) and ends
-digest-equal to the same job on two bare one-process torchrun nodes (each process with torch's
-default thread count, as under the service). Peer mode: see its test.
+digest-equal to the same job on two bare one-process torchrun nodes (each process with the one
+compute thread the service gives a worker here: ``OMP_NUM_THREADS=1``, which the service decides
+from the host's cores and its slots and which the run record states). Peer mode: see its test.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def two_node_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=reference",
                "-m", "worker", "--config", str(path)]  # fmt: skip
-        nodes = [subprocess.Popen(cmd, env=worker_env(), cwd=REPO, stdout=subprocess.DEVNULL,
+        env = worker_env({"OMP_NUM_THREADS": "1"})
+        nodes = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
         for node in nodes:
             _, err = node.communicate(timeout=600)

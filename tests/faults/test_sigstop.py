@@ -31,6 +31,7 @@ from tests.faults.conftest import Reference
 from tests.integration.launch import REPO, Run, torchrun_cmd, worker_env, write_spec
 from tests.integration.worker.test_resume import spec
 from tests.seeds import seeded
+from worker.start.hangs import EVERY_S
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 COLLECTIVE_TIMEOUT_S = 12.0  # ELASTRAIN_COLLECTIVE_TIMEOUT_S for these rows (the default is 300 s)
@@ -52,6 +53,7 @@ def worker_pids(spec_path: Path) -> list[int]:
 
 
 HOLD_S = 5.0  # the victim holds this long at its window: the test's time to stop it there
+BEACON_S = EVERY_S
 HOLDING = re.compile(r"elastrain failpoint after_grad_sync: sleep:\S+ \(pid (\d+)\)")
 
 
@@ -74,6 +76,9 @@ def stop_and_continue(tmp: Path, seed: int, pause: float) -> tuple[Run, str, flo
             assert proc.poll() is None and time.monotonic() < deadline, (tmp / "stderr").read_text()[-3000:]
             time.sleep(0.05)
         victim = int(holding.group(1))
+        # Inside the hold, past one beacon period: the victim's beacon (published once a second,
+        # worker.start.hangs) has said the step it completed before the stop comes.
+        time.sleep(BEACON_S + 0.5)
         stopped_at = time.time()
         os.kill(victim, signal.SIGSTOP)
         # Stopped in the middle of training: the run has not finished, the victim is its rank.

@@ -72,9 +72,10 @@ def list_jobs(
 ) -> JobList:
     records, next_cursor = ctx.jobs.list(state=state, limit=limit, cursor=cursor)
     # A live job's world size as GET /v1/jobs/{id} shows it: its newest progress merged in (one
-    # read each). A finished job is listed as stored: the reconciler wrote its final state with
-    # the progress it held merged in
-    merged = [r if r.state.terminal else merge_progress(r, ctx.progress.newest(r.id)) for r in records]
+    # read for the page). A finished job is listed as stored: the reconciler wrote its final
+    # state with the progress it held merged in
+    progress = ctx.progress.newest_of([r.id for r in records if not r.state.terminal])
+    merged = [r if r.state.terminal else merge_progress(r, progress[r.id]) for r in records]
     return JobList(jobs=[summary(r) for r in merged], next_cursor=next_cursor)
 
 

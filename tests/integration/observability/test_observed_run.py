@@ -243,7 +243,7 @@ def test_service_recovery_histogram_has_one_observation(observed: Observed) -> N
 def test_alert_rules_are_loaded_and_evaluate(observed: Observed) -> None:
     groups = observed.prom.api("rules")["groups"]
     rules = [r for g in groups for r in g["rules"] if r["type"] == "alerting"]
-    assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
+    assert len(rules) == 8 and all(r["health"] == "ok" for r in rules), rules
     firing = {r["name"] for r in rules if r["state"] != "inactive"}
     assert not firing, f"a healthy finished run fires {firing}"
 

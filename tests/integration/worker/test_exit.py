@@ -1,4 +1,4 @@
-"""The worker's exit without the interpreter's teardown (worker.main.exit_now) keeps what a normal
+"""The worker's exit without the interpreter's teardown (worker.wiring.exit_now) keeps what a normal
 exit keeps: a real subprocess that leaves a non-daemon thread writing, an idle thread pool, a file
 object unflushed, an ``atexit`` handler and a ``logging`` file handler, then exits through it."""
 
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     import atexit, logging, sys, threading, time
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
-    from worker.main import exit_now
+    from worker.wiring import exit_now
 
     out = Path(sys.argv[1])
     left_open = (out / "left-open.txt").open("w")

@@ -108,3 +108,25 @@ def test_heartbeats_reach_etcd_at_most_every_write_interval_per_rank(tmp_path: P
     assert store.get(keys.heartbeat(job_id, "launch-b", 0)) is not None
     # the reconciler's view: per launch, the oldest of its ranks' newest beats
     assert parts.heartbeats.last_seen(job_id) == {"launch-a": start, "launch-b": start + 15}
+
+
+def test_many_jobs_read_at_once_see_what_each_read_alone_sees(tmp_path: Path) -> None:
+    parts, _, clock, first = setup(tmp_path)
+    second = parts.records.create(parse_spec(SPEC))[0].id
+    quiet = parts.records.create(parse_spec(SPEC))[0].id  # no progress, no beats
+    record = parts.records.get(first)
+    parts.progress.report(record, Progress(step=1, time=clock.now))  # written
+    clock.now += 1
+    parts.progress.report(record, Progress(step=2, time=clock.now))  # held
+    parts.progress.report(parts.records.get(second), Progress(step=7, time=clock.now))
+    parts.heartbeats.beat(first, "launch-a", 0, step=2)
+    parts.heartbeats.beat(first, "launch-a", 1, step=2)
+    parts.heartbeats.beat(second, "launch-b", 0, step=7)
+    ids = [first, second, quiet]
+    assert parts.progress.newest_of(ids) == {job_id: parts.progress.newest(job_id) for job_id in ids}
+    assert parts.progress.newest_of(ids)[first] == Progress(step=2, time=clock.now)
+    assert parts.progress.newest_of(ids)[quiet] is None
+    assert parts.heartbeats.seen_of(ids) == {job_id: parts.heartbeats.seen(job_id) for job_id in ids}
+    assert parts.heartbeats.seen_of(ids)[second] == ({"launch-b": clock.now}, {"launch-b": clock.now})
+    assert parts.heartbeats.seen_of([first]) == {first: parts.heartbeats.seen(first)}
+    assert parts.progress.newest_of([]) == {} and parts.heartbeats.seen_of([]) == {}

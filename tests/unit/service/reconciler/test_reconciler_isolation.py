@@ -166,10 +166,10 @@ def test_a_job_the_reconciler_keeps_failing_on_is_failed_and_the_others_go_on(
     bad, healthy = world.submit(name="bad"), world.submit(name="healthy")
     observe = world.reconciler._observe
 
-    def broken(record: JobRecord, progress: Any) -> Any:
+    def broken(record: JobRecord, progress: Any, seen: Any) -> Any:
         if record.id == bad:
             raise TypeError("unsupported operand type(s) for -: 'NoneType' and 'float'")
-        return observe(record, progress)
+        return observe(record, progress, seen)
 
     monkeypatch.setattr(world.reconciler, "_observe", broken)
     for _ in range(2):
