@@ -139,7 +139,9 @@ def serve(port: int, data_dir: str) -> int:
     from service.server import serve as run
     from service.settings import load_settings
 
-    return run(load_settings(port=port, data_dir=data_dir), scheduler=SimScheduler(Path(data_dir)))
+    # The simulated nodes take no cores: slots for every job the run submits (none waits in QUEUED).
+    settings = load_settings(port=port, data_dir=data_dir, local_slots=65536)
+    return run(settings, scheduler=SimScheduler(Path(data_dir)))
 
 
 # ---------------------------------------------------------------- the simulated ranks

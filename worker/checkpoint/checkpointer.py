@@ -356,9 +356,14 @@ class Checkpointer:
         }  # fmt: skip
         if self.rank == 0:
             self._collect_stale_staging(step)
+        agreed = meta
+        if self.parallelism == "fsdp":
+            # Each rank's gradient monitor sees only its own shards (a parameter whose shard here
+            # is empty looks never updated): rank 0's is the one kept, the others are not compared.
+            agreed = {**meta, "progress": {k: v for k, v in meta["progress"].items() if k != "monitor"}}
         return new_job(
             live, step=step, generation=self.generation, seq=self._seq, rank=self.rank,
-            world_size=self.world_size, job_dir=self.job_dir, block_size=self.block_size, meta=meta,
+            world_size=self.world_size, job_dir=self.job_dir, block_size=self.block_size, meta=agreed,
             rank_meta={"rng": capture_rng()}, context=context,
         )  # fmt: skip
 
