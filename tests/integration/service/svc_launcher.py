@@ -79,7 +79,9 @@ def main() -> int:
         etcd=args.etcd,
         reconcile_interval_s=0.2,
         leader_ttl_s=3,
-        local_slots=None if "ELASTRAIN_LOCAL_SLOTS" in os.environ else 64,  # nothing runs: no cores used
+        local_slots=None
+        if "ELASTRAIN_LOCAL_SLOTS" in os.environ
+        else 65536,  # nothing runs: no slot is used up
     )
     return serve(settings, scheduler=FileScheduler(Path(args.nodes_dir)))
 

@@ -49,9 +49,7 @@ class ServiceProcess:
 
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
         # no PYTHONPATH: the launcher imports `service` from the installed distribution
-        # Many small jobs run at once here: slots beyond the cores unless a test sets its own.
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"ELASTRAIN_LOCAL_SLOTS": "64"}
-        env |= self.extra_env
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | self.extra_env
         env.pop("ELASTRAIN_API_TOKEN", None)
         if self.api_token is not None:
             env["ELASTRAIN_API_TOKEN"] = self.api_token
