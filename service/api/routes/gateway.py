@@ -22,7 +22,9 @@ router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["workers"])
 @router.post(
     "/kv/{op:path}",
     responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
-    openapi_extra={"requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}}},
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
+    },
 )
 async def kv(job_id: str, op: str, auth: WorkerAuth, ctx: ContextDep, request: Request) -> dict[str, Any]:
     """One etcd v3 request of the job's rendezvous or peer group (``kv/range``, ``kv/put``,

@@ -20,7 +20,8 @@ from worker.jobspec.spec import parse_spec
 
 DEEP = "a/" * 1500
 _RESUME_FIX = "give 'auto'"
-_URL_FIX = "only local paths are supported"
+_URL_FIX = "is not supported; give a local directory or s3://BUCKET/PREFIX"
+_S3_UNDER_SERVICE = "the service keeps checkpoints under its storage root"
 
 
 @pytest.mark.parametrize(
@@ -30,10 +31,14 @@ _URL_FIX = "only local paths are supported"
         ({"checkpoint": {"dir": "x" * 300}}, "checkpoint.dir", "more than 255 bytes"),
         ({"checkpoint": {"dir": "d/" * 60 + "é" * 2000}}, "checkpoint.dir", "at most 4095 bytes"),
         ({"checkpoint": {"resume": DEEP}}, "checkpoint.resume", "directories"),
-        ({"checkpoint": {"dir": "s3://ckpt/runs/a"}}, "checkpoint.dir", _URL_FIX),
+        ({"checkpoint": {"dir": "s3://ckpt/runs/a"}}, "checkpoint.dir", _S3_UNDER_SERVICE),
         ({"checkpoint": {"dir": "gs://b/p"}}, "checkpoint.dir", _URL_FIX),
         ({"checkpoint": {"dir": "file:///tmp/x"}}, "checkpoint.dir", _URL_FIX),
-        ({"checkpoint": {"resume": "s3://ckpt/runs/a/step-00000010"}}, "checkpoint.resume", _URL_FIX),
+        (
+            {"checkpoint": {"resume": "s3://ckpt/runs/a/step-00000010"}},
+            "checkpoint.resume",
+            _S3_UNDER_SERVICE,
+        ),
         ({"checkpoint": {"resume": "none"}}, "checkpoint.resume", _RESUME_FIX),
         ({"checkpoint": {"resume": "latest"}}, "checkpoint.resume", _RESUME_FIX),
         ({"checkpoint": {"resume": "12"}}, "checkpoint.resume", _RESUME_FIX),
@@ -62,8 +67,9 @@ def test_a_refused_submit_stores_nothing(
 
 
 def test_a_bare_worker_reads_the_same_rules() -> None:
-    with pytest.raises(SpecError, match=r"field 'checkpoint.dir': 's3://ckpt/runs/a' is a URL"):
-        parse_spec(SPEC | {"checkpoint": {"dir": "s3://ckpt/runs/a"}})
+    assert parse_spec(SPEC | {"checkpoint": {"dir": "s3://ckpt/runs/a"}}).checkpoint.dir == "s3://ckpt/runs/a"
+    with pytest.raises(SpecError, match=r"field 'checkpoint.dir': .*gs:// is not supported; give a local"):
+        parse_spec(SPEC | {"checkpoint": {"dir": "gs://ckpt/runs/a"}})
     with pytest.raises(SpecError, match=r"field 'data.path': .*only local paths"):
         parse_spec(
             SPEC | {"data": {"name": "token-file", "path": "s3://b/t.bin", "dtype": "uint16", "seq_len": 4}}
