@@ -36,12 +36,11 @@ integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
 # Each test runs once: the installed-distribution subset (the unit tests and a few launches, see
-# scripts/test_installed.py) against the wheel, everything else from the tree. Last, every
-# benchmark's short run (docs/benchmarks.md left alone), so that a benchmark that breaks fails.
+# scripts/test_installed.py) against the wheel, everything else from the tree. Every benchmark's
+# short run is `make bench QUICK=1`, which CI runs after this (.ci/run).
 test: lint types
 	$(PY) -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS)
 	$(PY) -m scripts.test_installed -n $(TEST_WORKERS) --dist loadscope
-	$(PY) -m benchmarks.run_all --quick --no-table
 
 # Part of the suite against the distribution users install: a wheel of this tree, installed (not
 # editable) into build/installed/venv, run from a copy of tests/ with no service/ or worker/
