@@ -31,6 +31,7 @@ from worker.recovery.failure import Failure, classify, is_incident
 from worker.recovery.group import Group, GroupInfo, StoreHost, form, teardown
 from worker.recovery.handover import Handed, Holding, hand_over
 from worker.recovery.hub import Hub
+from worker.recovery.leader import Leader
 from worker.recovery.membership import KeyValue, KeyValueUnavailable, Membership
 from worker.recovery.records import Checkin, GenRecord, MemberInfo, RecordError
 from worker.recovery.resolve import Resolver
@@ -93,9 +94,11 @@ class GroupMember:
         self.hub.me = self.me
         self.membership.register(self.me)
         self.resolver = Resolver(
-            me=self.me, secret=self.cfg.secret, advertise=self.cfg.advertise, policy=self.cfg.policy,
-            desired_world=self.cfg.desired_world, store_timeout_s=self.cfg.collective_timeout_s,
-            hub=self.hub, membership=self.membership, on_event=self.emit,
+            Leader(
+                me=self.me, secret=self.cfg.secret, advertise=self.cfg.advertise, policy=self.cfg.policy,
+                desired_world=self.cfg.desired_world, store_timeout_s=self.cfg.collective_timeout_s,
+                hub=self.hub, membership=self.membership, on_event=self.emit,
+            )
         )  # fmt: skip
 
     @property

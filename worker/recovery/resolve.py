@@ -19,34 +19,20 @@ import time
 from worker.recovery.answers import ACK_TIMEOUT_S, ANSWERS, TIMEOUT, Order, Refused, await_answer, order_from
 from worker.recovery.control import ControlError, Link, connect
 from worker.recovery.hub import Hub
-from worker.recovery.leader import EventSink, Leader
+from worker.recovery.leader import Leader
 from worker.recovery.membership import Membership
-from worker.recovery.plan import Policy
-from worker.recovery.records import Checkin, GenRecord, MemberInfo
+from worker.recovery.records import Checkin, GenRecord
 
 
 class Resolver:
-    """This process's way into the next generation; ``leader`` is its side as the leader."""
+    """This process's way into the next generation; ``leader`` is its side as the leader (whose
+    member, secret, policy, hub and membership it shares)."""
 
-    def __init__(
-        self,
-        *,
-        me: MemberInfo,
-        secret: bytes,
-        advertise: str,
-        policy: Policy,
-        desired_world: int | None,
-        store_timeout_s: float,
-        hub: Hub,
-        membership: Membership,
-        on_event: EventSink,
-    ) -> None:
-        self.me, self.secret, self.policy = me, secret, policy
-        self.hub, self.membership = hub, membership
-        self.leader = Leader(
-            me=me, secret=secret, advertise=advertise, policy=policy, desired_world=desired_world,
-            store_timeout_s=store_timeout_s, hub=hub, membership=membership, on_event=on_event,
-        )  # fmt: skip
+    def __init__(self, leader: Leader) -> None:
+        self.leader = leader
+        self.me, self.secret, self.policy = leader.me, leader.secret, leader.policy
+        self.hub: Hub = leader.hub
+        self.membership: Membership = leader.membership
 
     def close(self) -> None:
         """Stop serving a store hosted ahead and not used. Idempotent."""
