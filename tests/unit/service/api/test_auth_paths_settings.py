@@ -17,6 +17,7 @@ from service.jobs.paths import PathError, checkpoint_dir, contained, resume_sour
 from service.jobs.tokens import derive_worker_token, hash_token, worker_token_job
 from service.launch.environment import launch_storage_env
 from service.settings import Settings, SettingsError, load_settings
+from worker.checkpoint.storage import StorageError
 from worker.errors import SpecError
 from worker.etcdclient import EtcdUnavailableError
 from worker.jobspec.location import S3Location
@@ -171,6 +172,7 @@ def test_nonsense_is_refused_with_the_name(overrides: dict[str, object], match: 
         (IllegalTransitionError("done", code="job_finished"), 409, "job_finished"),
         (IllegalTransitionError("range", code="out_of_range"), 422, "out_of_range"),
         (EtcdUnavailableError("etcd down"), 503, "unavailable"),
+        (StorageError("s3://ckpt: connection refused"), 503, "storage_unavailable"),
     ],
 )
 def test_domain_errors_map_to_4xx_or_503(exc: Exception, status: int, code: str) -> None:
