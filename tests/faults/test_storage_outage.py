@@ -71,6 +71,8 @@ def test_storage_server_killed_during_a_save(
         svc.stop()
     assert final["state"] == "SUCCEEDED", f"{what}: {final}\n{svc.node_logs(job_id)[-3000:]}"
     assert final["restarts"] == 0, f"{what}: training was interrupted: {final['recoveries']}"
+    alive = store.proc is not None and store.proc.poll() is None
+    assert alive, f"{what}: the store exited:\n{(store.directory / 'weed.log').read_text()[-3000:]}"
     published = [s for s, _ in list_published(loc)]
     print(f"{what}: published {published}")  # which way the save went, in the row's output
     aborted = [m for m in events if "step 20 aborted" in m]
