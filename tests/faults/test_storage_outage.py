@@ -26,6 +26,7 @@ from tests.integration.worker.test_service_s3 import _digest
 from tests.s3server import SeaweedServer
 from tests.seeds import seeded
 from tests.waiting import eventually
+from worker.checkpoint import storage
 from worker.checkpoint.remote import list_published, read_latest
 from worker.checkpoint.storage import storage_for
 from worker.jobspec.location import S3Location
@@ -41,6 +42,7 @@ def store(tmp_path: Path) -> Iterator[SeaweedServer]:
     with SeaweedServer(tmp_path / "seaweed") as server, pytest.MonkeyPatch.context() as mp:
         for k, v in server.env().items():
             mp.setenv(k, v)  # this process reads the bucket with the service's variables
+        mp.setattr(storage, "_stores", {})  # this process's clients: made anew for this server
         yield server
 
 

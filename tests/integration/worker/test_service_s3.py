@@ -7,6 +7,7 @@ step in the bucket and applies retention there; a missing bucket and refused cre
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import uuid
@@ -16,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.launch import REPO
-from tests.integration.worker.test_service_e2e import Service, bare_run_digest, job_spec
+from tests.integration.worker.test_service_e2e import Service, bare_run_digest, job_spec, until
 from tests.s3server import SECRET_KEY, SeaweedServer
 from tests.shared_runs import once
+from worker.checkpoint import storage
 from worker.checkpoint.remote import list_published, read_latest
 from worker.checkpoint.storage import storage_for
 from worker.jobspec.location import S3Location
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.integration
 
 STEPS = 30
 KILL_RANK_1 = "after_grad_sync=kill@1#15^0"  # rank 1, at step 15, in the first attempt only
+CRASH_IN_PUBLISH = "after_publish_rename=kill#1"  # the service, once step 10's manifest is created
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,7 @@ def s3_env(s3server: SeaweedServer) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         for k, v in s3server.env().items():
             mp.setenv(k, v)
+        mp.setattr(storage, "_stores", {})  # this process's clients: made anew for this server
         yield
 
 
@@ -48,9 +52,9 @@ def s3_env(s3server: SeaweedServer) -> Iterator[None]:
 def s3_service(
     s3server: SeaweedServer, s3_env: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    """The service with the store's credentials in its environment; its jobs' rank 1 is killed
-    once at step 15."""
-    env = _env(s3server) | {"ELASTRAIN_FAILPOINTS": KILL_RANK_1}
+    """The service with the store's credentials in its environment; it dies inside its first
+    publish, and its jobs' rank 1 is killed once at step 15."""
+    env = _env(s3server) | {"ELASTRAIN_FAILPOINTS": f"{KILL_RANK_1},{CRASH_IN_PUBLISH}"}
     svc = Service(tmp_path_factory.mktemp("svc"), env)
     svc.start()
     try:
@@ -82,20 +86,30 @@ def bare30_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(once(tmp_path_factory, "faults-bare30", lambda tmp: bare_run_digest(tmp, max_steps=30)))
 
 
-def test_a_job_on_s3_survives_a_worker_sigkill_and_keeps_retention_in_the_bucket(
-    s3_service: Service, tmp_path_factory: pytest.TempPathFactory
+def test_a_job_on_s3_survives_a_service_crash_and_a_worker_sigkill(
+    s3server: SeaweedServer, s3_service: Service, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """The service is SIGKILLed right after it created step 10's manifest in the bucket (before
+    it recorded the step), and started again: it adopts the step from the bucket. Rank 1 is then
+    killed at step 15 and the group resumes from the bucket. Retention keeps the newest two."""
     svc, loc = s3_service, _prefix()
     retention = {"keep_latest": 2}
     spec = job_spec(max_steps=STEPS) | {
         "checkpoint": {"dir": str(loc), "interval_steps": 10, "retention": retention}
     }
     job_id = svc.submit(spec)
+    assert svc.proc is not None
+    code = svc.proc.wait(timeout=300)  # the publish failpoint kills it; nothing else stops it
+    assert code == -signal.SIGKILL, f"the service exited with {code}:\n{svc.log()[-3000:]}"
+    assert "elastrain failpoint after_publish_rename: kill" in svc.log()
+    assert [s for s, _ in list_published(loc)] == [10]  # committed in the bucket, not recorded
+    svc.env = _env(s3server) | {"ELASTRAIN_FAILPOINTS": KILL_RANK_1}  # as an operator would
+    svc.start()
+    until(lambda: 10 in _steps(svc, job_id), "step 10 adopted from the bucket", 120)
     final = svc.finished(job_id)
     assert final["state"] == "SUCCEEDED", (final, svc.node_logs(job_id)[-3000:])
     assert final["checkpoint_dir"] == str(loc)
-    logs = svc.node_logs(job_id)
-    assert "elastrain failpoint after_grad_sync: kill" in logs, "the kill never happened"
+    assert "elastrain failpoint after_grad_sync: kill" in svc.node_logs(job_id), "the kill never happened"
     assert final["restarts"] >= 1, final
     # the service published every step in the bucket and retention kept the newest two
     assert [s for s, _ in list_published(loc)] == [20, 30]
@@ -108,6 +122,10 @@ def test_a_job_on_s3_survives_a_worker_sigkill_and_keeps_retention_in_the_bucket
     assert not (svc.data_dir / "checkpoints" / job_id).exists()  # nothing went to the storage root
     # the same job on a local directory under bare torchrun ends on the same state
     assert _digest(str(loc)) == bare30_digest(tmp_path_factory)
+
+
+def _steps(svc: Service, job_id: str) -> list[int]:
+    return [c["step"] for c in svc.http.get(f"/v1/jobs/{job_id}/checkpoints").json()["checkpoints"]]
 
 
 def test_a_missing_bucket_is_422_at_submit(s3_service: Service) -> None:
