@@ -12,9 +12,9 @@ import logging
 from service.checkpoints.registry import Registry
 from service.checkpoints.resume import sizes_match
 from service.jobs.model import JobRecord
-from worker.checkpoint.remote import abort as abort_unpublished
 from worker.checkpoint.layout import parse_staging_dir, parse_step_dir
 from worker.checkpoint.places import abort_staged, list_published, load_manifest
+from worker.checkpoint.remote import abort as abort_unpublished
 from worker.checkpoint.storage import storage_for
 from worker.errors import ElastrainError
 from worker.jobspec.location import S3Location
