@@ -15,7 +15,7 @@ from service.jobs.model import JobRecord
 from worker.checkpoint.layout import parse_staging_dir, parse_step_dir
 from worker.checkpoint.places import abort_staged, list_published, load_manifest
 from worker.checkpoint.remote import abort as abort_unpublished
-from worker.checkpoint.storage import storage_for
+from worker.checkpoint.storage import StorageError, storage_for
 from worker.errors import ElastrainError
 from worker.jobspec.location import S3Location
 
@@ -40,6 +40,8 @@ class StorageAdoption:
                 continue
             try:
                 manifest = load_manifest(path, check_files=False)  # bounded; sizes judged below
+            except StorageError:
+                raise  # the store did not answer: the next pass tries again
             except (OSError, ElastrainError) as exc:
                 log.warning("job %s: %s has no valid manifest: %s", record.id, path, exc)
                 continue

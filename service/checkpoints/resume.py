@@ -15,6 +15,7 @@ from service.jobs.model import JobRecord
 from worker.checkpoint.loadplan import bytes_read, needs_for_rank, plan_reads
 from worker.checkpoint.manifest import Manifest
 from worker.checkpoint.places import Place, list_published, load_manifest, place_of, staged_sizes
+from worker.checkpoint.storage import StorageError
 from worker.errors import ElastrainError
 
 log = logging.getLogger("elastrain.coordinator")
@@ -59,6 +60,8 @@ class ResumePlanner:
         for step, step_dir, verified in sorted(entries, key=lambda e: -e[0]):
             try:
                 manifest = load_manifest(step_dir)  # bounded, and every shard on disk at its size
+            except StorageError:
+                raise  # the store did not answer: no reason to set the step aside (503)
             except (OSError, ElastrainError) as exc:
                 log.warning("job %s: checkpoint step %s is not usable: %s", record.id, step, exc)
                 continue
