@@ -120,6 +120,7 @@ def test_a_job_on_s3_survives_a_service_crash_and_a_worker_sigkill(
     resume = svc.http.get(f"/v1/jobs/{job_id}/resume", params={"world_size": 3}).json()
     assert resume["checkpoint"]["dir"] == f"{loc}/step-00000030" and resume["checkpoint"]["reshard"]
     assert not (svc.data_dir / "checkpoints" / job_id).exists()  # nothing went to the storage root
+    assert not (REPO / "s3:").exists()  # nor to a local directory named like the URL
     # the same job on a local directory under bare torchrun ends on the same state
     assert _digest(str(loc)) == bare30_digest(tmp_path_factory)
 
