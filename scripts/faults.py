@@ -53,6 +53,7 @@ ROWS: dict[str, str] = {
     "bad-manifest-code": T + "test_bad_input.py::test_crafted_checkpoint_never_executes_code",
     "poison": T + "test_poison.py::test_poison_next_to_a_healthy_job",
     "hostile-job": T + "test_hostile_job.py::test_a_hostile_job_reaches_nothing_beside_a_victim",
+    "storage-outage": T + "test_storage_outage.py::test_storage_server_killed_during_a_save",
     # Graceful preemption: a SIGTERM from outside, under the README's bare torchrun command.
     "preempt-agent": T + "test_preemption.py::test_sigterm_to_the_agent_saves_and_the_same_command_resumes",
     "preempt-worker": T + "test_preemption.py::test_sigterm_to_one_worker_stops_the_group_at_one_step",

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from service.checkpoints.adopt import StorageAdoption
@@ -37,6 +37,7 @@ from service.jobs.machine import (
     reconcile,
 )
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, Progress
+from service.jobs.objectstore import uses_object_storage
 from service.jobs.parts import JobParts
 from service.jobs.queue import Grant, grant_all, still_waiting
 from service.jobs.service import Stored
@@ -52,14 +53,23 @@ class LaunchContext:
     """What every launched node is told (in its environment)."""
 
     service_url: str
+    storage_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The service's object storage variables (:func:`service.jobs.objectstore.storage_env`),
+    told only to the nodes of a job whose checkpoints are on ``s3://``. On Kubernetes only the
+    plain ones: the pods take the credentials from a Secret (:mod:`service.launch.dryrun`)."""
 
 
 def service_env(job: JobRecord, ctx: LaunchContext, worker_token: str) -> dict[str, str]:
     """What the service tells every node of ``job``: its URL, the job's worker token, its
     checkpoint directory and its key-value gateway (the rendezvous and the peer group reach
-    etcd only through it; a job is given no etcd endpoint or credential). Who the node is its
-    scheduler adds (:func:`service.launch.apps.node_env`)."""
+    etcd only through it; a job is given no etcd endpoint or credential) and, for a job whose
+    checkpoints are on ``s3://``, the service's object storage variables (they come after the
+    job's own ``env``, which cannot replace them). Who the node is its scheduler adds
+    (:func:`service.launch.apps.node_env`)."""
+    resume = job.spec.checkpoint.resume if job.spec is not None else None
+    storage = ctx.storage_env if uses_object_storage(job.checkpoint_dir, resume) else {}
     return {
+        **storage,
         "ELASTRAIN_SERVICE_URL": ctx.service_url,
         TOKEN_ENV: worker_token,
         "ELASTRAIN_CHECKPOINT_DIR": job.checkpoint_dir,

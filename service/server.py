@@ -39,8 +39,10 @@ from service.etcd.gateway_budget import KvBudget
 from service.etcd.kv import EtcdStore, Fence
 from service.etcd.server import EtcdServer, defragment_if_sparse
 from service.jobs.machine import Policy
+from service.jobs.objectstore import ObjectStorage
 from service.jobs.parts import JobParts
 from service.jobs.service import ensure_worker_secret
+from service.launch.environment import launch_storage_env
 from service.launch.protocol import Scheduler
 from service.launch.threads import host_slots
 from service.metrics import InstrumentedStore, Metrics
@@ -219,10 +221,12 @@ def build_app(
     policy = Policy(
         heartbeat_timeout_s=settings.heartbeat_timeout_s, startup_timeout_s=settings.startup_timeout_s
     )
+    storage = ObjectStorage.from_environ(os.environ)
     parts = JobParts.build(
         store,
         storage_root=settings.checkpoint_root,
         secret=secret,
+        object_storage=storage,
         fence_source=lambda: leader_fence(election, wait_s=2 * settings.reconcile_interval_s + 1),
         on_fence_refused=metrics.fenced_refusals.inc,
         on_job_write=lambda job_id: wake.set(),
@@ -235,7 +239,10 @@ def build_app(
         parts,
         scheduler,
         election,
-        launch=LaunchContext(service_url=settings.service_url),
+        launch=LaunchContext(
+            service_url=settings.service_url,
+            storage_env=launch_storage_env(storage, kubernetes=settings.scheduler == "kubernetes"),
+        ),
         wake=wake,
         metrics=metrics,
         policy=policy,

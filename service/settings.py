@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     k8s_service_account: str = ""
     checkpoint_claim: str = ""
     checkpoint_mount: str = "/checkpoints"
+    storage_secret: str = ""
+    """kubernetes: the Secret holding the object storage credentials (``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, optionally ``AWS_SESSION_TOKEN``) that the worker pods of a job on
+    ``s3://`` get through ``secretKeyRef``. The service's own credentials are the standard
+    ``AWS_*`` variables of its environment (the chart sets both from the same Secret)."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
     http_header_timeout_s: float = Field(default=10.0, gt=0, le=600)
     """How long a client may take to send a request's line and headers, from its connection (or

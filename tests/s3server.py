@@ -36,6 +36,7 @@ class SeaweedServer:
         self.directory = directory
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self._ports: list[int] = []
 
     @property
     def endpoint(self) -> str:
@@ -65,7 +66,7 @@ class SeaweedServer:
                     "actions": ["Admin", "Read", "Write", "List", "Tagging"]}  # fmt: skip
         config.write_text(json.dumps({"identities": [identity]}))
         # weed's gRPC ports are its HTTP ports + 10000: pick HTTP ports whose gRPC twin is free too.
-        ports = [self._pair() for _ in range(6)]
+        ports = self._ports = self._ports or [self._pair() for _ in range(6)]  # a restart keeps them
         self.port = ports[0]
         master, volume, filer, admin, debug = ports[1:]
         cmd = [
@@ -107,6 +108,14 @@ class SeaweedServer:
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"weed mini did not answer on {self.endpoint} within {timeout}s")
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; :meth:`start` brings it back on the same ports
+        with the same data."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
 
     def stop(self) -> None:
         if self.proc is None:

@@ -180,7 +180,9 @@ def _stopped(exc: BaseException, info: DistInfo, run_dir: str | None, step: int 
 
 def _keep_traceback(run_dir: str | None, rank: int, text: str) -> str | None:
     """Append ``text`` to the run directory's ``worker-errors.log``; its path, None without one."""
-    if run_dir is None:
+    from worker.jobspec.location import is_url
+
+    if run_dir is None or is_url(run_dir):  # a checkpoint location on S3 is no local directory
         return None
     path = Path(run_dir) / "worker-errors.log"
     try:

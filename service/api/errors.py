@@ -33,6 +33,7 @@ from service.jobs.errors import (
 )
 from service.jobs.machine import IllegalTransitionError
 from service.jobs.paths import PathError
+from worker.checkpoint.storage import StorageError
 from worker.errors import ElastrainError, SpecError
 from worker.etcdclient import EtcdUnavailableError
 
@@ -141,6 +142,8 @@ def from_domain(exc: ElastrainError) -> ApiError:
         return ApiError(429, "too_many_requests", message, headers={"Retry-After": retry})
     if isinstance(exc, (EtcdUnavailableError, NotLeaderError)):
         return ApiError(503, "unavailable", f"{message}; retry in a few seconds")
+    if isinstance(exc, StorageError):  # the object store did not answer: not the request's fault
+        return ApiError(503, "storage_unavailable", f"object storage: {message}; retry in a few seconds")
     return ApiError(400, "bad_request", message)
 
 

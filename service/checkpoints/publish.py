@@ -18,7 +18,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 from service.checkpoints.registry import Registry
 from service.checkpoints.results import OUTCOME_RECORD, CheckpointOutcome, PublishClaim
@@ -31,8 +30,7 @@ from service.jobs.writes import LeaderWrites
 from service.metrics import Metrics
 from worker.checkpoint.commit import Expected, Report, build_manifest, decide, report_from_json
 from worker.checkpoint.final import no_space
-from worker.checkpoint.layout import file_sizes, staging_dir_name
-from worker.checkpoint.publish import abort_staged, publish_staged
+from worker.checkpoint.places import abort_staged, publish_staged, staged_sizes, staging_of
 from worker.errors import ElastrainError
 
 log = logging.getLogger("elastrain.coordinator")
@@ -105,10 +103,13 @@ class Publisher:
         self._writes.put(keys.report(record.id, step, generation, report.rank, seq), body)
         reports = self._round(record.id, step, generation, seq)
         expected = Expected(step, generation, report.world_size)
-        staging = Path(record.checkpoint_dir) / staging_dir_name(step, generation)
+        staging = staging_of(record.checkpoint_place, step, generation)
         complete = len(reports) >= report.world_size
         decision = decide(
-            expected, reports, deadline_passed=False, observed_sizes=file_sizes(staging) if complete else None
+            expected,
+            reports,
+            deadline_passed=False,
+            observed_sizes=staged_sizes(staging) if complete else None,
         )
         if decision.action == "wait":
             return CheckpointOutcome.of("pending", step, generation, decision.reason)
@@ -191,8 +192,8 @@ class Publisher:
 
     def _collect(self, record: JobRecord, step: int, generation: int, reason: str) -> None:
         try:
-            abort_staged(Path(record.checkpoint_dir) / staging_dir_name(step, generation), reason)
-        except OSError as exc:
+            abort_staged(staging_of(record.checkpoint_place, step, generation), reason)
+        except (OSError, ElastrainError) as exc:
             log.warning("job %s: removing staging of step %s failed: %s", record.id, step, exc)
 
     def _check_open_rounds(self, record: JobRecord, round_prefix: str) -> None:
@@ -232,8 +233,8 @@ class Publisher:
         result = CheckpointOutcome.of("aborted", step, generation, reason)
         self._writes.put(key, result.model_dump_json().encode())
         self._counted_abort(record, step, reason)
-        with contextlib.suppress(OSError):
-            abort_staged(Path(record.checkpoint_dir) / staging_dir_name(step, generation), reason)
+        with contextlib.suppress(OSError, ElastrainError):
+            abort_staged(staging_of(record.checkpoint_place, step, generation), reason)
         return result
 
     def _publish(
@@ -251,10 +252,10 @@ class Publisher:
         step, generation = expected.step, expected.generation
         started = time.perf_counter()
         key = keys.outcome(record.id, step, generation, seq)
-        job_dir = Path(record.checkpoint_dir)
+        job_dir = record.checkpoint_place
         try:
             manifest = build_manifest(expected, reports)
-            path = publish_staged(job_dir, job_dir / staging_dir_name(step, generation), manifest)
+            path = publish_staged(job_dir, staging_of(job_dir, step, generation), manifest)
         except (OSError, ElastrainError) as exc:
             return self._aborted(record, key, step, generation, f"publishing failed: {exc}")
         self._registry.record(record, manifest, path, verified=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -17,6 +16,7 @@ from service.jobs import keys
 from service.jobs.model import JobRecord
 from service.jobs.service import JobService
 from worker.checkpoint.manifest import Manifest
+from worker.checkpoint.places import Place
 
 log = logging.getLogger("elastrain.coordinator")
 
@@ -40,7 +40,7 @@ class Registry:
         """The registry as the API lists it, oldest first."""
         return [entry.public() for entry in self.entries(record.id)]
 
-    def record(self, record: JobRecord, manifest: Manifest, path: Path, *, verified: bool) -> None:
+    def record(self, record: JobRecord, manifest: Manifest, path: Place, *, verified: bool) -> None:
         """Register a published step (idempotent) and move the job's newest published step."""
         entry = RegistryEntry(
             step=manifest.step,

@@ -12,9 +12,10 @@ from service.checkpoints.registry import Registry
 from service.checkpoints.results import RankLoadPlan, ResumeAnswer, ResumeCheckpoint
 from service.jobs.errors import InvalidRequestError
 from service.jobs.model import JobRecord
-from worker.checkpoint.layout import list_published, load_manifest
 from worker.checkpoint.loadplan import bytes_read, needs_for_rank, plan_reads
 from worker.checkpoint.manifest import Manifest
+from worker.checkpoint.places import Place, list_published, load_manifest, place_of, staged_sizes
+from worker.checkpoint.storage import StorageError
 from worker.errors import ElastrainError
 
 log = logging.getLogger("elastrain.coordinator")
@@ -22,8 +23,11 @@ PLAN_ALL_RANKS_UP_TO = 1024
 """``/resume`` without ``rank`` plans every rank only up to this world size."""
 
 
-def sizes_match(step_dir: Path, manifest: Manifest) -> bool:
-    """Every file the manifest lists is there with its size."""
+def sizes_match(step_dir: Place, manifest: Manifest) -> bool:
+    """Every file the manifest lists is there with its size (on S3: every object)."""
+    if not isinstance(step_dir, Path):
+        sizes = staged_sizes(step_dir)
+        return all(sizes.get(name) == f.size for name, f in manifest.files.items())
     return all(
         (step_dir / name).is_file() and (step_dir / name).stat().st_size == f.size
         for name, f in manifest.files.items()
@@ -45,17 +49,19 @@ class ResumePlanner:
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 
-    def newest(self, record: JobRecord) -> tuple[Path, Manifest] | None:
+    def newest(self, record: JobRecord) -> tuple[Place, Manifest] | None:
         """The newest published, verified checkpoint whose manifest is valid and whose files are
         all there: its directory and manifest (from storage when the registry is empty)."""
         if not record.checkpoint_dir:
             return None  # the stand-in of a record that could not be read: no directory is known
-        entries = [(e.step, Path(e.dir), e.verified) for e in self._registry.entries(record.id)]
+        entries = [(e.step, place_of(e.dir), e.verified) for e in self._registry.entries(record.id)]
         if not entries:
-            entries = [(step, path, True) for step, path in list_published(Path(record.checkpoint_dir))]
+            entries = [(step, path, True) for step, path in list_published(record.checkpoint_place)]
         for step, step_dir, verified in sorted(entries, key=lambda e: -e[0]):
             try:
                 manifest = load_manifest(step_dir)  # bounded, and every shard on disk at its size
+            except StorageError:
+                raise  # the store did not answer: no reason to set the step aside (503)
             except (OSError, ElastrainError) as exc:
                 log.warning("job %s: checkpoint step %s is not usable: %s", record.id, step, exc)
                 continue

@@ -4,8 +4,6 @@ its failpoint), judged on the registry's steps and metrics, and drop them from t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from service.checkpoints.registry import Registry
 from service.jobs.model import JobRecord
 from worker.checkpoint.retention import CheckpointInfo, apply_retention
@@ -18,7 +16,7 @@ def retain(registry: Registry, record: JobRecord, *, newest: int) -> list[int]:
         return []  # the stand-in of a record that could not be read: its policy is unknown
     infos = [CheckpointInfo(e.step, e.metrics) for e in registry.entries(record.id)]
     policy = record.spec.checkpoint.retention
-    job_dir = Path(record.checkpoint_dir)
+    job_dir = record.checkpoint_place
     deleted = apply_retention(job_dir, policy, newest=newest, checkpoints=infos, job=record.id)
     for step in deleted:
         registry.drop(record.id, step)

@@ -45,7 +45,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         record = _fetch_job(args)
         service_view = _service_view(record)
-        run_dir = Path(record.get("checkpoint_dir") or "")
+        location = str(record.get("checkpoint_dir") or "")
+        if location.startswith("s3://"):
+            raise ReportError(
+                f"job {args.target} keeps its checkpoints in {location}, where no run events are "
+                "kept; `elastrain status` and `elastrain checkpoints` show its recoveries and steps"
+            )
+        run_dir = Path(location)
         if not (run_dir / "events.jsonl").is_file():
             raise ReportError(
                 f"job {args.target}: its run directory {str(run_dir)!r} is not readable here; run "

@@ -7,8 +7,9 @@ and writes the marker the workers check (:func:`worker.checkpoint.owner.claim`) 
 directory is free for a new job when no other job claims it, no directory above it inside the
 storage root (the new job's ``step-*`` would be read by that job's resume) and none below it
 (that job's steps would look like the new job's), in etcd or by a marker on disk (a worker under
-plain torchrun writes one). Starting from another job's checkpoint is ``checkpoint.resume``,
-read-only; it needs no claim.
+plain torchrun writes one). An ``s3://`` location is claimed the same way in etcd (its prefixes
+within the bucket are the directories above it); it holds no marker. Starting from another
+job's checkpoint is ``checkpoint.resume``, read-only; it needs no claim.
 """
 
 from __future__ import annotations
@@ -18,20 +19,21 @@ from pathlib import Path
 
 from service.etcd.kv import KVStore, Write
 from service.jobs import keys
-from service.jobs.paths import PathError
+from service.jobs.paths import PathError, Place
 from worker.checkpoint.owner import read_owner
 from worker.errors import SpecError
+from worker.jobspec.location import S3Location
 
 FIELD = "checkpoint.dir"
 
 
-def claim_write(directory: Path, job_id: str, *, now: float) -> Write:
+def claim_write(directory: Place, job_id: str, *, now: float) -> Write:
     """The create-only write that records ``job_id`` as the owner of ``directory``."""
     value = json.dumps({"job": job_id, "claimed_unix": round(now, 3)}).encode()
     return Write(keys.dir_claim(str(directory)), value, 0)
 
 
-def check_free(store: KVStore, directory: Path, *, root: Path, job_id: str) -> None:
+def check_free(store: KVStore, directory: Place, *, root: Path, job_id: str) -> None:
     """Raise :class:`PathError` (422 naming ``checkpoint.dir``) unless ``directory`` may become
     ``job_id``'s: see the module doc. Reads etcd and the markers on disk; writes nothing."""
     for place in (directory, *_between(directory, root)):
@@ -42,8 +44,10 @@ def check_free(store: KVStore, directory: Path, *, root: Path, job_id: str) -> N
         owner = _owner_of(entry.value)
         if owner != job_id:
             inner = entry.key.removeprefix(keys.dir_claim(""))
-            raise _taken(directory, Path(inner), owner)
-    for place in (directory, *_between(directory, root)):
+            raise _taken(directory, _place(inner), owner)
+    if isinstance(directory, S3Location):
+        return
+    for place in (directory, *[p for p in directory.parents if p != root and root in p.parents]):
         try:
             marker = read_owner(place)
         except SpecError as exc:
@@ -52,12 +56,27 @@ def check_free(store: KVStore, directory: Path, *, root: Path, job_id: str) -> N
             raise _taken(directory, place, marker.job)
 
 
-def _between(directory: Path, root: Path) -> list[Path]:
-    """The directories above ``directory`` up to (not including) ``root``."""
+def _between(directory: Place, root: Path) -> list[Place]:
+    """The directories above ``directory`` up to (not including) ``root``; on S3 the prefixes
+    above it in its bucket."""
+    if isinstance(directory, S3Location):
+        return _above(directory)
     return [p for p in directory.parents if p != root and root in p.parents]
 
 
-def _claimed(store: KVStore, place: Path) -> str | None:
+def _above(loc: S3Location) -> list[Place]:
+    out: list[Place] = []
+    while loc.prefix:
+        loc = loc.parent
+        out.append(loc)
+    return out
+
+
+def _place(text: str) -> Place:
+    return S3Location(*text[5:].partition("/")[::2]) if text.startswith("s3://") else Path(text)
+
+
+def _claimed(store: KVStore, place: Place) -> str | None:
     found = store.get(keys.dir_claim(str(place)))
     return None if found is None else _owner_of(found.value)
 
@@ -69,10 +88,10 @@ def _owner_of(raw: bytes) -> str:
         return "<unreadable claim>"
 
 
-def _taken(directory: Path, place: Path, owner: str) -> PathError:
+def _taken(directory: Place, place: Place, owner: str) -> PathError:
     if place == directory:
         where = f"{directory} belongs to job {owner!r}"
-    elif place in directory.parents:
+    elif place in _between(directory, Path("/")):
         where = f"{directory} lies inside {place}, which belongs to job {owner!r}"
     else:
         where = f"{directory} holds {place}, which belongs to job {owner!r}"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
+from worker.jobspec.location import S3Location, parse_location
 from worker.jobspec.spec import JobSpec
 
 MAX_EVENTS = 50
@@ -258,6 +260,11 @@ class JobRecord(_Frozen):
     def members(self) -> tuple[NodeRecord, ...]:
         """Active member nodes (the group's slots; spares left out)."""
         return tuple(n for n in self.nodes if n.phase.active and n.role == "member")
+
+    @property
+    def checkpoint_place(self) -> Path | S3Location:
+        """Where the job's checkpoints live: a directory, or an ``s3://`` location."""
+        return parse_location(self.checkpoint_dir) or Path(self.checkpoint_dir)
 
     @property
     def current_recovery(self) -> Recovery | None:

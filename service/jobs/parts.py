@@ -14,6 +14,7 @@ from service.jobs.budget import WorkerBudget
 from service.jobs.cache import TTLCache
 from service.jobs.events import WINDOW_S
 from service.jobs.heartbeats import Heartbeats
+from service.jobs.objectstore import ObjectStorage
 from service.jobs.progress import ProgressBuffer
 from service.jobs.service import JobService
 from service.jobs.writes import LeaderWrites
@@ -48,11 +49,13 @@ class JobParts:
         progress_flush_s: float = 5.0,
         merge_window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.time,
+        object_storage: ObjectStorage | None = None,
     ) -> JobParts:
         """``fence_source``: this instance's leader fence (None while it does not lead; leave it
         out for unfenced writes); ``on_job_write``: hears of every write of a job record (the
         server wakes the reconciler); ``merge_window_s``: how long a completed incident takes
-        late reports of it (two heartbeat timeouts)."""
+        late reports of it (two heartbeat timeouts); ``object_storage``: the service's access to
+        S3 (None: a job's ``s3://`` location is refused at submit)."""
         views = TTLCache[bytes](VIEW_CACHE_S)
         writes = LeaderWrites(store, fence_source=fence_source, on_refused=on_fence_refused)
         progress = ProgressBuffer(writes, flush_s=progress_flush_s, on_change=views.drop, clock=clock)
@@ -67,6 +70,7 @@ class JobParts:
             on_change=views.drop,
             on_job_write=on_job_write,
             merge_window_s=merge_window_s,
+            object_storage=object_storage,
         )
         return cls(
             writes=writes,

@@ -28,7 +28,8 @@ from service.jobs.events import WINDOW_S, WorkerEvent, apply_worker_event, first
 from service.jobs.heartbeats import Heartbeats
 from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
-from service.jobs.paths import checkpoint_dir, resume_source
+from service.jobs.objectstore import ObjectStorage, is_s3
+from service.jobs.paths import check_reachable, checkpoint_dir, resume_source, s3_location
 from service.jobs.progress import ProgressBuffer
 from service.jobs.salvage import Unreadable, decode, salvage
 from service.jobs.tokens import derive_worker_token, hash_token
@@ -82,9 +83,12 @@ class JobService:
         on_job_write: Callable[[str], None] = lambda job_id: None,
         record_cache_s: float = 2.0,
         merge_window_s: float = WINDOW_S,
+        object_storage: ObjectStorage | None = None,
     ) -> None:
         self.writes = writes
         self.storage_root = storage_root
+        self.object_storage = object_storage
+        """The service's object storage (None: a job's ``s3://`` location is refused at submit)."""
         self.secret = secret
         self.progress = progress
         """The jobs' newest progress (a worker event merges its step into the record)."""
@@ -200,6 +204,7 @@ class JobService:
         adds (the admission's). Raises SpecError (a path outside the storage root) or
         ConflictError."""
         spec_hash = hashlib.sha256(spec_json(spec).encode()).hexdigest()
+        self._check_object_storage(spec)
         fence = self.writes.fence()  # taken before the reads the write depends on
         for _ in range(10):
             if idempotency_key is not None:
@@ -207,7 +212,7 @@ class JobService:
                 if existing is not None:
                     return existing, False
             record = self._new_record(spec, spec_hash, notes)
-            directory = Path(record.checkpoint_dir)
+            directory = record.checkpoint_place
             check_free(self.store, directory, root=self._real_root, job_id=record.id)
             writes = [
                 Write(keys.job(record.id), record.to_json(), 0),
@@ -218,7 +223,8 @@ class JobService:
             writes += desired_writes(record)
             if self.writes.commit(writes, fence=fence):
                 try:
-                    self._mark(directory, record.id)
+                    if isinstance(directory, Path):  # on S3 the etcd claim is the only one
+                        self._mark(directory, record.id)
                 except BaseException:
                     self._undo(writes, fence=fence)
                     raise
@@ -226,6 +232,16 @@ class JobService:
                 self._on_job_write(record.id)
                 return record, True
         raise ConflictError("could not store the job after repeated races; retry the request")
+
+    def _check_object_storage(self, spec: JobSpec) -> None:
+        """A location on S3 in the spec must answer the service's credentials: :class:`PathError`
+        (422) naming the field otherwise, before anything is stored."""
+        ckpt = spec.checkpoint
+        for field, given in (("checkpoint.dir", ckpt.dir), ("checkpoint.resume", ckpt.resume)):
+            if given is not None and is_s3(given):
+                loc = s3_location(given, field=field, storage=self.object_storage)
+                assert self.object_storage is not None  # s3_location refuses without one
+                check_reachable(loc, field=field, storage=self.object_storage)
 
     def _undo(self, writes: Sequence[Write], *, fence: Fence | None) -> None:
         """Take back a new job whose follow-up failed (nothing has been told of it yet): delete
@@ -272,8 +288,9 @@ class JobService:
     def _new_record(self, spec: JobSpec, spec_hash: str, notes: tuple[str, ...] = ()) -> JobRecord:
         job_id = f"{spec.name[:50]}-{secrets.token_hex(3)}"
         ckpt = spec.checkpoint
-        directory = checkpoint_dir(ckpt.dir, root=self.storage_root, job_id=job_id)
-        resume = resume_source(ckpt.resume, root=self.storage_root, job_dir=directory)
+        storage = self.object_storage
+        directory = checkpoint_dir(ckpt.dir, root=self.storage_root, job_id=job_id, storage=storage)
+        resume = resume_source(ckpt.resume, root=self.storage_root, job_dir=directory, storage=storage)
         effective = ckpt.model_copy(update={"dir": str(directory), "resume": resume})
         spec = spec.model_copy(update={"checkpoint": effective})
         lo, hi = parse_nodes(spec.nodes)

@@ -69,6 +69,9 @@ class SchedulerSettings:
     checkpoint_claim: str | None = None
     """PersistentVolumeClaim holding the checkpoints, mounted into every worker pod."""
     checkpoint_mount: str = "/checkpoints"
+    storage_secret: str | None = None
+    """kubernetes: the Secret whose ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` (and, if it
+    has one, ``AWS_SESSION_TOKEN``) the worker pods of a job on ``s3://`` get (``secretKeyRef``)."""
     log_root: str = ".elastrain/nodes"
     """local_cwd: each launch gets a directory under it (spec, logs, pid, exit code)."""
     python: str = "python"
@@ -109,6 +112,7 @@ class SchedulerSettings:
             "k8s_service_account": settings.k8s_service_account or None,
             "checkpoint_claim": settings.checkpoint_claim or None,
             "checkpoint_mount": settings.checkpoint_mount,
+            "storage_secret": getattr(settings, "storage_secret", "") or None,
         }
         values.update(overrides)
         return cls(**values)

@@ -23,6 +23,7 @@ from typing import Any
 from torchx import specs
 from torchx.specs import AppDryRunInfo
 
+from service.jobs.objectstore import SECRET_VARS, uses_object_storage
 from service.launch import threads
 from service.launch.apps import (
     NODE_ADDR_ENV,
@@ -32,6 +33,7 @@ from service.launch.apps import (
     termination_grace_seconds,
 )
 from service.launch.protocol import NodeLaunch
+from worker.errors import SpecError
 from worker.jobspec.spec import JobSpec
 
 KUBERNETES = "kubernetes"
@@ -112,6 +114,8 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
         task["template"]["spec"]["terminationGracePeriodSeconds"] = termination_grace_seconds(node.spec)
         if node.recovery == "peer":
             give_pod_ip(task["template"])
+        if uses_object_storage(node.spec.checkpoint.dir, node.spec.checkpoint.resume):
+            give_storage_secret(task["template"], settings.storage_secret)
     info.request.resource = job
     info._scheduler = KUBERNETES  # what TorchX's Runner.schedule dispatches on
     return info
@@ -190,6 +194,28 @@ def give_pod_ip(pod: dict[str, Any]) -> None:
         env = container.setdefault("env", [])
         env[:] = [e for e in env if e.get("name") != NODE_ADDR_ENV]
         env.append({"name": NODE_ADDR_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+
+
+def give_storage_secret(pod: dict[str, Any], secret: str | None) -> None:
+    """Give a worker pod of a job on ``s3://`` the service's storage credentials from the Secret
+    ``secret`` (``secretKeyRef``: never a plain value in the pod spec; ``AWS_SESSION_TOKEN``
+    optional). Where the store is (``AWS_ENDPOINT_URL``...) the service puts in the env itself.
+    Raises :class:`SpecError` when no Secret is configured. In place."""
+    if not secret:
+        raise SpecError(
+            "the job keeps checkpoints on s3:// but the service has no ELASTRAIN_STORAGE_SECRET "
+            "(the chart: objectStorage.secret) to give its pods the credentials"
+        )
+    refs = [
+        {
+            "name": n,
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": n, "optional": n == "AWS_SESSION_TOKEN"}},
+        }
+        for n in SECRET_VARS
+    ]
+    for container in pod["spec"]["containers"]:
+        env = container.setdefault("env", [])
+        env[:] = [e for e in env if e.get("name") not in SECRET_VARS] + refs
 
 
 def kubernetes_cfg(settings: SchedulerSettings, spec: JobSpec | None = None) -> dict[str, specs.CfgVal]:

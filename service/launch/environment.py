@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from service.jobs.objectstore import PLAIN_VARS, ObjectStorage
+
 HOST_VARS = frozenset(
     {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
      "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_HOME",
@@ -43,3 +45,13 @@ def node_environment(inherited: Mapping[str, str], given: Iterable[str]) -> dict
     node) and the allowed variables of the machine's. Pure."""
     keep = set(given)
     return {name: value for name, value in inherited.items() if name in keep or host_allowed(name)}
+
+
+def launch_storage_env(storage: ObjectStorage | None, *, kubernetes: bool) -> dict[str, str]:
+    """What the nodes of a job on ``s3://`` are told of the service's object storage: all its
+    variables on one machine; on Kubernetes only where the store is (:data:`PLAIN_VARS`), the
+    pods taking the credentials from a Secret (:func:`service.launch.dryrun.give_storage_secret`).
+    Pure."""
+    if storage is None:
+        return {}
+    return {k: v for k, v in storage.env.items() if not kubernetes or k in PLAIN_VARS}

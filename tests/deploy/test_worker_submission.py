@@ -15,7 +15,9 @@ import pytest
 
 from service import settings as settings_module
 from service.jobs.model import JobRecord
+from service.jobs.objectstore import ObjectStorage
 from service.launch import apps, dryrun
+from service.launch.environment import launch_storage_env
 from service.launch.protocol import NodeLaunch
 from service.reconciler import LaunchContext, service_env
 from tests.deploy.helpers import NAMESPACE, SCENARIOS, Obj, Renderer, chart_values, find, one
@@ -199,7 +201,7 @@ def test_workers_get_none_of_the_etcd_tls_files_the_chart_gives_the_service(
     )
     settings = _settings(objects, monkeypatch)  # loads the files, as the service does at start
     ctx = LaunchContext(service_url=settings.service_url)
-    record = JobRecord.model_construct(id="job-7", checkpoint_dir="/checkpoints/job-7")
+    record = JobRecord.model_construct(id="job-7", checkpoint_dir="/checkpoints/job-7", spec=SPEC)
     node = NodeLaunch("job-7", SPEC, 0, "job-7-n0-a0", service_env(record, ctx, "token"), recovery="peer")
     pod = dryrun.worker_pod(dryrun.kubernetes_dryrun(node, apps.SchedulerSettings.from_settings(settings)))
     (container,) = pod["spec"]["containers"]
@@ -208,3 +210,51 @@ def test_workers_get_none_of_the_etcd_tls_files_the_chart_gives_the_service(
     assert not set(TLS_ENV) & set(env) and not [n for n in env if n.startswith("ELASTRAIN_ETCD")]
     assert env["ELASTRAIN_KV_GATEWAY"] == f"{settings.service_url}/v1/jobs/job-7/kv"
     assert restricted_violations(pod["spec"]) == []
+
+
+def test_workers_of_a_job_on_s3_get_the_credentials_from_the_secret(
+    render: Renderer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """objectStorage.secret: the service takes its own credentials from the Secret, and the worker
+    pods of a job on s3:// get them by secretKeyRef from the same Secret, never as plain values
+    (where the store is travels as a value); a job on the checkpoint volume gets none of them."""
+    objects = render(
+        set_values=(
+            "objectStorage.secret=ckpt-s3",
+            "objectStorage.endpoint=http://minio.storage:9000",
+            "objectStorage.region=eu-1",
+        )
+    )
+    service_env_ = _service_env(objects)  # a secretKeyRef resolves to "t" * 40 here
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert refs["AWS_ACCESS_KEY_ID"]["name"] == refs["AWS_SECRET_ACCESS_KEY"]["name"] == "ckpt-s3"
+    settings = _settings(objects, monkeypatch)
+    storage = ObjectStorage.from_environ(service_env_)
+    assert storage is not None and settings.storage_secret == "ckpt-s3"
+    ctx = LaunchContext(
+        service_url=settings.service_url, storage_env=launch_storage_env(storage, kubernetes=True)
+    )
+    sched = apps.SchedulerSettings.from_settings(settings)
+
+    def worker_env(checkpoint_dir: str) -> list[dict[str, Any]]:
+        spec = SPEC.model_copy(
+            update={"checkpoint": SPEC.checkpoint.model_copy(update={"dir": checkpoint_dir})}
+        )
+        record = JobRecord.model_construct(id="job-7", checkpoint_dir=checkpoint_dir, spec=spec)
+        node = NodeLaunch("job-7", spec, 0, "job-7-n0-a0", service_env(record, ctx, "token"))
+        (container,) = dryrun.worker_pod(dryrun.kubernetes_dryrun(node, sched))["spec"]["containers"]
+        return list(container["env"])
+
+    env = worker_env("s3://ckpt/runs/job-7")
+    by_name = {e["name"]: e for e in env}
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        assert "value" not in by_name[name], by_name[name]
+        assert by_name[name]["valueFrom"]["secretKeyRef"]["name"] == "ckpt-s3"
+    assert by_name["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage:9000"
+    assert by_name["AWS_REGION"]["value"] == "eu-1"
+    assert "t" * 40 not in json.dumps(env)  # no credential the service holds is a plain value
+    assert not [e for e in worker_env("/checkpoints/job-7") if e["name"].startswith("AWS_")]

@@ -51,6 +51,7 @@ WORKER_FOR_SERVICE = {
     "worker.jobspec.spec",
     "worker.jobspec.recovery",
     "worker.jobspec.paths",
+    "worker.jobspec.location",
     "worker.start.threads",
     "worker.checkpoint.commit",
     "worker.checkpoint.export",
@@ -62,7 +63,9 @@ WORKER_FOR_SERVICE = {
     "worker.checkpoint.owner",
     "worker.checkpoint.places",
     "worker.checkpoint.publish",
+    "worker.checkpoint.remote",
     "worker.checkpoint.retention",
+    "worker.checkpoint.storage",
     "worker.checkpoint.verify",
 }
 # worker's top level: the entry point, what both run modes share, and the torch-free modules the

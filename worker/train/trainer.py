@@ -17,6 +17,7 @@ from worker.datapath.feed import Feed, make_feed
 from worker.datapath.sampler import Window
 from worker.datapath.trace import LoadRecorder, SampleTrace, rng_fingerprint, spent, thread_clock
 from worker.errors import FinalCheckpointError
+from worker.jobspec.location import is_url
 from worker.metrics import WorkerMetrics, peak_memory_bytes
 from worker.report.events import Events, progress_line, resumed_line
 from worker.start import lifeline, startgc
@@ -165,7 +166,7 @@ class Trainer:
 
     def _write_record(self, record: dict[str, Any]) -> None:
         out = self.spec.checkpoint.dir
-        if out is None:
+        if out is None or is_url(out):  # on S3 only the manifests carry it (no local directory)
             return
         path = Path(out)
         tmp = path / f".run-record.{os.getpid()}.tmp"

@@ -74,7 +74,7 @@ def test_the_service_takes_the_files_as_absolute_paths_and_gives_no_node_any_of_
     settings = load_settings(etcd="https://127.0.0.1:2379")
     assert settings.etcd_tls == EtcdTLS.from_env(tls_env(certs))
     env = service_env(
-        JobRecord.model_construct(id="j", checkpoint_dir="/ck"), LaunchContext("http://svc"), "t"
+        JobRecord.model_construct(id="j", checkpoint_dir="/ck", spec=None), LaunchContext("http://svc"), "t"
     )
     assert not set(TLS_ENV) & set(env)  # a job reaches etcd through the service's gateway only
 
@@ -113,7 +113,7 @@ def test_no_worker_pod_mounts_the_etcd_tls_files(certs: Path) -> None:
     given: dict[str, object] = {"etcd": "https://etcd:2379", "scheduler": "kubernetes", "worker_image": "w"}
     given |= _files(certs, ca_cert="ca.crt", cert="client.crt", key="client.key")
     settings = load_settings(**given)
-    record = JobRecord.model_construct(id="job-7", checkpoint_dir="/ck")
+    record = JobRecord.model_construct(id="job-7", checkpoint_dir="/ck", spec=None)
     env = service_env(record, LaunchContext("http://svc"), "token")
     node = NodeLaunch("job-7", parse_spec(job_spec()), 0, "job-7-n0-a0", env)
     pod = worker_pod(kubernetes_dryrun(node, SchedulerSettings.from_settings(settings)))["spec"]

@@ -47,7 +47,7 @@ MACHINE = {"PATH": "/usr/bin", "HOME": "/home/svc", "LANG": "C.UTF-8", "LC_ALL":
 
 def launch() -> NodeLaunch:
     """A node as the reconciler launches it (the record: only what service_env reads)."""
-    record: Any = SimpleNamespace(id="job-7", checkpoint_dir="/ckpt/job-7")
+    record: Any = SimpleNamespace(id="job-7", checkpoint_dir="/ckpt/job-7", spec=SPEC)
     env = service_env(record, LaunchContext("http://svc:8080"), "ewk.job-7.mac")
     return NodeLaunch("job-7", SPEC, 0, "job-7-n0-a0", env, recovery="restart")
 
@@ -88,3 +88,26 @@ def test_the_kubernetes_worker_pod_holds_no_secret_and_no_etcd_endpoint() -> Non
     assert not [name for name in env if name.startswith("ELASTRAIN_ETCD")]
     assert "etcd:2379" not in repr(job)  # the rendezvous goes through the gateway
     assert env["ELASTRAIN_KV_GATEWAY"] == "http://svc:8080/v1/jobs/job-7/kv"
+
+
+def test_a_local_node_of_a_job_on_s3_gets_the_services_storage_variables_only_then(
+    local: TorchXScheduler,
+) -> None:
+    """The service's object storage variables reach the nodes of a job whose checkpoints are on
+    s3:// (after the job's own env, which cannot replace them), and no other job's."""
+    storage = {"AWS_ACCESS_KEY_ID": "storage-key", "AWS_SECRET_ACCESS_KEY": "storage-secret"}
+    ctx = LaunchContext("http://svc:8080", storage_env=storage | {"AWS_ENDPOINT_URL": "http://s3:8333"})
+    mine = {"AWS_SECRET_ACCESS_KEY": "the-jobs-own", "AWS_ACCESS_KEY_ID": "jobs-key"}
+
+    def node_env(checkpoint_dir: str) -> dict[str, str]:
+        spec = SPEC.model_copy(update={"env": SPEC.env | mine})
+        record: Any = SimpleNamespace(id="job-7", checkpoint_dir=checkpoint_dir, spec=spec)
+        plan = local.dryrun(NodeLaunch("job-7", spec, 0, "job-7-n0-a0", service_env(record, ctx, "t")))
+        assert isinstance(plan, LocalLaunch)
+        names = plan.command[plan.command.index("--env") + 1].split(",")
+        return node_environment(SECRETS | MACHINE | plan.env, names)
+
+    on_s3 = node_env("s3://ckpt/runs/job-7")
+    assert {k: on_s3[k] for k in storage} == storage and on_s3["AWS_ENDPOINT_URL"] == "http://s3:8333"
+    on_disk = node_env("/ckpt/job-7")
+    assert {k: on_disk[k] for k in mine} == mine and "AWS_ENDPOINT_URL" not in on_disk  # the job's own only

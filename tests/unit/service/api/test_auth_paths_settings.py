@@ -12,11 +12,15 @@ from service.api.auth import authorize, bearer
 from service.api.errors import from_domain, from_validation
 from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.machine import IllegalTransitionError
+from service.jobs.objectstore import ObjectStorage
 from service.jobs.paths import PathError, checkpoint_dir, contained, resume_source
 from service.jobs.tokens import derive_worker_token, hash_token, worker_token_job
+from service.launch.environment import launch_storage_env
 from service.settings import Settings, SettingsError, load_settings
+from worker.checkpoint.storage import StorageError
 from worker.errors import SpecError
 from worker.etcdclient import EtcdUnavailableError
+from worker.jobspec.location import S3Location
 
 SECRET = b"s" * 32
 API = "a" * 32
@@ -86,7 +90,7 @@ def test_relative_and_absolute_dirs_inside_the_root_are_accepted(tmp_path: Path)
         ("a\x00b", "NUL"),
         ("", "empty"),
         (".", "outside the storage root"),
-        ("s3://ckpt/runs/a", "keeps checkpoints under its storage root"),
+        ("s3://ckpt/runs/a", "no object storage credentials; set AWS_ACCESS_KEY_ID"),
     ],
 )
 def test_escapes_are_refused_with_the_field_named(tmp_path: Path, given: str, match: str) -> None:
@@ -168,6 +172,7 @@ def test_nonsense_is_refused_with_the_name(overrides: dict[str, object], match: 
         (IllegalTransitionError("done", code="job_finished"), 409, "job_finished"),
         (IllegalTransitionError("range", code="out_of_range"), 422, "out_of_range"),
         (EtcdUnavailableError("etcd down"), 503, "unavailable"),
+        (StorageError("s3://ckpt: connection refused"), 503, "storage_unavailable"),
     ],
 )
 def test_domain_errors_map_to_4xx_or_503(exc: Exception, status: int, code: str) -> None:
@@ -244,3 +249,46 @@ def test_serve_says_where_it_listens_and_where_workers_reach_it(
 
     line = serving_line(load_settings(host=host, port=8080, advertise_url=advertise))
     assert f"listening on {listens}" in line and f"workers reach it at {reached}" in line
+
+
+def test_an_s3_location_is_taken_only_with_object_storage(tmp_path: Path) -> None:
+    """With the service's object storage (its bucket check left to the integration tests), an
+    ``s3://`` directory and resume are kept as locations; without it both are refused naming the
+    field and the variables to set."""
+    storage = ObjectStorage(env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, check_bucket=False)
+    loc = checkpoint_dir("s3://ckpt/runs/a/", root=tmp_path, job_id="j", storage=storage)
+    assert loc == S3Location("ckpt", "runs/a")
+    assert resume_source("step-00000012", root=tmp_path, job_dir=loc, storage=storage) == (
+        "s3://ckpt/runs/a/step-00000012"
+    )  # a step of the job's own, under its prefix
+    assert (
+        resume_source("s3://other/x", root=tmp_path, job_dir=tmp_path / "j", storage=storage)
+        == "s3://other/x"
+    )
+    with pytest.raises(PathError, match=r"checkpoint\.resume.*'\.\.'"):
+        resume_source("../x", root=tmp_path, job_dir=loc, storage=storage)
+    with pytest.raises(PathError, match=r"checkpoint\.dir.*set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+        checkpoint_dir("s3://ckpt/runs/a", root=tmp_path, job_id="j", storage=None)
+
+
+def test_object_storage_comes_from_the_services_own_environment() -> None:
+    environ = {
+        "AWS_ENDPOINT_URL": "http://s3:8333",
+        "AWS_REGION": "r",
+        "PATH": "/bin",
+        "AWS_SESSION_TOKEN": "",
+    }
+    assert ObjectStorage.from_environ(environ) is None  # no access key: not configured
+    environ |= {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    storage = ObjectStorage.from_environ(environ)
+    assert storage is not None and dict(storage.env) == {
+        "AWS_ENDPOINT_URL": "http://s3:8333", "AWS_REGION": "r",
+        "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+    }  # fmt: skip
+    assert launch_storage_env(storage, kubernetes=False) == storage.env
+    # on Kubernetes the pods take the credentials from the Secret; only where the store is travels
+    assert launch_storage_env(storage, kubernetes=True) == {
+        "AWS_ENDPOINT_URL": "http://s3:8333",
+        "AWS_REGION": "r",
+    }
+    assert launch_storage_env(None, kubernetes=False) == {}

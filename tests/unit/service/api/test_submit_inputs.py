@@ -21,7 +21,7 @@ from worker.jobspec.spec import parse_spec
 DEEP = "a/" * 1500
 _RESUME_FIX = "give 'auto'"
 _URL_FIX = "is not supported; give a local directory or s3://BUCKET/PREFIX"
-_S3_UNDER_SERVICE = "the service keeps checkpoints under its storage root"
+_S3_UNDER_SERVICE = "this service has no object storage credentials; set AWS_ACCESS_KEY_ID"
 
 
 @pytest.mark.parametrize(

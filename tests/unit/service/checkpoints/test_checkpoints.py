@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from service.checkpoints import resume as resume_module
 from service.checkpoints.publish import STALE_CLAIM_S
 from service.checkpoints.results import CheckpointOutcome
 from service.checkpoints.service import Checkpoints
@@ -23,6 +24,7 @@ from tests.specs import raw_spec
 from tests.unit.service.svc_fakes import Clock, stage_rank
 from worker.checkpoint.commit import report_to_json
 from worker.checkpoint.layout import read_latest
+from worker.checkpoint.storage import StorageError
 from worker.checkpoint.verify import verify_checkpoint
 from worker.jobspec.spec import parse_spec
 
@@ -160,6 +162,21 @@ def test_resume_skips_a_checkpoint_whose_shard_was_truncated(world: World) -> No
         f.truncate(4)
     found = world.ck.resumes.resume(world.record, world_size=None, rank=None).checkpoint
     assert found is not None and found.step == 10
+
+
+def test_a_store_that_does_not_answer_is_not_a_missing_checkpoint(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step the store could not be asked about is not set aside: the resume fails (503 at the
+    API) instead of answering an older step or none. (The store is stood in for: no sockets.)"""
+    world.save(10)
+
+    def unreachable(step_dir: object, **_: object) -> None:
+        raise StorageError("s3://ckpt: error sending request")
+
+    monkeypatch.setattr(resume_module, "load_manifest", unreachable)
+    with pytest.raises(StorageError):
+        world.ck.resumes.resume(world.record, world_size=None, rank=None)
 
 
 def test_adopt_records_a_renamed_step_and_collects_dead_staging(world: World, tmp_path: Path) -> None:

@@ -22,7 +22,11 @@ with warnings.catch_warnings():
 
 from service.etcd.memory import MemoryStore
 from service.jobs import keys
+from service.jobs.objectstore import ObjectStorage
+from service.jobs.parts import JobParts
+from service.jobs.paths import PathError
 from worker.checkpoint.owner import OWNER_FILE, claim, read_owner
+from worker.jobspec.spec import parse_spec
 
 
 @pytest.fixture
@@ -106,3 +110,23 @@ def test_an_unreadable_marker_refuses_the_directory(client: TestClient, root: Pa
     (root / "broken" / OWNER_FILE).write_text("{not json")
     resp = submit(client, {"dir": "broken"})
     assert resp.status_code == 422 and "OWNER.json" in resp.json()["error"]["message"], resp.text
+
+
+def test_an_s3_prefix_belongs_to_one_job_too(tmp_path: Path, store: MemoryStore) -> None:
+    """With object storage (its bucket check left to the integration tests), a job's ``s3://``
+    prefix is claimed in etcd: the same prefix, one inside it or one holding it is refused for
+    another job naming checkpoint.dir; a sibling prefix or another bucket is free."""
+    storage = ObjectStorage(env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, check_bucket=False)
+    parts = JobParts.build(store, storage_root=tmp_path / "ck", secret=b"s" * 32, object_storage=storage)
+
+    def create(location: str) -> str:
+        record, _ = parts.records.create(parse_spec(SPEC | {"checkpoint": {"dir": location}}))
+        return record.checkpoint_dir
+
+    assert create("s3://ckpt/teams/a/") == "s3://ckpt/teams/a"
+    for taken in ("s3://ckpt/teams/a", "s3://ckpt/teams/a/run-2", "s3://ckpt/teams"):
+        with pytest.raises(PathError, match=r"checkpoint\.dir.*belongs to job"):
+            create(taken)
+    assert create("s3://ckpt/teams/b") == "s3://ckpt/teams/b"
+    assert create("s3://other/teams/a") == "s3://other/teams/a"
+    assert not (tmp_path / "ck").exists()  # nothing was written under the storage root
