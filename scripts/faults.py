@@ -34,6 +34,7 @@ ROWS: dict[str, str] = {
     "sigkill-rank": T + "test_worker_faults.py::test_sigkill_random_rank_at_random_step",
     "bare-torchrun": T + "test_bare_torchrun.py::test_bare_torchrun_survives_a_sigkill",
     "kill-at-failpoint": T + "test_worker_faults.py::test_kill_at_a_checkpoint_failpoint",
+    "kill-chain": "tests/integration/checkpoint/test_faults_torchrun.py::test_kill_at_every_failpoint",
     "corrupt-shard": T + "test_worker_faults.py::test_corrupt_newest_shard_is_refused",
     "enospc-failpoint": T + "test_worker_faults.py::test_enospc_failpoint_during_a_save",
     "enospc-tmpfs": T + "test_worker_faults.py::test_enospc_on_a_real_small_tmpfs",

@@ -22,10 +22,15 @@ def fault_seeds() -> list[int]:
     return [int(s) for s in raw.split(",") if s.strip()]
 
 
+def sweeping() -> bool:
+    """Whether every case runs (``ELASTRAIN_FAULT_SWEEP=1``, ``make faults``) or one drawn."""
+    return os.environ.get("ELASTRAIN_FAULT_SWEEP") == "1"
+
+
 def swept(cases: list[Any]) -> list[Any]:
     """A row's ``case`` parameter: every case under ``ELASTRAIN_FAULT_SWEEP=1``, else ``[None]``
     (the test draws its case from the seed)."""
-    return list(cases) if os.environ.get("ELASTRAIN_FAULT_SWEEP") == "1" else [None]
+    return list(cases) if sweeping() else [None]
 
 
 def seeded(func: Any) -> Any:

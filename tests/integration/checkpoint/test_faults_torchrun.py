@@ -1,5 +1,6 @@
-"""Faults under real torchrun: SIGKILL at every checkpoint failpoint (one attempt each), and a
-corrupt newest checkpoint. Seeded (ELASTRAIN_FAULT_SEED picks which rank dies where); the seed
+"""Faults under real torchrun: one run SIGKILLed at a chain of checkpoint failpoints (one per
+attempt: every failpoint in ``make faults``, three drawn in ``make test``), and a corrupt newest
+checkpoint. Seeded (ELASTRAIN_FAULT_SEED picks the failpoints and which rank dies where); the seed
 is in every assertion message."""
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import pytest
 
 from tests.integration.checkpoint.conftest import EVERY, SEED, STEPS, Reference
 from tests.integration.checkpoint.harness import torchrun
+from tests.seeds import seeded, sweeping
 from worker.checkpoint.layout import list_published, read_latest
 from worker.checkpoint.verify import logical_digest, verify_checkpoint
 
 pytestmark = pytest.mark.integration
-FAULT_SEED = int(os.environ.get("ELASTRAIN_FAULT_SEED", "3"))
 BEFORE_REPORT = ["during_shard_write", "after_shard_write", "before_report"]
 COORDINATOR = [
     "before_manifest_write", "before_publish_rename", "after_publish_rename", "before_latest_update",
@@ -25,16 +26,20 @@ COORDINATOR = [
 ]  # fmt: skip
 
 
-def kill_plan(seed: int) -> list[tuple[str, int]]:
+def kill_plan(seed: int, every: bool) -> list[tuple[str, int]]:
     """(failpoint, rank) for attempts 0, 1, ...: the phase-1 failpoints on a random rank, the
-    coordinator's on rank 0, in the order a save meets them."""
+    coordinator's on rank 0, in the order a save meets them. ``every``: all of them (``make
+    faults``); else one phase-1 failpoint and two of the coordinator's, drawn from the seed, so
+    that one run still chains kills in both phases (``make test``)."""
     rng = random.Random(seed)
-    return [(name, rng.randrange(2)) for name in BEFORE_REPORT] + [(name, 0) for name in COORDINATOR]
+    before = BEFORE_REPORT if every else [rng.choice(BEFORE_REPORT)]
+    after = COORDINATOR if every else sorted(rng.sample(COORDINATOR, 2), key=COORDINATOR.index)
+    return [(name, rng.randrange(2)) for name in before] + [(name, 0) for name in after]
 
 
-@pytest.mark.parametrize("seed", [FAULT_SEED])
+@seeded
 def test_kill_at_every_failpoint(seed: int, reference_ddp: Reference, tmp_path: Path) -> None:
-    plan = kill_plan(seed)
+    plan = kill_plan(seed, every=sweeping())
     spec = ",".join(f"{name}=kill@{rank}^{attempt}" for attempt, (name, rank) in enumerate(plan))
     d = tmp_path / "ddp"
     # exactly as many restarts as kills: a lost restart (pytorch#135712) fails the job
