@@ -40,7 +40,8 @@ from service.jobs.model import JobRecord, JobState, NodePhase, NodeRecord, Progr
 from service.jobs.parts import JobParts
 from service.jobs.queue import Grant, grant_all, still_waiting
 from service.jobs.service import Stored
-from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
+from service.jobs.slots import gang
+from service.launch.protocol import UNKNOWN, GangLauncher, NodeStatus, Scheduler, gang_launcher, node_launch
 from service.metrics import Metrics
 from worker.etcdclient import GATEWAY_ENV, TOKEN_ENV, EtcdRefusedError, EtcdUnavailableError
 
@@ -361,8 +362,12 @@ class Reconciler:
                 return stored  # lost a race with an API write: the next pass decides again
         for recovery in decision.completed:  # written as taken: observed once, by one leader
             self.metrics.observe_recovery(job_id, recovery)
+        launch_gang = gang_launcher(self.scheduler)
+        together = gang(decision.job, decision.actions) if launch_gang is not None else []
+        if launch_gang is not None and together:
+            self._launch_gang(launch_gang, decision.job, together, fence)
         for action in decision.actions:
-            if isinstance(action, Launch):
+            if isinstance(action, Launch) and action.node not in together:
                 self._launch(decision.job, action.node, fence)
             elif isinstance(action, Cancel):
                 self._cancel(action.node)
@@ -416,14 +421,37 @@ class Reconciler:
         try:
             handle = self.scheduler.launch(node_launch(record, node, env))
         except Exception as exc:
-            log.warning("launch of %s failed: %s", node.launch_id, exc)
-            message = str(exc) or type(exc).__name__
-
-            def fail(r: JobRecord) -> JobRecord:
-                return launch_failed(r, node.launch_id, message, self.clock())
-
-            self.jobs.update(record.id, fail, fence=fence)
+            self._launch_failed(record, [node], exc, fence)
             return
+        self._confirm(record, node, handle, fence)
+
+    def _launch_gang(
+        self, launch_gang: GangLauncher, record: JobRecord, nodes: list[NodeRecord], fence: Fence
+    ) -> None:
+        """Launch ``nodes`` as one gang (all of them start or none)."""
+        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))
+        try:
+            handles = launch_gang([node_launch(record, n, env) for n in nodes])
+        except Exception as exc:
+            self._launch_failed(record, nodes, exc, fence)
+            return
+        for node, handle in zip(nodes, handles, strict=True):
+            self._confirm(record, node, handle, fence)
+
+    def _launch_failed(
+        self, record: JobRecord, nodes: list[NodeRecord], exc: Exception, fence: Fence
+    ) -> None:
+        log.warning("launch of %s failed: %s", ", ".join(n.launch_id for n in nodes), exc)
+        message = str(exc) or type(exc).__name__
+
+        def fail(r: JobRecord) -> JobRecord:
+            for node in nodes:
+                r = launch_failed(r, node.launch_id, message, self.clock())
+            return r
+
+        self.jobs.update(record.id, fail, fence=fence)
+
+    def _confirm(self, record: JobRecord, node: NodeRecord, handle: str, fence: Fence) -> None:
         self.metrics.launches.inc()
         wanted = [True]
 
