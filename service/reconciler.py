@@ -161,7 +161,7 @@ class Reconciler:
         listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
         records = [record for record, _ in listed]
         # A queued job waits for a job write (an end frees its slots), not for the clock.
-        steady = (JobState.RUNNING, JobState.QUEUED)
+        steady, waits = (JobState.RUNNING, JobState.QUEUED), (JobState.PENDING, JobState.QUEUED)
         self.busy = any(not r.state.terminal and r.state not in steady for r in records)
         grants = {} if self.slots is None else grant_all(records, slots=self.slots, now=self.clock())
         if self._adopted_term != fence.lease_id:
@@ -169,7 +169,8 @@ class Reconciler:
             self._adopted_term = fence.lease_id
         elif self.clock() - self._adopted_at >= ADOPT_EVERY_S:
             # Workers under the service publish through it; this catches what a crash left behind.
-            self._adopt_storage([r for r in records if not r.state.terminal])
+            # A job that has not started has no workers: a queue of any length costs nothing here.
+            self._adopt_storage([r for r in records if not r.state.terminal and r.state not in waits])
             self._adopted_at = self.clock()
         live = [
             (r, rev)
