@@ -20,24 +20,31 @@ from worker.jobspec.spec import parse_spec
 
 
 class CountingStore(MemoryStore):
-    """The in-memory store, counting the reads a caller makes (a get or one range read each)."""
+    """The in-memory store, counting the reads a caller makes (a get or one range read each) and
+    the bytes of the values they return."""
 
     reads = 0
+    value_bytes = 0
 
     def get(self, key: str) -> Versioned | None:
         self.reads += 1
-        return super().get(key)
+        found = super().get(key)
+        self.value_bytes += len(found.value) if found is not None else 0
+        return found
 
     def list_prefix(
         self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
     ) -> list[Entry]:
         self.reads += 1
-        return super().list_prefix(prefix, start_after=start_after, limit=limit, keys_only=keys_only)
+        entries = super().list_prefix(prefix, start_after=start_after, limit=limit, keys_only=keys_only)
+        self.value_bytes += sum(len(e.value) for e in entries)
+        return entries
 
 
-def reads_per_pass(tmp_path: Path, queued: int) -> tuple[int, int]:
-    """One job training in the only slot and ``queued`` waiting: the reads of a pass, and of a
-    pass that also reconciles the live jobs' checkpoints with storage."""
+def reads_per_pass(tmp_path: Path, queued: int) -> tuple[int, int, int]:
+    """One job training in the only slot and ``queued`` waiting: the reads of a pass, those of a
+    pass that also reconciles the live jobs' checkpoints with storage, and the value bytes the
+    first pass read."""
     clock = Clock()
     store = CountingStore(clock=clock)
     parts = JobParts.build(store, storage_root=tmp_path, secret=b"k" * 32, clock=clock)
@@ -55,19 +62,20 @@ def reads_per_pass(tmp_path: Path, queued: int) -> tuple[int, int]:
         clock.advance(0.1)
     states = [stored.record.state for stored in parts.records.scan()]
     assert states.count(JobState.QUEUED) == queued and states.count(JobState.RUNNING) == 1
-    store.reads = 0
+    store.reads = store.value_bytes = 0
     r.run_once()
-    plain = store.reads
+    plain, plain_bytes = store.reads, store.value_bytes
     for _ in range(4):  # the same leadership term (a new one reconciles every job once)
         clock.advance(ADOPT_EVERY_S / 4)
         election.keep_alive()
     store.reads = 0
     r.run_once()
-    return plain, store.reads
+    return plain, store.reads, plain_bytes
 
 
-def test_a_thousand_queued_jobs_cost_a_pass_no_read_of_their_own(tmp_path: Path) -> None:
+def test_a_thousand_queued_jobs_cost_a_pass_no_read_and_no_value_of_their_own(tmp_path: Path) -> None:
     few = reads_per_pass(tmp_path / "few", queued=10)
     many = reads_per_pass(tmp_path / "many", queued=1000)
     # the listing of every job is one range read per 1,000 jobs: the one extra page, and no more
     assert many[0] <= few[0] + 1 and many[1] <= few[1] + 1, (few, many)
+    assert many[2] == few[2], (few, many)  # and it reads keys and revisions: no queued job's value
