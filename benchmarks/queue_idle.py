@@ -1,8 +1,9 @@
 """Idle means idle: one job training next to a full queue, against the same job with none.
 
 ``python -m benchmarks.queue_idle [--queued 1000] [--rounds 2] [--seconds 30] [--quick]`` runs a
-real ``elastrain serve`` (embedded etcd, the local scheduler with ``ELASTRAIN_LOCAL_SLOTS=1``)
-and one real training job of 1 node x 1 process in its only slot. Then, in interleaved rounds, it
+real ``elastrain serve`` of this checkout (embedded etcd, the local scheduler with
+``ELASTRAIN_LOCAL_SLOTS=1``) and one real training job of 1 node x 1 process in its only slot.
+Then, in interleaved rounds, it
 measures over ``--seconds`` (a) the queue empty and (b) ``--queued`` real submissions waiting in
 ``QUEUED`` (the slot is full), cancelled again before the next (a): so from the second round on,
 (a) also holds the cancelled jobs as finished ones. For each window: the training job's
@@ -29,6 +30,7 @@ from benchmarks import record
 from benchmarks.control_plane_scale import cpu_s, submit
 from benchmarks.service_job import events_of, serving
 from benchmarks.service_job import spec as training_spec
+from tests.integration.launch import REPO
 from tests.integration.worker.test_service_e2e import Service, until
 
 TRAINING: dict[str, Any] = {
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> tuple[list[float], list[float], list[float]
     ratios, idle_cpu, full_cpu = [], [], []
     with (
         tempfile.TemporaryDirectory(prefix="elastrain-queue-idle-") as tmp,
-        serving(Path(tmp) / "svc", {"ELASTRAIN_LOCAL_SLOTS": "1"}) as svc,
+        serving(Path(tmp) / "svc", {"ELASTRAIN_LOCAL_SLOTS": "1", "PYTHONPATH": str(REPO)}) as svc,
     ):
         body = training_spec(name="training", **TRAINING)
         job_id = svc.submit(body)
