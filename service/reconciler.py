@@ -424,20 +424,21 @@ class Reconciler:
         except Exception as exc:
             self._launch_failed(record, [node], exc, fence)
             return
-        self._confirm(record, node, handle, fence)
+        self._confirm(record, [(node, handle)], fence)
 
     def _launch_gang(
         self, launch_gang: GangLauncher, record: JobRecord, nodes: list[NodeRecord], fence: Fence
     ) -> None:
-        """Launch ``nodes`` as one gang (all of them start or none)."""
+        """Launch ``nodes`` as one gang (all of them start or none), their handles recorded in one
+        write: a leader that dies between the launch and the write leaves every one of them
+        without a handle, and the next launches the gang again under the same ids."""
         env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))
         try:
             handles = launch_gang([node_launch(record, n, env) for n in nodes])
         except Exception as exc:
             self._launch_failed(record, nodes, exc, fence)
             return
-        for node, handle in zip(nodes, handles, strict=True):
-            self._confirm(record, node, handle, fence)
+        self._confirm(record, list(zip(nodes, handles, strict=True)), fence)
 
     def _launch_failed(
         self, record: JobRecord, nodes: list[NodeRecord], exc: Exception, fence: Fence
@@ -452,20 +453,25 @@ class Reconciler:
 
         self.jobs.update(record.id, fail, fence=fence)
 
-    def _confirm(self, record: JobRecord, node: NodeRecord, handle: str, fence: Fence) -> None:
-        self.metrics.launches.inc()
-        wanted = [True]
+    def _confirm(self, record: JobRecord, launched: list[tuple[NodeRecord, str]], fence: Fence) -> None:
+        """Record the handles of ``launched`` in one write; cancel those the job no longer wants."""
+        self.metrics.launches.inc(len(launched))
+        unwanted: list[NodeRecord] = []
 
         def confirm(r: JobRecord) -> JobRecord:
-            updated, wanted[0] = confirm_launch(r, node.launch_id, str(handle), self.clock())
-            return updated
+            unwanted.clear()
+            for node, handle in launched:
+                r, wanted = confirm_launch(r, node.launch_id, str(handle), self.clock())
+                if not wanted:
+                    unwanted.append(node.model_copy(update={"handle": handle}))
+            return r
 
         try:
             self.jobs.update(record.id, confirm, fence=fence)
         except NotFoundError:
-            wanted[0] = False
-        if not wanted[0]:
-            self._cancel(node.model_copy(update={"handle": handle}))
+            unwanted[:] = [node.model_copy(update={"handle": handle}) for node, handle in launched]
+        for node in unwanted:
+            self._cancel(node)
 
     def _cancel(self, node: NodeRecord) -> None:
         if not node.handle:

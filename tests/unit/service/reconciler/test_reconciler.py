@@ -258,3 +258,16 @@ def test_a_jobs_minimum_starts_as_one_gang_and_the_rest_alone(world: World) -> N
     r.run_once()
     assert f"{job_id}-n1-a1" in world.scheduler.launch_ids  # replaced alone: the others run
     assert len(world.scheduler.gangs_launched) == 1
+
+
+def test_a_gang_launched_before_a_crash_is_launched_again_as_the_same_gang(world: World) -> None:
+    world.scheduler = GangScheduler()
+    job_id = world.submit(nodes="2", recovery={"mode": "restart"})
+    stored, revision = world.jobs.get_versioned(job_id)
+    decision = reconcile(stored, Observation(now=world.clock()))
+    put_if(world.store, keys.job(job_id), decision.job.to_json(), revision)
+    world.scheduler.launch_gang([node_launch(decision.job, n, {}) for n in decision.job.nodes])
+    world.reconciler().run_once()  # the leader died after the launch, before recording the handles
+    gang = [f"{job_id}-n0-a0", f"{job_id}-n1-a0"]
+    assert world.scheduler.gangs_launched == [gang, gang] and world.scheduler.launch_ids == gang
+    assert [n.handle for n in world.jobs.get(job_id).nodes] == [f"fake://{i}" for i in gang]
