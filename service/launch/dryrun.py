@@ -259,8 +259,8 @@ def kubernetes_cfg(settings: SchedulerSettings, spec: JobSpec | None = None) -> 
 
 def priority_class(priority: int) -> str | None:
     """The PriorityClass a job of ``priority`` runs under: ``elastrain-priority-<N>`` (negative:
-    ``elastrain-priority-minus-<N>``), None for 0. The cluster must have it (the chart's
-    ``priorityClasses`` creates them); Volcano orders the jobs of a queue by it."""
+    ``elastrain-priority-minus-<N>``), None for 0. The cluster must have it (the chart's README
+    says how to create it); Volcano orders the jobs of a queue by it."""
     if priority == 0:
         return None
     return f"elastrain-priority-{'minus-' if priority < 0 else ''}{abs(priority)}"

@@ -132,3 +132,5 @@ def test_the_gang_is_the_first_minimum_members_of_a_start() -> None:
     assert gang(record(running=1), launches(0, 1, 2)) == []  # joining a running group
     assert gang(record(recovery="peer"), launches(0, 1, 2)) == []  # peers are replaced one by one
     assert gang(record(nodes="1:4"), launches(0, 1)) == []  # a minimum of one is a node alone
+    spare = Launch(NodeRecord(index=5, role="spare", launch_id="j-n5-a0"))
+    assert [n.index for n in gang(record(), [spare, *launches(2, 1, 0)])] == [0, 1, 2]  # no spare
