@@ -41,7 +41,8 @@ from service.jobs.objectstore import uses_object_storage
 from service.jobs.parts import JobParts
 from service.jobs.queue import Grant, grant_all, still_waiting
 from service.jobs.service import Stored
-from service.launch.protocol import UNKNOWN, NodeStatus, Scheduler, node_launch
+from service.jobs.slots import gang
+from service.launch.protocol import UNKNOWN, GangLauncher, NodeStatus, Scheduler, gang_launcher, node_launch
 from service.metrics import Metrics
 from worker.etcdclient import GATEWAY_ENV, TOKEN_ENV, EtcdRefusedError, EtcdUnavailableError
 
@@ -170,7 +171,7 @@ class Reconciler:
         listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
         records = [record for record, _ in listed]
         # A queued job waits for a job write (an end frees its slots), not for the clock.
-        steady = (JobState.RUNNING, JobState.QUEUED)
+        steady, waits = (JobState.RUNNING, JobState.QUEUED), (JobState.PENDING, JobState.QUEUED)
         self.busy = any(not r.state.terminal and r.state not in steady for r in records)
         grants = {} if self.slots is None else grant_all(records, slots=self.slots, now=self.clock())
         if self._adopted_term != fence.lease_id:
@@ -178,7 +179,8 @@ class Reconciler:
             self._adopted_term = fence.lease_id
         elif self.clock() - self._adopted_at >= ADOPT_EVERY_S:
             # Workers under the service publish through it; this catches what a crash left behind.
-            self._adopt_storage([r for r in records if not r.state.terminal])
+            # A job that has not started has no workers: a queue of any length costs nothing here.
+            self._adopt_storage([r for r in records if not r.state.terminal and r.state not in waits])
             self._adopted_at = self.clock()
         live = [
             (r, rev)
@@ -371,8 +373,12 @@ class Reconciler:
                 return stored  # lost a race with an API write: the next pass decides again
         for recovery in decision.completed:  # written as taken: observed once, by one leader
             self.metrics.observe_recovery(job_id, recovery)
+        launch_gang = gang_launcher(self.scheduler)
+        together = gang(decision.job, decision.actions) if launch_gang is not None else []
+        if launch_gang is not None and together:
+            self._launch_gang(launch_gang, decision.job, together, fence)
         for action in decision.actions:
-            if isinstance(action, Launch):
+            if isinstance(action, Launch) and action.node not in together:
                 self._launch(decision.job, action.node, fence)
             elif isinstance(action, Cancel):
                 self._cancel(action.node)
@@ -426,27 +432,56 @@ class Reconciler:
         try:
             handle = self.scheduler.launch(node_launch(record, node, env))
         except Exception as exc:
-            log.warning("launch of %s failed: %s", node.launch_id, exc)
-            message = str(exc) or type(exc).__name__
-
-            def fail(r: JobRecord) -> JobRecord:
-                return launch_failed(r, node.launch_id, message, self.clock())
-
-            self.jobs.update(record.id, fail, fence=fence)
+            self._launch_failed(record, [node], exc, fence)
             return
-        self.metrics.launches.inc()
-        wanted = [True]
+        self._confirm(record, [(node, handle)], fence)
+
+    def _launch_gang(
+        self, launch_gang: GangLauncher, record: JobRecord, nodes: list[NodeRecord], fence: Fence
+    ) -> None:
+        """Launch ``nodes`` as one gang (all of them start or none), their handles recorded in one
+        write: a leader that dies between the launch and the write leaves every one of them
+        without a handle, and the next launches the gang again under the same ids."""
+        env = service_env(record, self.launch_ctx, self.jobs.worker_token(record.id))
+        try:
+            handles = launch_gang([node_launch(record, n, env) for n in nodes])
+        except Exception as exc:
+            self._launch_failed(record, nodes, exc, fence)
+            return
+        self._confirm(record, list(zip(nodes, handles, strict=True)), fence)
+
+    def _launch_failed(
+        self, record: JobRecord, nodes: list[NodeRecord], exc: Exception, fence: Fence
+    ) -> None:
+        log.warning("launch of %s failed: %s", ", ".join(n.launch_id for n in nodes), exc)
+        message = str(exc) or type(exc).__name__
+
+        def fail(r: JobRecord) -> JobRecord:
+            for node in nodes:
+                r = launch_failed(r, node.launch_id, message, self.clock())
+            return r
+
+        self.jobs.update(record.id, fail, fence=fence)
+
+    def _confirm(self, record: JobRecord, launched: list[tuple[NodeRecord, str]], fence: Fence) -> None:
+        """Record the handles of ``launched`` in one write; cancel those the job no longer wants."""
+        self.metrics.launches.inc(len(launched))
+        unwanted: list[NodeRecord] = []
 
         def confirm(r: JobRecord) -> JobRecord:
-            updated, wanted[0] = confirm_launch(r, node.launch_id, str(handle), self.clock())
-            return updated
+            unwanted.clear()
+            for node, handle in launched:
+                r, wanted = confirm_launch(r, node.launch_id, str(handle), self.clock())
+                if not wanted:
+                    unwanted.append(node.model_copy(update={"handle": handle}))
+            return r
 
         try:
             self.jobs.update(record.id, confirm, fence=fence)
         except NotFoundError:
-            wanted[0] = False
-        if not wanted[0]:
-            self._cancel(node.model_copy(update={"handle": handle}))
+            unwanted[:] = [node.model_copy(update={"handle": handle}) for node, handle in launched]
+        for node in unwanted:
+            self._cancel(node)
 
     def _cancel(self, node: NodeRecord) -> None:
         if not node.handle:

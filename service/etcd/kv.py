@@ -116,12 +116,13 @@ PAGE = 1000
 """Keys per range read of :func:`read_all` (bounds one answer's size)."""
 
 
-def read_all(store: KVStore, prefix: str, *, page: int = PAGE) -> list[Entry]:
-    """Every key under ``prefix`` in key order, one range read per ``page`` keys."""
+def read_all(store: KVStore, prefix: str, *, page: int = PAGE, keys_only: bool = False) -> list[Entry]:
+    """Every key under ``prefix`` in key order, one range read per ``page`` keys (``keys_only``:
+    their revisions, no value)."""
     out: list[Entry] = []
     after: str | None = None
     while True:
-        batch = store.list_prefix(prefix, start_after=after, limit=page)
+        batch = store.list_prefix(prefix, start_after=after, limit=page, keys_only=keys_only)
         out += batch
         if len(batch) < page:
             return out

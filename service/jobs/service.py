@@ -56,6 +56,10 @@ def valid_job_id(job_id: str) -> bool:
     return bool(keys.JOB_ID_RE.match(job_id))
 
 
+SCAN_READS_ONE_BY_ONE = 32
+"""Changed records :meth:`JobService.scan` reads one by one; past that, one full listing."""
+
+
 class Stored(NamedTuple):
     """A job key as read: the record (or the stand-in of one that cannot be read), its
     mod_revision, and why it cannot be read (None: it can)."""
@@ -173,9 +177,25 @@ class JobService:
         return out, None
 
     def scan(self) -> builtins.list[Stored]:
-        """Every job as stored, in id order (one range read per 1,000 jobs); a record that cannot
-        be read comes as its stand-in, with why (the reconciler quarantines it)."""
-        return [self._decode(e.key, e.value, e.mod_revision) for e in read_all(self.store, keys.JOBS)]
+        """Every job as stored, in id order; a record that cannot be read comes as its stand-in,
+        with why (the reconciler quarantines it). One keys-only range read per 1,000 jobs (keys
+        and revisions), then the values of only the records that changed since this instance
+        decoded them: a read each, or one full listing when many changed (a new leader, a queue
+        that moved). A pass over jobs that did not change, queued or finished, reads no value."""
+        listed = read_all(self.store, keys.JOBS, keys_only=True)
+        known = [self._decoded.get(e.key, e.mod_revision) for e in listed]
+        missing = [e.key for e, record in zip(listed, known, strict=True) if record is None]
+        if len(missing) > SCAN_READS_ONE_BY_ONE:
+            return [self._decode(e.key, e.value, e.mod_revision) for e in read_all(self.store, keys.JOBS)]
+        fresh = {key: found for key in missing if (found := self.store.get(key)) is not None}
+        out: builtins.list[Stored] = []
+        for entry, record in zip(listed, known, strict=True):
+            if record is not None:
+                out.append(Stored(record, entry.mod_revision, None))
+            elif entry.key in fresh:  # else it was deleted since the listing
+                value, revision = fresh[entry.key]
+                out.append(self._decode(entry.key, value, revision))
+        return out
 
     def quarantine(self, bad: Unreadable, *, fence: Fence | None = None) -> JobRecord | None:
         """Replace a record that cannot be read by its FAILED stand-in and keep the bytes as found

@@ -14,6 +14,7 @@ a new spare. A member whose slot no spare took is replaced by a new member in th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.jobs.model import JobRecord, NodePhase, NodeRecord, NodeRole, launch_id
@@ -159,3 +160,19 @@ def prune(job: JobRecord) -> JobRecord:
         return job
     drop = {id(n) for n in ended[: len(ended) - MAX_ENDED_NODES]}
     return job.model_copy(update={"nodes": tuple(n for n in job.nodes if id(n) not in drop)})
+
+
+def gang(job: JobRecord, actions: Sequence[Action]) -> list[NodeRecord]:
+    """The launches of ``actions`` that start ``job``'s minimum together (one Volcano gang on
+    Kubernetes): its first ``min_nodes`` members, when a restart-mode job of at least two minimum
+    nodes has none running and this pass launches that many. Empty otherwise: a node that joins
+    a running group, a spare and a peer-mode member launch alone (peers are replaced one at a
+    time while the others train, which a gang's shared fate would undo). Pure."""
+    if job.recovery_mode != "restart" or job.min_nodes < 2:
+        return []
+    if any(n.phase in (NodePhase.RUNNING, NodePhase.STOPPING) for n in job.nodes):
+        return []
+    members = sorted(
+        (a.node for a in actions if isinstance(a, Launch) and a.node.role == "member"), key=lambda n: n.index
+    )
+    return members[: job.min_nodes] if len(members) >= job.min_nodes else []

@@ -10,12 +10,13 @@ that value, and ``launch`` is the two in a row.
 scheduler submits for one node, named by its launch id: what the Helm chart's tests and
 ``elastrain`` users can inspect without a cluster, and what the scheduler submits (a stable,
 documented shape: ``spec.tasks[0].template`` is the worker pod; :func:`worker_pod` picks it out).
+:func:`kubernetes_gang_dryrun` is the one Volcano Job that starts a job's minimum nodes together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,26 +94,58 @@ def kubernetes_request(node: NodeLaunch, settings: SchedulerSettings) -> AppDryR
     """TorchX's dry run of one node on ``kubernetes``, finished (:func:`finish_volcano_job`) and
     named by its launch id (so a second launch of the same id is refused by the cluster as a
     duplicate, never run twice). No cluster needed. Pure."""
+    return _volcano_request([node], settings, name=k8s_name(node.launch_id, limit=63))
+
+
+def kubernetes_gang_request(nodes: Sequence[NodeLaunch], settings: SchedulerSettings) -> AppDryRunInfo[Any]:
+    """TorchX's dry run of a job's minimum as one gang: one Volcano Job whose tasks are the
+    ``nodes`` (one pod each, task ``n<index>-0``), named by the first node's launch id. Each node
+    is a TorchX role with ``min_replicas=1``, which TorchX turns into the task's
+    ``minAvailable: 1``; Volcano's admission sets the Job's ``minAvailable`` to their sum, so no
+    pod of the gang starts until all of them can. Pure."""
+    if not nodes:
+        raise ValueError("a gang needs at least one node")
+    return _volcano_request(nodes, settings, name=k8s_name(f"{nodes[0].launch_id}-gang", limit=63))
+
+
+def gang_role(node_index: int) -> str:
+    """The TorchX role (and, with ``-0``, the Volcano task) of node ``node_index`` in a gang."""
+    return f"n{node_index}"
+
+
+def _volcano_request(
+    nodes: Sequence[NodeLaunch], settings: SchedulerSettings, *, name: str
+) -> AppDryRunInfo[Any]:
     from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler
 
-    share = threads.kubernetes(node.spec).env(node.spec)
-    app = node_app(
-        dataclasses.replace(node, env={**share, **node.env}),
-        rdzv_endpoint=settings.rdzv_endpoint,
-        image=node.spec.image or settings.worker_image,  # a team's image, built FROM the worker's
-        checkpoint_mount=settings.checkpoint_mount,
-        checkpoint_claim=settings.checkpoint_claim,
-        rdzv=settings.rdzv,
-        module=settings.worker_module,
-    )
-    info = KubernetesScheduler("elastrain").submit_dryrun(app, kubernetes_cfg(settings, node.spec))
-    name = k8s_name(node.launch_id, limit=63)
+    roles, app_names = [], []
+    for node in nodes:
+        share = threads.kubernetes(node.spec).env(node.spec)
+        app = node_app(
+            dataclasses.replace(node, env={**share, **node.env}),
+            rdzv_endpoint=settings.rdzv_endpoint,
+            image=node.spec.image or settings.worker_image,  # a team's image, built FROM the worker's
+            checkpoint_mount=settings.checkpoint_mount,
+            checkpoint_claim=settings.checkpoint_claim,
+            rdzv=settings.rdzv,
+            module=settings.worker_module,
+        )
+        role = app.roles[0]
+        role.min_replicas = 1  # TorchX: the task's minAvailable; Volcano: the Job's is their sum
+        if len(nodes) > 1:
+            role.name = gang_role(node.node_index)
+        roles.append(role)
+        app_names.append(app.name)
+    spec = nodes[0].spec
+    app_name = app_names[0] if len(nodes) == 1 else k8s_name(f"{spec.name}-gang")
+    app = specs.AppDef(name=app_name, roles=roles)
+    info = KubernetesScheduler("elastrain").submit_dryrun(app, kubernetes_cfg(settings, spec))
     job = finish_volcano_job(info.request.resource, settings, name=name)
     for task in job["spec"]["tasks"]:
         # an eviction's SIGTERM reaches torchrun (the container's first process) and its workers
         # save; the kubelet's SIGKILL waits for the job's grace period
-        task["template"]["spec"]["terminationGracePeriodSeconds"] = termination_grace_seconds(node.spec)
-        if node.recovery == "peer":
+        task["template"]["spec"]["terminationGracePeriodSeconds"] = termination_grace_seconds(spec)
+        if nodes[0].recovery == "peer":
             give_pod_ip(task["template"])
         if uses_object_storage(node.spec.checkpoint.dir, node.spec.checkpoint.resume):
             give_storage_secret(task["template"], settings.storage_secret)
@@ -125,14 +158,32 @@ def kubernetes_dryrun(node: NodeLaunch, settings: SchedulerSettings) -> dict[str
     """The Volcano Job TorchX's ``kubernetes`` scheduler submits for ``node``:
     ``metadata.namespace`` is the target namespace, ``metadata.name`` the launch id,
     ``spec.queue`` the Volcano queue (the spec's ``queue``, else the service's),
-    ``spec.priorityClassName`` the PriorityClass of the spec's ``priority`` (when not 0) and
-    ``spec.tasks[0].template`` the worker pod (image, command, env, service account, resources,
-    the checkpoint claim mounted at ``settings.checkpoint_mount``; in peer mode
-    ``ELASTRAIN_NODE_ADDR`` from the pod's IP). No etcd endpoint, credential or TLS file: the
-    rendezvous goes through the service's gateway.
+    ``spec.priorityClassName`` the PriorityClass of the spec's ``priority`` (when not 0),
+    ``spec.tasks[0].minAvailable`` 1 and ``spec.tasks[0].template`` the worker pod (image,
+    command, env, service account, resources, the checkpoint claim mounted at
+    ``settings.checkpoint_mount``; in peer mode ``ELASTRAIN_NODE_ADDR`` from the pod's IP). No
+    etcd endpoint, credential or TLS file: the rendezvous goes through the service's gateway.
     Pure; see :func:`worker_pod`."""
     job: dict[str, Any] = kubernetes_request(node, settings).request.resource
     return job
+
+
+def kubernetes_gang_dryrun(nodes: Sequence[NodeLaunch], settings: SchedulerSettings) -> dict[str, Any]:
+    """The Volcano Job that starts a job's minimum ``nodes`` together
+    (:func:`kubernetes_gang_request`): as :func:`kubernetes_dryrun`, with one task per node, each
+    ``minAvailable: 1`` (:func:`gang_min_available` is the gang's size). Pure."""
+    job: dict[str, Any] = kubernetes_gang_request(nodes, settings).request.resource
+    return job
+
+
+def gang_min_available(volcano_job: Mapping[str, Any]) -> int:
+    """The pods Volcano must place at once before any of ``volcano_job`` starts: its
+    ``spec.minAvailable`` when set, else (as Volcano's admission fills it in) the sum of its
+    tasks' ``minAvailable``, a task without one counting its replicas."""
+    spec = volcano_job["spec"]
+    if spec.get("minAvailable"):
+        return int(spec["minAvailable"])
+    return sum(int(task.get("minAvailable", task["replicas"])) for task in spec["tasks"])
 
 
 def finish_volcano_job(
@@ -234,8 +285,8 @@ def kubernetes_cfg(settings: SchedulerSettings, spec: JobSpec | None = None) -> 
 
 def priority_class(priority: int) -> str | None:
     """The PriorityClass a job of ``priority`` runs under: ``elastrain-priority-<N>`` (negative:
-    ``elastrain-priority-minus-<N>``), None for 0. The cluster must have it (the chart's
-    ``priorityClasses`` creates them); Volcano orders the jobs of a queue by it."""
+    ``elastrain-priority-minus-<N>``), None for 0. The cluster must have it (the chart's README
+    says how to create it); Volcano orders the jobs of a queue by it."""
     if priority == 0:
         return None
     return f"elastrain-priority-{'minus-' if priority < 0 else ''}{abs(priority)}"

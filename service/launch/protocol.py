@@ -4,7 +4,7 @@ implements it; tests implement it with fakes (in memory, or files a test process
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -13,7 +13,7 @@ from service.jobs.errors import InvalidRequestError
 from service.jobs.model import JobRecord, NodeRecord, NodeRole, NodeState, NodeStatus, RecoveryMode
 from worker.jobspec.spec import JobSpec
 
-__all__ = ["UNKNOWN", "NodeLaunch", "NodeState", "NodeStatus", "Scheduler", "node_launch"]
+__all__ = ["UNKNOWN", "NodeLaunch", "NodeState", "NodeStatus", "Scheduler", "gang_launcher", "node_launch"]
 
 UNKNOWN = NodeStatus("unknown")
 
@@ -71,3 +71,16 @@ class Scheduler(Protocol):
     def close(self) -> None:
         """Release what the scheduler holds (called once, when the service stops)."""
         ...
+
+
+GangLauncher = Callable[[Sequence[NodeLaunch]], list[str]]
+
+
+def gang_launcher(scheduler: Scheduler) -> GangLauncher | None:
+    """The scheduler's ``launch_gang`` (start nodes together: all of them or none; returns their
+    handles in order) when it has one and says ``gangs``; ``None`` when it launches one node at a
+    time (the local scheduler's queue already starts a job only when its minimum fits)."""
+    if not getattr(scheduler, "gangs", False):
+        return None
+    launch: GangLauncher = scheduler.launch_gang  # type: ignore[attr-defined]
+    return launch

@@ -6,7 +6,8 @@
 * ``local_cwd:<node dir>``: the node runs under :mod:`service.launch.node_exec`, which records its
   process group and exit code in the node directory (also holding ``spec.json`` and TorchX's
   per-node logs), so a restarted service still reads a node's state and can cancel it.
-* ``kubernetes://torchx/<namespace>:<volcano job>``: TorchX asks the API server.
+* ``kubernetes://torchx/<namespace>:<volcano job>``: TorchX asks the API server; a member of a
+  gang (:meth:`TorchXScheduler.launch_gang`) adds ``#<role>``, its task in that Volcano Job.
 
 A launch is a plan, then its application: :meth:`TorchXScheduler.dryrun` returns what will be
 started (:mod:`service.launch.dryrun`), :meth:`TorchXScheduler.schedule` starts exactly that.
@@ -25,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,15 @@ from torchx.schedulers import get_scheduler_factories, local_scheduler
 
 import service
 from service.launch.apps import SchedulerSettings, local_node_app
-from service.launch.dryrun import KUBERNETES, LOCAL, KubernetesLaunch, LocalLaunch, kubernetes_request
+from service.launch.dryrun import (
+    KUBERNETES,
+    LOCAL,
+    KubernetesLaunch,
+    LocalLaunch,
+    gang_role,
+    kubernetes_gang_request,
+    kubernetes_request,
+)
 from service.launch.node_exec import EXIT_FILE, NODE_FILE
 from service.launch.protocol import NodeLaunch, NodeStatus
 from worker.errors import ElastrainError
@@ -43,6 +52,7 @@ from worker.jobspec.spec import spec_json
 
 log = logging.getLogger("elastrain.scheduler")
 LOCAL_PREFIX = "local_cwd:"
+GANG_SEP = "#"
 CANCELLED_FILE = "cancelled"
 SPEC_FILE = "spec.json"
 _RUNNING = {
@@ -136,6 +146,25 @@ class TorchXScheduler:
             request=request,
         )
 
+    @property
+    def gangs(self) -> bool:
+        """Whether :meth:`launch_gang` starts nodes together (on Kubernetes, through Volcano)."""
+        return self._settings.scheduler == KUBERNETES
+
+    def dryrun_gang(self, nodes: Sequence[NodeLaunch]) -> KubernetesLaunch:
+        """What :meth:`launch_gang` will submit: one Volcano Job of ``nodes``; starts nothing."""
+        if not self.gangs:
+            raise SchedulerError(f"{self._settings.scheduler} starts no gang; launch the nodes one by one")
+        return KubernetesLaunch(kubernetes_gang_request(nodes, self._settings))
+
+    def launch_gang(self, nodes: Sequence[NodeLaunch]) -> list[str]:
+        """Start ``nodes`` as one gang: Volcano places all of their pods or none. Returns their
+        handles, in order. Idempotent per the first node's launch id. A member that ends leaves
+        the others running; cancelling a running member stops the whole gang (Volcano deletes a
+        Job's pods together)."""
+        handle = self._schedule_kubernetes(self.dryrun_gang(nodes))
+        return [f"{handle}{GANG_SEP}{gang_role(node.node_index)}" for node in nodes]
+
     def schedule(self, plan: LocalLaunch | KubernetesLaunch) -> str:
         """Perform a :meth:`dryrun` value; returns the node's handle. Idempotent per launch id: a
         node directory (local) or a Volcano Job (kubernetes) that already exists is that launch."""
@@ -165,7 +194,7 @@ class TorchXScheduler:
     def status(self, handle: str) -> NodeStatus:
         """The node's state now; ``unknown`` if no record of it can be found."""
         if not handle.startswith(LOCAL_PREFIX):
-            return status_from_app_state(self._torchx_state(handle))
+            return status_from_app_state(self._kubernetes_state(handle))
         node_dir = Path(handle.removeprefix(LOCAL_PREFIX))
         torchx_handle = self._torchx.get(handle)
         if torchx_handle is not None:
@@ -177,6 +206,22 @@ class TorchXScheduler:
             alive=node is not None and _alive(int(node["pid"]), node_dir),
             cancelled=(node_dir / CANCELLED_FILE).exists(),
         )
+
+    def _kubernetes_state(self, handle: str) -> specs.AppState | None:
+        """A Volcano Job's state, or for a gang member its own task's."""
+        app_handle, _, role = handle.partition(GANG_SEP)
+        if not role:
+            return self._torchx_state(app_handle)
+        try:
+            status = self._runner.status(app_handle)
+        except Exception:
+            return None
+        if status is None:
+            return None
+        for role_status in status.roles:
+            if role_status.role == role and role_status.replicas:
+                return role_status.replicas[0].state  # TorchX's ReplicaState is its AppState
+        return status.state  # before Volcano counts the task: the Job's own state
 
     def _torchx_state(self, torchx_handle: str) -> specs.AppState | None:
         try:
@@ -226,8 +271,11 @@ class TorchXScheduler:
                     os.kill(child, signal.SIGKILL)
 
     def _cancel_kubernetes(self, handle: str) -> None:
+        app_handle, _, role = handle.partition(GANG_SEP)
+        if role and self._kubernetes_state(handle) not in _RUNNING:
+            return  # this member ended: the gang's others go on
         try:
-            self._runner.cancel(handle)
+            self._runner.cancel(app_handle)
         except Exception as exc:
             if getattr(exc, "status", None) == 404:  # already deleted
                 return

@@ -183,6 +183,10 @@ def test_list_prefix_is_ordered_and_pages(store: KVStore, etcd_prefix: str) -> N
     page = store.list_prefix(f"{etcd_prefix}/list/", limit=2)
     rest = store.list_prefix(f"{etcd_prefix}/list/", start_after=page[-1].key)
     assert [e.value for e in page + rest] == [b"1", b"2", b"3"]
+    bare = store.list_prefix(f"{etcd_prefix}/list/", keys_only=True)  # keys and revisions, no value
+    assert [(e.key, e.value, e.mod_revision) for e in bare] == [
+        (e.key, b"", e.mod_revision) for e in page + rest
+    ]
     store.commit([Write(f"{etcd_prefix}/list/", None, None, prefix=True)])
     assert store.list_prefix(f"{etcd_prefix}/list/") == []
     assert store.get(f"{etcd_prefix}/listx") is not None

@@ -15,7 +15,7 @@ from service.jobs.errors import NotLeaderError
 from service.jobs.machine import Observation, reconcile
 from service.jobs.model import JobState, NodePhase
 from service.jobs.parts import JobParts
-from service.launch.protocol import node_launch
+from service.launch.protocol import NodeLaunch, node_launch
 from service.reconciler import LaunchContext, Reconciler
 from tests.specs import raw_spec
 from tests.unit.service.svc_fakes import Clock, FakeScheduler
@@ -227,3 +227,47 @@ def test_each_node_is_given_its_jobs_gateway_and_token_and_no_etcd_endpoint_or_c
     assert mine["ELASTRAIN_WORKER_TOKEN"] == world.jobs.worker_token(first) != other["ELASTRAIN_WORKER_TOKEN"]
     for env in envs.values():
         assert not [name for name in env if name.startswith("ELASTRAIN_ETCD")], env
+
+
+class GangScheduler(FakeScheduler):
+    """A scheduler that starts nodes together (as Volcano does on Kubernetes)."""
+
+    gangs = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gangs_launched: list[list[str]] = []
+
+    def launch_gang(self, nodes: list[NodeLaunch]) -> list[str]:
+        self.gangs_launched.append([n.launch_id for n in nodes])
+        return [self.launch(n) for n in nodes]
+
+
+def test_a_jobs_minimum_starts_as_one_gang_and_the_rest_alone(world: World) -> None:
+    world.scheduler = GangScheduler()
+    job_id = world.submit(nodes="2:3", recovery={"mode": "restart"})
+    r = world.reconciler()
+    r.run_once()
+    assert world.scheduler.gangs_launched == [[f"{job_id}-n0-a0", f"{job_id}-n1-a0"]]
+    assert world.scheduler.launch_ids == [f"{job_id}-n0-a0", f"{job_id}-n1-a0", f"{job_id}-n2-a0"]
+    r.run_once()
+    record = world.jobs.get(job_id)
+    assert record.state == JobState.RUNNING and all(n.handle for n in record.nodes)
+    world.scheduler.finish(f"{job_id}-n1-a0", exit_code=1)  # one member of the gang fails
+    r.run_once()
+    r.run_once()
+    assert f"{job_id}-n1-a1" in world.scheduler.launch_ids  # replaced alone: the others run
+    assert len(world.scheduler.gangs_launched) == 1
+
+
+def test_a_gang_launched_before_a_crash_is_launched_again_as_the_same_gang(world: World) -> None:
+    world.scheduler = GangScheduler()
+    job_id = world.submit(nodes="2", recovery={"mode": "restart"})
+    stored, revision = world.jobs.get_versioned(job_id)
+    decision = reconcile(stored, Observation(now=world.clock()))
+    put_if(world.store, keys.job(job_id), decision.job.to_json(), revision)
+    world.scheduler.launch_gang([node_launch(decision.job, n, {}) for n in decision.job.nodes])
+    world.reconciler().run_once()  # the leader died after the launch, before recording the handles
+    gang = [f"{job_id}-n0-a0", f"{job_id}-n1-a0"]
+    assert world.scheduler.gangs_launched == [gang, gang] and world.scheduler.launch_ids == gang
+    assert [n.handle for n in world.jobs.get(job_id).nodes] == [f"fake://{i}" for i in gang]
