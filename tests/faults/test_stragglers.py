@@ -60,7 +60,7 @@ def rank_pid(spec_path: Path, rank: int, deadline: float) -> int:
     raise AssertionError(f"no worker of rank {rank} among {pids}")
 
 
-def duty_cycle(pid: int, out: Path, proc: subprocess.Popen[str]) -> str:
+def duty_cycle(pid: int, out: Path, proc: subprocess.Popen[bytes]) -> str:
     """Stop and continue ``pid`` from the first compared window until a rank is named or the
     run ends; the process is left running. Says how many cycles ran, over how long."""
     while proc.poll() is None and '"straggler_window"' not in out.read_text():

@@ -1,16 +1,23 @@
 """Straggler decisions from plain numbers: the shared vector, each rank's slowdown, consecutive
-slow windows, one name per spell; and the JobSpec's ``stragglers`` field."""
+slow windows, one name per spell; the JobSpec's ``stragglers`` field; and the watch around them
+on a real (one-process) backward and optimizer step."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
+import torch
 
 from tests.unit.worker.test_spec import EXAMPLE
 from worker.errors import SpecError
 from worker.jobspec.spec import parse_spec
-from worker.train.straggler_watch import node_number
+from worker.jobspec.stragglers import StragglerSpec
+from worker.report.events import Events
+from worker.train.straggler_watch import StragglerWatch, node_number
 from worker.train.stragglers import Named, Streaks, ballot, judge, slowdowns, unpack
 
 
@@ -43,7 +50,7 @@ def test_each_rank_is_compared_with_the_median_of_the_others() -> None:
     assert slowdowns([1.0, 1.0, 0.0])[:2] == pytest.approx([1.0, 1.0])  # a rank without a time is left out
 
 
-def run(windows: list[list[float | None]], *, n: int = 2, threshold: float = 1.3) -> list[Named]:
+def run(windows: Sequence[Sequence[float | None]], *, n: int = 2, threshold: float = 1.3) -> list[Named]:
     streaks, named = Streaks(), []
     for i, ratios in enumerate(windows, start=1):
         streaks, found = judge(streaks, ratios, step=10 * i, window_steps=10, threshold=threshold, windows=n)
@@ -107,3 +114,51 @@ def test_bad_stragglers_name_the_field(value: object, words: str) -> None:
     with pytest.raises(SpecError) as err:
         parse_spec(with_stragglers(value))
     assert words in str(err.value)
+
+
+class Recorder(Events):
+    def __init__(self) -> None:
+        super().__init__(enabled=False, job="j", rank=0)
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        self.sinks.append(lambda name, fields: self.seen.append((name, fields)))
+
+
+def watched_steps(watch: StragglerWatch, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    """``n`` steps of a real backward and optimizer step, timed the way the trainer times them."""
+    for _ in range(n):
+        started = time.perf_counter()
+        model(torch.ones(4, 3)).sum().backward()
+        watch.backward_done()
+        opt.step()
+        opt.zero_grad()
+        watch.measured(started=started, data_wait=0.0, rank=1, world_size=2)
+
+
+def test_the_watch_times_real_steps_shares_them_once_per_window_and_names_the_slow_rank() -> None:
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = Recorder()
+    spec = StragglerSpec(window_steps=5, windows=2)
+    watch = StragglerWatch(spec, model=model, optimizer=opt, events=events, metrics=None, node=4, active=True)
+    for window in (1, 2):
+        watched_steps(watch, model, opt, 5)
+        assert watch.ballot(window * 5 - 1, rank=1, world_size=2) == ()  # not the window's last step
+        mine = watch.ballot(window * 5, rank=1, world_size=2)
+        assert mine[0] == 0 and mine[1] > 0 and mine[2:] == (0.0, 5.0)  # its time, its node + 1
+        other = ballot(rank=0, world_size=2, seconds_per_step=mine[1] / 2, node=0)
+        watch.read(summed(mine, other), window * 5, rank=1, world_size=2)
+    (named,) = [fields for name, fields in events.seen if name == "straggler"]
+    assert named["rank"] == 1 and named["node"] == 4 and named["slowdown"] == pytest.approx(2.0)
+    assert (named["first_step"], named["step"]) == (1, 10)
+    assert [name for name, _ in events.seen].count("straggler_window") == 2
+
+
+def test_an_inactive_watch_sends_nothing() -> None:
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = StragglerWatch(
+        StragglerSpec(window_steps=1), model=model, optimizer=opt, events=Recorder(), metrics=None, node=0,
+        active=False,
+    )  # fmt: skip
+    watched_steps(watch, model, opt, 3)
+    assert watch.ballot(3, rank=1, world_size=2) == ()
