@@ -74,6 +74,8 @@ BENCHMARKS = (
           full=("--rounds", "2"), quick=("--rounds", "1", "--steps", "300", "--warm", "50")),
     Bench("benchmarks.preemption", "a SIGTERM: exit time vs the grace period, steps lost",
           full=("--rounds", "3"), quick=("--rounds", "1")),
+    Bench("benchmarks.stragglers", "straggler events in clean runs of the benchmark job (false positives)",
+          full=("--rounds", "20"), quick=("--rounds", "2", "--steps", "200")),
 )  # fmt: skip
 
 

@@ -60,6 +60,8 @@ ROWS: dict[str, str] = {
     "preempt-worker": T + "test_preemption.py::test_sigterm_to_one_worker_stops_the_group_at_one_step",
     "preempt-job-second-signal": T
     + "test_preemption.py::test_a_second_signal_during_the_save_keeps_the_published_checkpoint",
+    # A straggler made from outside: a SIGSTOP/SIGCONT duty cycle on one rank's process.
+    "straggler-duty-cycle": T + "test_stragglers.py::test_a_rank_in_a_stop_duty_cycle_is_named",
     "service-preempt": T
     + "test_service_preemption.py::test_sigterm_to_nodes_is_a_preemption_that_loses_no_step",
     "peer-preempt": T

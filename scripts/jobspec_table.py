@@ -110,6 +110,8 @@ DESCRIPTIONS: dict[str, str] = {
     "preemption": "A SIGTERM (a node drain, a spot reclaim, a cancel) is a graceful stop: every rank stops "
     "at the same step, the group saves it, the processes exit (see "
     "[docs/recovery.md](docs/recovery.md#preemption-a-sigterm-is-a-graceful-stop)).",
+    "stragglers": "Each rank's compute time per step is compared with the others' once per window; a rank "
+    "that stays slower is named (see [docs/recovery.md](docs/recovery.md#stragglers-a-slow-rank-is-named)).",
     "nodes": "Under the service: nodes (torchrun agents), `N` or `MIN:MAX`; scaling stays within it.",
     "initial_nodes": "Nodes launched first (unset: the maximum).",
     "nproc_per_node": "Processes (ranks) per node.",

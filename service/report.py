@@ -12,7 +12,8 @@ samples_per_second, world_size; and, from :meth:`worker.metrics.WorkerMetrics.pr
 ``step_seconds`` list, ``data_wait_seconds``, ``comm_exposed_seconds``, ``tokens``,
 ``peak_memory_bytes``), ``started``, ``group_formed``, ``checkpoint_restored``, ``resumed``,
 ``run_record``, ``first_step``, ``skipped_step``, ``checkpoint_published``,
-``checkpoint_aborted``, ``finished``; in peer mode ``recovery_incident`` (one per
+``checkpoint_aborted``, ``finished``, ``straggler`` (a rank the group named as slow:
+:mod:`worker.train.stragglers`); in peer mode ``recovery_incident`` (one per
 incident, from the leader that repaired the group: ``incident``, ``kind``, ``lost_launch_ids``,
 ``failed_at``, ``detected_at``, ``phases`` with the Unix times ``formed``, ``transferred``,
 ``ready``, ``bytes_from_peers``, ``voided_windows``, ``world_before``, ``world_after``),
@@ -338,10 +339,19 @@ def build_report(run: Run, *, target_loss: float | None = None, others: Sequence
         "restarts": [r for r in restarts if r["kind"] != "rerun"],
         "incidents": peer_incidents(run.events, [e for e in run.events if e["event"] in _STEP_DONE], t0),
         "checkpoints": _checkpoints(run, t0),
+        "stragglers": _stragglers(run.events),
         "scaling": scaling(rows),
         **_environment(run.run_record or _last_record(run.events)),
         "timeline": _timeline(run.events, attempts, t0),
     }
+
+
+_STRAGGLER_KEYS = ("rank", "node", "slowdown", "threshold", "first_step", "step", "windows")
+
+
+def _stragglers(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks the group named as slow (``straggler`` events), in order."""
+    return [{k: e.get(k) for k in _STRAGGLER_KEYS} for e in events if e["event"] == "straggler"]
 
 
 def _latency(times: Sequence[float], source: str) -> dict[str, Any] | None:

@@ -167,6 +167,7 @@ def render_text(r: dict[str, Any]) -> str:
         reached = f"{target['seconds']:.1f} s (step {target['step']})" if target["reached"] else "not reached"
         lines.append(f"  time to loss <= {target['target_loss']:g}: {reached}")
     lines += _restart_lines(r)
+    lines += _straggler_lines(r.get("stragglers") or [])
     ck = r["checkpoints"]
     lines.append(
         f"  checkpoints    {ck['published']} published, {ck['aborted']} aborted, "
@@ -210,6 +211,18 @@ def _restart_lines(r: dict[str, Any]) -> list[str]:
         lines.append(f"  incidents      {count} (service view, {mode} mode, {used} restarts used)")
     for i, x in enumerate(service.get("recoveries", []), 1):
         lines += _incident_lines(i, x)
+    return lines
+
+
+def _straggler_lines(named: list[dict[str, Any]]) -> list[str]:
+    lines = [f"  stragglers     {len(named) or 'none'} named"]
+    for x in named:
+        node = "" if x.get("node") is None else f" on node {x['node']}"
+        lines.append(
+            f"    rank {x['rank']}{node}: {x['slowdown']}x the median of the other ranks' compute time "
+            f"(above {x['threshold']}x) in {x['windows']} windows in a row, "
+            f"steps {x['first_step']}-{x['step']}"
+        )
     return lines
 
 

@@ -40,6 +40,7 @@ WorkerEventKind = Literal[
     "recovery",
     "spare_promoted",
     "preempted",
+    "straggler",
 ]
 WINDOW_S = Policy().merge_window_s
 MAX_TIME = 1e11
@@ -130,6 +131,8 @@ def apply_worker_event(
         return _spare_promoted(job, event, now)
     if event.kind == "preempted":
         return _preempted(job, event, now)
+    if event.kind == "straggler":  # the group names a slow rank; nothing changes but the log
+        return job.with_event(now, "straggler", event.message or f"rank {event.rank} is a straggler")
     who = f"rank {event.rank}" if event.rank is not None else "worker"
     return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
 

@@ -43,6 +43,7 @@ from worker.jobspec.limits import (
 from worker.jobspec.paths import check_env_value, check_local_path, check_location, check_resume
 from worker.jobspec.preemption import PreemptionSpec
 from worker.jobspec.recovery import MAX_SPARES, RecoverySpec
+from worker.jobspec.stragglers import StragglerSpec
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NODES_RE = re.compile(r"^([0-9]{1,18})(?::([0-9]{1,18}))?$")  # ASCII digits: int() takes any script's
@@ -348,6 +349,7 @@ class JobSpec(_Frozen):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     log_every_steps: Steps = 10
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
     # Fields for the control plane; a bare torchrun worker ignores them.
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)

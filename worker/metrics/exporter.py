@@ -160,6 +160,10 @@ class WorkerMetrics:
         """fp16 only (a scaler that is off has no scale worth alerting on)."""
         self._set(elastrain_worker_loss_scale=scale, elastrain_worker_loss_scale_min=min_scale)
 
+    def straggler(self, slowdown: float) -> None:
+        """This rank's slowdown in the newest straggler window (:mod:`worker.train.straggler_watch`)."""
+        self._set(elastrain_straggler_slowdown=slowdown)
+
     def skipped(self) -> None:
         with self._lock:
             self.rank.values["elastrain_worker_skipped_steps_total"] += 1

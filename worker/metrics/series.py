@@ -39,6 +39,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "elastrain_worker_restarts": ("gauge", "torchrun restarts of this worker group so far"),
     "elastrain_worker_start_timestamp_seconds": ("gauge", "Unix time this worker process started"),
     "elastrain_worker_last_step_timestamp_seconds": ("gauge", "Unix time of the newest completed step"),
+    "elastrain_straggler_slowdown": (
+        "gauge",
+        "This rank's compute time per step over the median of the other ranks', in the newest window",
+    ),
     "elastrain_checkpoint_last_publish_timestamp_seconds": ("gauge", "Unix time of the newest publish seen"),
 }
 _CHECKPOINT_PREFIX = "elastrain_checkpoint_"

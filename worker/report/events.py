@@ -105,6 +105,17 @@ def resumed_line(
     return f"resumed from step {step} ({checkpoint}, {samples} samples seen) at {sizes}: {note}"
 
 
+def straggler_line(fields: Mapping[str, Any]) -> str:
+    """The job's event for a ``straggler`` the group named (:mod:`worker.train.stragglers`). Pure."""
+    node = fields.get("node")
+    where = f" on node {node}" if node is not None else ""
+    return (
+        f"rank {fields['rank']}{where} computed {fields['slowdown']}x the median of the other ranks "
+        f"(above {fields.get('threshold')}x) in {fields.get('windows')} windows in a row, "
+        f"steps {fields.get('first_step')}-{fields['step']}"
+    )
+
+
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ")  # gloo's and c10d's "[file.cc:537] "
 
 

@@ -24,6 +24,7 @@ import httpx
 from worker.checkpoint.commit import Report, report_to_json
 from worker.checkpoint.coordinator import Outcome
 from worker.jobspec.jsonlimits import finite
+from worker.report.events import straggler_line
 
 log = logging.getLogger("elastrain.service_client")
 
@@ -356,6 +357,13 @@ class EventForwarder:
         elif event == "events_stopped":  # a full volume: the service's record says it instead
             message = f"events are no longer written to {fields['place']}: {fields['reason']}"
             client.event("log", rank=0, message=message)
+        elif event == "straggler":
+            client.event(
+                "straggler",
+                rank=int(fields["rank"]),
+                step=int(fields["step"]),
+                message=straggler_line(fields),
+            )
         elif event == "preempted":
             why = f"{fields.get('signal') or 'a peer'} received; saved in {fields.get('save_seconds')} s"
             client.event("preempted", rank=0, step=int(fields["step"]), message=why)

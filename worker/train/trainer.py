@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -41,6 +42,7 @@ from worker.train.monitor import GradMonitor, GradStats
 from worker.train.progress import Progress
 from worker.train.schedule import lr_at, plan_batch
 from worker.train.step import Commit, StepResult, forward_backward, optimizer_step
+from worker.train.straggler_watch import StragglerWatch, node_number
 
 if TYPE_CHECKING:
     from worker.checkpoint import Checkpointer
@@ -99,6 +101,10 @@ class Trainer:
         self.on_first_step: Callable[[], None] | None = None
         # Restart mode: where this rank is, for naming the ranks a timed-out collective waited for
         self.beacon: Beacon | None = None
+        self.stragglers = StragglerWatch(
+            spec.stragglers, model=self.model, optimizer=self.optimizer, events=events, metrics=metrics,
+            node=node_number(os.environ), active=not self.wrapped.fsdp and self.device.type == "cpu",
+        )  # fmt: skip
         if metrics is not None and spec.monitor.time_communication and not self.wrapped.fsdp:
             self.wrapped.module.register_comm_hook(None, metrics.comm.hook)  # type: ignore[operator]
 
@@ -212,6 +218,9 @@ class Trainer:
         waited = feed.wait_s
         result = self._train_window(feed, window)
         self.data_wait = feed.wait_s - waited
+        self.stragglers.measured(
+            started=started, data_wait=self.data_wait, rank=self.info.rank, world_size=self.info.world_size
+        )
         self._observe_step(time.perf_counter() - started, result.skipped)
         if traced is not None:
             self._trace(window, traced[0], spent(traced[1]))
@@ -287,6 +296,7 @@ class Trainer:
             scale=self.scaler.scale,
             device=self.device,
         )
+        self.stragglers.backward_done()
         total = self.spec.max_steps * self.plan.global_batch
         self.lr = lr_at(
             self.progress.samples_seen,
@@ -297,6 +307,9 @@ class Trainer:
         )
         if self.beacon is not None:
             self.beacon.reduces(self.progress.step + 1)
+        step, rank, world = self.progress.step + 1, self.info.rank, self.info.world_size
+        save_vote = self._save_vote()
+        ballot = self.stragglers.ballot(step, rank=rank, world_size=world)
         result = optimizer_step(
             self.params,
             self.optimizer,
@@ -307,12 +320,13 @@ class Trainer:
             sharded=self.wrapped.fsdp,
             monitor=self.monitor,
             measure=(self.progress.step + 1) % self.spec.monitor.every_steps == 0,
-            votes=self._save_vote(),
+            votes=(*save_vote, *ballot),
             commit=self.commit,
             stop=preemption.REQUEST.requested,
         )
+        self.stragglers.read(result.votes[len(save_vote) :], step, rank=rank, world_size=world)
         lifeline.glance()
-        return result
+        return dataclasses.replace(result, votes=result.votes[: len(save_vote)]) if ballot else result
 
     def _observe_step(self, seconds: float, skipped: bool) -> None:
         """Feed the rank's Prometheus exporter (worker.metrics) after every window."""
