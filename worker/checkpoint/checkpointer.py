@@ -417,6 +417,21 @@ class Checkpointer:
             self.stats.deleted_total += len(deleted)
             if deleted:
                 self.event("checkpoint_retention_deleted", steps=deleted)
+            if isinstance(self.job_dir, S3Location):
+                self._collect_abandoned(outcome.step)
+
+    def _collect_abandoned(self, newest: int) -> None:
+        """With retention on S3: what abandoned saves before ``newest`` left (shards of a step
+        without a manifest, open multipart uploads). A store that fails here fails no save."""
+        assert isinstance(self.job_dir, S3Location)
+        try:
+            removed = collect_unpublished(self.job_dir, below=newest)
+        except CheckpointError as exc:
+            log.warning("could not collect abandoned saves in %s: %s", self.job_dir, exc)
+            return
+        self.stats.orphans_collected_total += len(removed)
+        if removed:
+            self.event("checkpoint_orphans_collected", removed=removed)
 
     # ------------------------------------------------------------ restore / close
 

@@ -8,7 +8,8 @@
 
 An object store has no atomic rename, so a step counts as published exactly when its
 ``manifest.json`` exists; shards under a step without one are never read and are removed at the
-next start (:func:`collect_unpublished`) or by an abort. The manifest is created with
+next start and after each publish (:func:`collect_unpublished`, which also aborts the multipart
+uploads a killed writer left open) or by an abort. The manifest is created with
 ``If-None-Match: *``, so two writers of one step cannot both commit, and ``latest`` moves with
 ``If-Match`` on the ETag read, so it never moves backwards under a race.
 """
@@ -32,7 +33,7 @@ from worker.checkpoint.manifest import (
 )
 from worker.checkpoint.saveplan import Assignment
 from worker.checkpoint.shardio import ShardReader
-from worker.checkpoint.storage import PART_SIZE, storage_for
+from worker.checkpoint.storage import PART_SIZE, StorageError, storage_for
 from worker.errors import CheckpointError, CorruptCheckpointError
 from worker.failpoints import failpoint
 from worker.jobspec.location import S3Location
@@ -199,20 +200,37 @@ def delete_step(step: S3Location) -> None:
     store.delete([step.key(name) for name in object_sizes(step)])
 
 
-def collect_unpublished(job: S3Location) -> list[str]:
-    """Remove the shards under every step prefix without a manifest (a save that never
-    committed). Only when no save of this job is in flight: at a generation's opening. Returns
-    the steps whose shards were removed. An upload cut off before it completed leaves no object,
-    only an incomplete multipart upload, which this does not see (a bucket lifecycle rule
-    ``AbortIncompleteMultipartUpload`` removes those)."""
-    dirs, _ = storage_for(job).listing(job.prefix)
+def collect_unpublished(job: S3Location, *, below: int | None = None) -> list[str]:
+    """Remove what saves that never committed left under ``job``: the shards under step
+    prefixes without a manifest, and the multipart uploads left open there (a writer killed
+    mid-upload). ``below=None``: every step, only when no save of this job is in flight (at a
+    generation's opening); ``below=N``: only steps before N, right after step N was published
+    (saves are published in order, so an earlier step without a manifest was abandoned; a later
+    one may be in flight). Returns the steps whose shards or uploads were removed."""
+    store = storage_for(job)
+    dirs, _ = store.listing(job.prefix)
     published = {p.name for _, p in list_published(job)}
-    removed = []
+
+    def before(name: str) -> bool:
+        step = parse_step_dir(name)
+        return step is not None and (below is None or step < below)
+
+    removed = set()
     for d in dirs:
         name = d.rsplit("/", 1)[-1]
-        if parse_step_dir(name) is not None and name not in published and abort(job / name, "unpublished"):
-            removed.append(name)
-    return removed
+        if before(name) and name not in published and abort(job / name, "unpublished"):
+            removed.add(name)
+    base = f"{job.prefix}/" if job.prefix else ""
+    try:
+        left_open = [u for u in store.uploads(base) if before(u.key[len(base) :].split("/", 1)[0])]
+        if left_open:
+            log.warning("aborting %d multipart uploads left open under %s", len(left_open), job)
+            store.abort_uploads(left_open)
+    except StorageError as exc:  # a store without these calls: its lifecycle rules must do it
+        log.warning("open multipart uploads under %s not collected: %s", job, exc)
+        left_open = []
+    removed.update(u.key[len(base) :].split("/", 1)[0] for u in left_open)
+    return sorted(removed)
 
 
 def set_aside(step: S3Location, tag: str) -> str:

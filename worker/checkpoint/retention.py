@@ -79,11 +79,15 @@ def _best(checkpoints: Sequence[CheckpointInfo], policy: RetentionSpec) -> list[
     return [s for _, s in scored[: policy.keep_best]]
 
 
-def published_infos(job_dir: Place) -> list[CheckpointInfo]:
+def published_infos(job_dir: Place, *, with_metrics: bool = True) -> list[CheckpointInfo]:
     """The published steps of ``job_dir`` with the metrics their manifests hold (none for a
-    manifest that cannot be read: it is never kept as "best")."""
+    manifest that cannot be read: it is never kept as "best"). ``with_metrics=False``: the steps
+    only, without reading a manifest (each is a parse of every block digest of a step)."""
     infos = []
     for step, path in list_published(job_dir):
+        if not with_metrics:
+            infos.append(CheckpointInfo(step))
+            continue
         try:
             metrics = load_manifest(path, check_files=False).metrics
         except CheckpointError:
@@ -110,7 +114,11 @@ def apply_retention(
     if other is not None:
         log.warning("retention deletes nothing in %s: it belongs to job %r, not %r", job_dir, other.job, job)
         return []
-    infos = published_infos(job_dir) if checkpoints is None else list(checkpoints)
+    infos = (
+        published_infos(job_dir, with_metrics=policy.keep_best > 0)
+        if checkpoints is None
+        else list(checkpoints)
+    )
     deleted = []
     for step in plan_retention(infos, policy, newest_verified=newest).delete:
         try:

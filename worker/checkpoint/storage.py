@@ -8,6 +8,11 @@ object_store crate: request signing, retries with backoff, multipart); the endpo
 credentials come from the standard variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_SESSION_TOKEN``). A local directory keeps its
 own code path (``layout.py``, ``shardio.py``): fsync and rename, no extra copies.
+
+A writer killed during a multipart upload leaves the upload open: its parts are stored (and
+billed) but no listing of objects shows them. obstore has no call for that, so :meth:`uploads`
+and :meth:`abort_uploads` (ListMultipartUploads, AbortMultipartUpload) go through botocore with
+the same standard variables; nothing else does.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
@@ -34,6 +39,14 @@ class ObjectInfo:
     key: str
     size: int
     etag: str
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """A multipart upload that was started and neither completed nor aborted."""
+
+    key: str
+    upload_id: str
 
 
 class Storage(Protocol):
@@ -66,6 +79,14 @@ class Storage(Protocol):
 
     def delete(self, keys: list[str]) -> None: ...
 
+    def uploads(self, prefix: str) -> list[Upload]:
+        """The open multipart uploads of keys that start with ``prefix``."""
+        ...
+
+    def abort_uploads(self, uploads: list[Upload]) -> None:
+        """Abort ``uploads`` (their stored parts are freed); one already gone is not an error."""
+        ...
+
 
 class StorageError(CheckpointError):
     """The store failed or refused a request (after retries)."""
@@ -85,6 +106,8 @@ class S3Storage:
             client_options=options,  # type: ignore[arg-type]
             retry_config={"max_retries": retries, "retry_timeout": timedelta(seconds=timeout_s)},
         )
+        self._retries, self._timeout_s = retries, timeout_s
+        self._multipart: Any = None
 
     def _key(self, key: str) -> str:
         return key
@@ -173,6 +196,51 @@ class S3Storage:
             pass
         except BaseError as exc:
             raise _error(self.location, exc) from None
+
+    def uploads(self, prefix: str) -> list[Upload]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            pages = self._multipart_client().get_paginator("list_multipart_uploads")
+            found = pages.paginate(Bucket=self.location.bucket, Prefix=prefix)
+            return [Upload(u["Key"], u["UploadId"]) for page in found for u in page.get("Uploads", [])]
+        except (BotoCoreError, ClientError) as exc:
+            raise _error(self.location, exc) from None
+
+    def abort_uploads(self, uploads: list[Upload]) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        for u in uploads:
+            try:
+                self._multipart_client().abort_multipart_upload(
+                    Bucket=self.location.bucket, Key=u.key, UploadId=u.upload_id
+                )
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                    raise _error(self.location, exc) from None
+            except BotoCoreError as exc:
+                raise _error(self.location, exc) from None
+
+    def _multipart_client(self) -> Any:
+        """botocore's S3 client (made on first use): the endpoint, credentials and region from
+        the standard variables or a profile, path-style requests as obstore makes them."""
+        if self._multipart is None:
+            import botocore.session
+            from botocore.config import Config
+
+            config = Config(
+                s3={"addressing_style": "path"},
+                retries={"max_attempts": self._retries, "mode": "standard"},
+                connect_timeout=5,
+                read_timeout=self._timeout_s,
+            )
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+            endpoint = os.environ.get("AWS_ENDPOINT_URL") or None
+            session = botocore.session.get_session()
+            self._multipart = session.create_client(
+                "s3", region_name=region, endpoint_url=endpoint, config=config
+            )
+        return self._multipart
 
 
 def _error(location: S3Location, exc: BaseException) -> StorageError:

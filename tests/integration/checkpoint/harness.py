@@ -51,12 +51,17 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return worker_env(extra)
 
 
-def torchrun(nproc: int, *args: str, max_restarts: int = 0, extra_env: dict[str, str] | None = None,
-             timeout: float = 400) -> Run:  # fmt: skip
-    cmd = [
+def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+    """The command line that runs the toy job under torchrun."""
+    return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(TOY), *args,
     ]  # fmt: skip
+
+
+def torchrun(nproc: int, *args: str, max_restarts: int = 0, extra_env: dict[str, str] | None = None,
+             timeout: float = 400) -> Run:  # fmt: skip
+    cmd = torchrun_cmd(nproc, *args, max_restarts=max_restarts)
     proc = subprocess.run(cmd, env=env(extra_env), capture_output=True, text=True, timeout=timeout, cwd=REPO)
     return Run(proc.returncode, proc.stdout, proc.stderr)
 

@@ -1,7 +1,8 @@
 """Checkpoints in S3 under real torchrun, against a real S3-compatible server (SeaweedFS): a
 killed rank resumes from the bucket to the same final state as the run on a local directory;
 retention applies in the bucket; a kill before the commit is never loaded and its shards are
-removed; async saves; a flipped byte or a missing shard is refused and the step before used; a
+removed; a rank SIGKILLed mid-upload leaves an open multipart upload, which the next start
+aborts; async saves; a flipped byte or a missing shard is refused and the step before used; a
 step without a manifest is never loaded; a W=2 checkpoint loads at W=1 and W=3; the offline
 commands take s3:// URLs; a missing bucket, refused credentials or no endpoint are one line
 naming checkpoint.dir, exit 2."""
@@ -9,19 +10,25 @@ naming checkpoint.dir, exit 2."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import botocore.session
 import pytest
 
 from tests.integration.checkpoint.conftest import EVERY, SEED, STEPS, Reference
-from tests.integration.checkpoint.harness import REPO, Run, cli, torchrun
+from tests.integration.checkpoint.harness import REPO, Run, cli, env, torchrun, torchrun_cmd
 from tests.integration.launch import run_worker, write_spec
 from tests.s3server import SeaweedServer
 from tests.specs import raw_spec
-from worker.checkpoint.remote import list_published, read_latest
+from tests.waiting import eventually
+from worker.checkpoint.remote import collect_unpublished, list_published, read_latest
 from worker.checkpoint.storage import storage_for
 from worker.checkpoint.verify import logical_digest
 from worker.jobspec.location import S3Location
@@ -104,6 +111,55 @@ def test_kill_before_the_commit_is_never_loaded_and_cleaned_up(
     collected = run.all("checkpoint_orphans_collected")
     assert collected and f"step-{EVERY:08d}" in collected[0]["removed"]
     assert run.last("finished")["digest"] == reference_ddp.digest
+
+
+def test_kill_during_an_upload_is_never_loaded_and_its_upload_aborted(
+    s3server: SeaweedServer, s3_env: None, reference_ddp: Reference, tmp_path: Path
+) -> None:
+    """Rank 1 pauses in the middle of uploading its shard of the first save (step 2) and this
+    test SIGKILLs it there: the restarted group starts over (nothing loaded), and its opening
+    removes rank 0's shard and aborts rank 1's multipart upload, which no listing of objects
+    shows but the store keeps."""
+    loc, store, step = _prefix(), storage_for(_prefix()), f"step-{EVERY:08d}"
+    args = ("--dir", str(loc), "--steps", str(STEPS), "--every", str(EVERY), "--seed", str(SEED))
+    cmd = torchrun_cmd(2, *args, max_restarts=1)
+    paused = _env(s3server, ELASTRAIN_FAILPOINTS="during_shard_write=sleep:120@1^0")
+    stderr = tmp_path / "stderr.log"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(cmd, env=env(paused), stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO)
+        try:
+            pause = re.compile(r"failpoint during_shard_write: sleep:120 \(pid (\d+)\)")
+            found = eventually(
+                "rank 1 paused mid-upload", lambda: pause.search(stderr.read_text()), timeout=180
+            )
+            assert [u.key for u in store.uploads(f"{loc.prefix}/")] == [loc.key(step, "rank-00001.bin")]
+            os.kill(int(found.group(1)), signal.SIGKILL)
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+    run = Run(proc.returncode, out, stderr.read_text()).check()
+    assert run.all("resumed") == []  # step 2 never committed: the restarted group starts over
+    collected = run.all("checkpoint_orphans_collected")
+    assert collected and step in collected[0]["removed"]
+    assert store.uploads(f"{loc.prefix}/") == []
+    assert run.last("finished")["digest"] == reference_ddp.digest
+
+
+def test_collecting_after_a_publish_spares_the_steps_after_it(s3server: SeaweedServer, s3_env: None) -> None:
+    """After step 4 is published, what saves of earlier steps left (shards without a manifest,
+    an open multipart upload) is removed; a later step's save may be in flight and is kept."""
+    loc = _prefix()
+    store = storage_for(loc)
+    ours = botocore.session.get_session().create_client("s3", endpoint_url=s3server.endpoint)
+    for step in (2, 6):
+        store.write(loc.key(f"step-{step:08d}", "rank-00000.bin"), b"shard")
+        ours.create_multipart_upload(Bucket=loc.bucket, Key=loc.key(f"step-{step:08d}", "rank-00001.bin"))
+    store.write(loc.key("step-00000004", "manifest.json"), b"{}")  # published, as far as listing goes
+    assert collect_unpublished(loc, below=4) == ["step-00000002"]
+    assert [u.key for u in store.uploads(f"{loc.prefix}/")] == [loc.key("step-00000006", "rank-00001.bin")]
+    _, objects = store.listing(loc.prefix, recursive=True)
+    assert sorted(o.key for o in objects) == [loc.key("step-00000004", "manifest.json"),
+                                              loc.key("step-00000006", "rank-00000.bin")]  # fmt: skip
 
 
 def test_async_saves_to_s3(s3server: SeaweedServer, s3_env: None, reference_ddp: Reference) -> None:

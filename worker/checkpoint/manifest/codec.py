@@ -60,8 +60,21 @@ def manifest_to_dict(m: Manifest) -> dict[str, Any]:
 
 
 def manifest_to_json(m: Manifest) -> str:
-    """Deterministic JSON text (sorted files and tensors)."""
-    return json.dumps(manifest_to_dict(m), indent=1, sort_keys=False) + "\n"
+    """Deterministic JSON text (sorted files and tensors): a line per field and per tensor, each
+    line compact, so that C's JSON encoder writes it (``indent`` would take the pure-Python
+    encoder, many times slower on the block digests of a large state)."""
+    lines = []
+    for key, value in manifest_to_dict(m).items():
+        if key == "tensors" and value:
+            body = ",\n".join(f"  {_compact(k)}: {_compact(v)}" for k, v in value.items())
+            lines.append(f' "tensors": {{\n{body}\n }}')
+        else:
+            lines.append(f" {_compact(key)}: {_compact(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def manifest_from_json(

@@ -125,7 +125,7 @@ def block_count(nbytes: int, block_size: int) -> int:
 def manifest_cap(shard_bytes: int) -> int:
     """The largest manifest a reader accepts next to ``shard_bytes`` bytes of files on disk.
 
-    Each block of a piece costs about 44 bytes of manifest (its digest on a line), so 1/64 of
+    Each block of a piece costs about 35 bytes of manifest (its digest in a list), so 1/64 of
     the shard bytes covers blocks down to 4 KiB (elastrain writes 256 KiB: 64x to spare), and
     :data:`MANIFEST_BASE_BYTES` covers what does not grow with the bytes. A crafted manifest can
     make a reader hold at most that much, a bound set by the files really there.
