@@ -288,7 +288,8 @@ def poisoned(body: dict[str, Any], how: str, token: str, pick: int) -> tuple[byt
     if how == "duplicate" and body:
         key = sorted(body)[pick % len(body)]
         text = json.dumps(body)
-        return ("{" + json.dumps(key) + ": " + json.dumps(body[key]) + ", " + text[1:]).encode(), key
+        field = key or "body"  # a key that is the empty string has no name: the body is named
+        return ("{" + json.dumps(key) + ": " + json.dumps(body[key]) + ", " + text[1:]).encode(), field
     numbers = list(_numbers(body, ()))
     if numbers:
         path = numbers[pick % len(numbers)]
