@@ -7,8 +7,9 @@ rank at a seeded step, once per run. Under the README's bare torchrun command (t
 check after the flip names the step, both ranks (two replicas: neither is trusted over the
 other) and the tensor; nothing is saved while they disagree; torchrun's restart resumes from the
 newest published checkpoint (saved before the flip, when they agreed) and trains the steps since
-again; the run ends with the undisturbed run's state digest, and every checkpoint it published
-is the undisturbed run's at that step.
+again (``elastrain report`` calls that restart ``replica_mismatch``); the run ends with the
+undisturbed run's state digest, and every checkpoint it published is the undisturbed run's at
+that step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from service.report import build_report, load_run
 from tests.integration.launch import Run, run_worker, write_spec
 from tests.integration.worker.test_resume import spec
 from tests.seeds import seeded
@@ -67,6 +69,8 @@ def test_a_flipped_bit_in_one_replica_is_named_and_trained_away(tmp_path: Path, 
     assert caught["tensors"] == [tensor], why  # the weight itself: its gradients were all-reduced
     assert "replicas disagree" in run.stderr, why
     assert run.last("resumed")["step"] == SAVE, why  # the newest checkpoint saved before the flip
+    (restart,) = build_report(load_run(tmp_path / "flipped"))["restarts"]  # `elastrain report`
+    assert restart["kind"] == "replica_mismatch" and restart["resumed_step"] == SAVE, why
     assert run.last("finished")["params_digest"] == reference.last("finished")["params_digest"], why
     ref = published(tmp_path / "reference")
     assert published(tmp_path / "flipped") == {s: ref[s] for s in published(tmp_path / "flipped")}, why

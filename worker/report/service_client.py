@@ -356,6 +356,10 @@ class EventForwarder:
         elif event == "events_stopped":  # a full volume: the service's record says it instead
             message = f"events are no longer written to {fields['place']}: {fields['reason']}"
             client.event("log", rank=0, message=message)
+        elif event == "replica_mismatch":
+            client.event(
+                "replica_mismatch", rank=0, step=int(fields["step"]), message=str(fields["message"])[:2000]
+            )
         elif event == "preempted":
             why = f"{fields.get('signal') or 'a peer'} received; saved in {fields.get('save_seconds')} s"
             client.event("preempted", rank=0, step=int(fields["step"]), message=why)

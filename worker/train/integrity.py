@@ -139,14 +139,16 @@ class ReplicaCheck:
         if not mismatch:
             return
         ranks, tensors = list(outcome.verdict.ranks), list(outcome.differing)
+        line = replicas.describe(step, ranks, tensors, self.world_size)
         self.events.emit(
             "replica_mismatch", step=step, ranks=ranks, tensors=tensors[:64], tensors_differing=len(tensors),
-            full=full, world_size=self.world_size,
+            full=full, world_size=self.world_size, message=line,
         )  # fmt: skip
         if self.metrics is not None:
             self.metrics.flush()
-        line = replicas.describe(step, ranks, tensors, self.world_size)
-        raise ReplicaMismatchError(f"{line}; nothing was saved: the newest published checkpoint is kept")
+        raise ReplicaMismatchError(
+            f"{line}; nothing was saved: the newest published checkpoint is kept", tuple(ranks)
+        )
 
     def run(self, step: int, *, full: bool) -> Outcome:
         """One comparison, without acting on it."""
