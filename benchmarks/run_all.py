@@ -71,6 +71,8 @@ BENCHMARKS = (
           full=("--rounds", "2"), quick=("--rounds", "1", "--steps", "300", "--warm", "50")),
     Bench("benchmarks.preemption", "a SIGTERM: exit time vs the grace period, steps lost",
           full=("--rounds", "3"), quick=("--rounds", "1")),
+    Bench("benchmarks.integrity_check", "the replicas' comparison at its default interval vs none, one job",
+          full=("--rounds", "3", "--steps", "3000"), quick=("--rounds", "1", "--steps", "400")),
 )  # fmt: skip
 
 

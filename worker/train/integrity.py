@@ -5,8 +5,9 @@ Each check hashes a part of the parameters and optimizer state (all of it before
 (the checkpoint's hash, no copy), on an accelerator a fold on the device (wrapping int64 sums of
 its words and of their squares: any one flipped bit changes the first), read to the host once for
 the whole part. The tensors' digests make one 128-bit digest, and the ranks gather it (16 bytes
-each, one ``all_gather``). Only when they differ do the ranks gather their per-tensor digests, to
-name the tensors. Bit-exact: DDP replicas must be identical, so any difference is a fault.
+each, one ``all_gather``, in the background for a periodic check). Only when they differ do the
+ranks gather their per-tensor digests, to name the tensors. Bit-exact: DDP replicas must be
+identical, so any difference is a fault.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from torch import nn
 
 from worker.errors import ReplicaMismatchError
 from worker.train import replicas
-from worker.train.replicas import Verdict
 
 if TYPE_CHECKING:
     from worker.jobspec.spec import JobSpec
@@ -33,18 +33,6 @@ if TYPE_CHECKING:
 _CHUNK = 1 << 24  # elements folded at a time on a device: bounds the int64 temporaries
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _MASK = (1 << 64) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One check: what it covered, the verdict, the tensors that differ, its wall time."""
-
-    step: int
-    full: bool
-    tensors: int
-    verdict: Verdict
-    differing: tuple[str, ...]
-    seconds: float
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -105,15 +93,38 @@ def _signed(value: int) -> int:
 
 def _gather(values: list[int], device: torch.device, world_size: int) -> list[list[int]]:
     """Every rank's ``values`` (the same length on every rank), by rank."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    got = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(got, mine)
-    return [t.cpu().tolist() for t in got]
+    return _Gather(values, device, world_size).result()
+
+
+class _Gather:
+    """An ``all_gather`` of a few int64 per rank, started now (in the background) and read later."""
+
+    def __init__(self, values: list[int], device: torch.device, world_size: int) -> None:
+        self.mine = torch.tensor(values, dtype=torch.int64, device=device)
+        self.got = [torch.empty_like(self.mine) for _ in range(world_size)]
+        self.work = dist.all_gather(self.got, self.mine, async_op=True)
+
+    def result(self) -> list[list[int]]:
+        if self.work is not None:
+            self.work.wait()
+        return [t.cpu().tolist() for t in self.got]
+
+
+@dataclass(slots=True)
+class _Started:
+    """A comparison whose digests are exchanged in the background."""
+
+    step: int
+    full: bool
+    names: list[str]
+    digests: list[int]
+    gather: _Gather
+    seconds: float
 
 
 class ReplicaCheck:
     """Compares this rank's state with the other replicas' (a collective: every rank calls
-    :meth:`check` at the same step with the same ``full``)."""
+    :meth:`check` at the same steps with the same ``full``)."""
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every_steps: int,
@@ -122,50 +133,58 @@ class ReplicaCheck:
         self.model, self.optimizer = model, optimizer
         self.every_steps, self.device, self.world_size = every_steps, device, world_size
         self.events, self.metrics = events, metrics
+        self.pending: _Started | None = None
 
     def due(self, step: int) -> bool:
         return replicas.due(step, self.every_steps)
 
     def check(self, step: int, *, full: bool) -> None:
-        """Compare (all of the state with ``full``, else this step's part); on a difference say
-        which ranks and tensors (event ``replica_mismatch``, the metric) and raise
-        :class:`ReplicaMismatchError`: the group stops before it saves anything, and its restart
-        resumes from the newest published checkpoint, which the replicas agreed on before it was
-        saved, and trains the steps since again."""
-        outcome = self.run(step, full=full)
-        mismatch = not outcome.verdict.agree
+        """Compare the state after ``step``: all of it with ``full`` (before a save: judged at
+        once), else this step's part, whose digests travel in the background while training goes
+        on and are judged at the next check (so the training thread never waits for them). A
+        comparison still in flight is judged first. On a difference say which ranks and tensors
+        (event ``replica_mismatch``, the metric) and raise :class:`ReplicaMismatchError`: the
+        group stops before it saves anything, and its restart resumes from the newest published
+        checkpoint, which the replicas agreed on before it was saved, and trains the steps since
+        again."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._judge(pending)
+        started = self._start(step, full=full)
+        if full:
+            self._judge(started)
+        else:
+            self.pending = started
+
+    def _start(self, step: int, *, full: bool) -> _Started:
+        began = time.perf_counter()
+        covered = self._covered(step, full=full)
+        digests = tensor_digests([t for _, t in covered])
+        gather = _Gather(list(combine(digests)), self.device, self.world_size)
+        return _Started(
+            step=step, full=full, names=[n for n, _ in covered], digests=digests, gather=gather,
+            seconds=time.perf_counter() - began,
+        )  # fmt: skip
+
+    def _judge(self, started: _Started) -> None:
+        began = time.perf_counter()
+        verdict = replicas.compare([tuple(g) for g in started.gather.result()])
         if self.metrics is not None:
-            self.metrics.integrity(outcome.seconds, mismatch=mismatch)
-        if not mismatch:
+            self.metrics.integrity(started.seconds + time.perf_counter() - began, mismatch=not verdict.agree)
+        if verdict.agree:
             return
-        ranks, tensors = list(outcome.verdict.ranks), list(outcome.differing)
-        line = replicas.describe(step, ranks, tensors, self.world_size)
+        per_rank = _gather([_signed(d) for d in started.digests], self.device, self.world_size)
+        tensors, ranks = replicas.differing(started.names, per_rank), list(verdict.ranks)
+        line = replicas.describe(started.step, ranks, tensors, self.world_size)
         self.events.emit(
-            "replica_mismatch", step=step, ranks=ranks, tensors=tensors[:64], tensors_differing=len(tensors),
-            full=full, world_size=self.world_size, message=line,
+            "replica_mismatch", step=started.step, ranks=ranks, tensors=tensors[:64],
+            tensors_differing=len(tensors), full=started.full, world_size=self.world_size, message=line,
         )  # fmt: skip
         if self.metrics is not None:
             self.metrics.flush()
         raise ReplicaMismatchError(
             f"{line}; nothing was saved: the newest published checkpoint is kept", tuple(ranks)
         )
-
-    def run(self, step: int, *, full: bool) -> Outcome:
-        """One comparison, without acting on it."""
-        started = time.perf_counter()
-        covered = self._covered(step, full=full)
-        names = [name for name, _ in covered]
-        digests = tensor_digests([t for _, t in covered])
-        gathered = _gather(list(combine(digests)), self.device, self.world_size)
-        verdict = replicas.compare([tuple(g) for g in gathered])
-        differ: list[str] = []
-        if not verdict.agree:
-            per_rank = _gather([_signed(d) for d in digests], self.device, self.world_size)
-            differ = replicas.differing(names, per_rank)
-        return Outcome(
-            step=step, full=full, tensors=len(names), verdict=verdict, differing=tuple(differ),
-            seconds=time.perf_counter() - started,
-        )  # fmt: skip
 
     def _covered(self, step: int, *, full: bool) -> list[tuple[str, torch.Tensor]]:
         state = state_tensors(self.model, self.optimizer)
