@@ -134,6 +134,7 @@ class ReplicaCheck:
         self.every_steps, self.device, self.world_size = every_steps, device, world_size
         self.events, self.metrics = events, metrics
         self.pending: _Started | None = None
+        self._split: tuple[int, list[list[int]]] = (-1, [])  # (tensors, their parts)
 
     def due(self, step: int) -> bool:
         return replicas.due(step, self.every_steps)
@@ -190,7 +191,9 @@ class ReplicaCheck:
         state = state_tensors(self.model, self.optimizer)
         if full:
             return state
-        parts = replicas.split([t.numel() * t.element_size() for _, t in state])
+        if len(state) != self._split[0]:  # the optimizer's state appears at its first step
+            self._split = (len(state), replicas.split([t.numel() * t.element_size() for _, t in state]))
+        parts = self._split[1]
         return [state[i] for i in parts[replicas.part_at(step, self.every_steps, len(parts))]]
 
 
