@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -91,9 +91,15 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _gather(values: list[int], device: torch.device, world_size: int) -> list[list[int]]:
-    """Every rank's ``values`` (the same length on every rank), by rank."""
-    return _Gather(values, device, world_size).result()
+class Exchange(Protocol):
+    """Every rank's ``values`` (the same length on every rank), started now: ``result()`` gives
+    them by rank."""
+
+    def __call__(self, values: list[int]) -> Gathered: ...
+
+
+class Gathered(Protocol):
+    def result(self) -> list[list[int]]: ...
 
 
 class _Gather:
@@ -118,7 +124,7 @@ class _Started:
     full: bool
     names: list[str]
     digests: list[int]
-    gather: _Gather
+    gather: Gathered
     seconds: float
 
 
@@ -129,10 +135,14 @@ class ReplicaCheck:
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every_steps: int,
         device: torch.device, world_size: int, events: Events, metrics: WorkerMetrics | None,
+        exchange: Exchange | None = None,
     ) -> None:  # fmt: skip
+        """``exchange``: how the ranks' digests travel (default: an ``all_gather`` on the
+        default process group)."""
         self.model, self.optimizer = model, optimizer
-        self.every_steps, self.device, self.world_size = every_steps, device, world_size
+        self.every_steps, self.world_size = every_steps, world_size
         self.events, self.metrics = events, metrics
+        self.exchange: Exchange = exchange or (lambda values: _Gather(values, device, world_size))
         self.pending: _Started | None = None
         self._split: tuple[int, list[list[int]]] = (-1, [])  # (tensors, their parts)
 
@@ -161,7 +171,7 @@ class ReplicaCheck:
         began = time.perf_counter()
         covered = self._covered(step, full=full)
         digests = tensor_digests([t for _, t in covered])
-        gather = _Gather(list(combine(digests)), self.device, self.world_size)
+        gather = self.exchange(list(combine(digests)))
         return _Started(
             step=step, full=full, names=[n for n, _ in covered], digests=digests, gather=gather,
             seconds=time.perf_counter() - began,
@@ -174,7 +184,7 @@ class ReplicaCheck:
             self.metrics.integrity(started.seconds + time.perf_counter() - began, mismatch=not verdict.agree)
         if verdict.agree:
             return
-        per_rank = _gather([_signed(d) for d in started.digests], self.device, self.world_size)
+        per_rank = self.exchange([_signed(d) for d in started.digests]).result()
         tensors, ranks = replicas.differing(started.names, per_rank), list(verdict.ranks)
         line = replicas.describe(started.step, ranks, tensors, self.world_size)
         self.events.emit(

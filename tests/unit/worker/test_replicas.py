@@ -1,16 +1,22 @@
 """The replicas' comparison: who disagrees with the majority (with two replicas, both), which
-tensors differ, which part of the state each check covers, and digests that see one flipped bit."""
+tensors differ, which part of the state each check covers, digests that see one flipped bit, and
+the check's flow with the other replica's digests handed in (a periodic check judged at the next
+one, a check before a save at once; a difference named and raised)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from tests.specs import raw_spec
-from worker.errors import SpecError
+from worker.errors import ReplicaMismatchError, SpecError
 from worker.jobspec.integrity import DEFAULT_EVERY_STEPS
 from worker.jobspec.spec import parse_spec
+from worker.report.events import Events
 from worker.train import integrity, replicas
 from worker.train.replicas import compare, differing, part_at, split
 
@@ -110,3 +116,66 @@ def test_integrity_fields_are_checked_naming_the_field() -> None:
         parse_spec(raw_spec(integrity={"enabled": "yes"}))
     with pytest.raises(SpecError, match=r"integrity\.every"):
         parse_spec(raw_spec(integrity={"every": 5}))
+
+
+class Peer:
+    """The other replica of a group of two, as the exchange hands back its values: the same as
+    this rank's, or with the per-tensor digest at ``bad`` (and so the combined one) changed from
+    ``from_call`` on."""
+
+    def __init__(self, bad: int | None = None, from_call: int = 0) -> None:
+        self.bad, self.from_call, self.calls = bad, from_call, 0
+
+    def __call__(self, values: list[int]) -> Any:
+        self.calls += 1
+        other = list(values)
+        if self.bad is not None and self.calls > self.from_call:
+            k = self.bad if len(values) > 2 else 0
+            other[k] ^= 1
+        return SimpleNamespace(result=lambda: [values, other])
+
+
+def check_of(peer: Peer, events: list[tuple[str, dict[str, Any]]]) -> integrity.ReplicaCheck:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    sink = Events(enabled=False, job="j", rank=0)
+    sink.sinks.append(lambda name, fields: events.append((name, fields)))
+    return integrity.ReplicaCheck(
+        model, optimizer, every_steps=10, device=torch.device("cpu"), world_size=2, events=sink,
+        metrics=None, exchange=peer,
+    )  # fmt: skip
+
+
+def test_replicas_that_agree_say_nothing() -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    check = check_of(Peer(), events)
+    for step in (10, 20, 30):
+        check.check(step, full=False)
+    check.check(30, full=True)
+    assert events == [] and check.pending is None
+
+
+def test_a_periodic_difference_is_judged_at_the_next_check_and_names_the_tensor() -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    check = check_of(Peer(bad=0, from_call=0), events)
+    check.check(10, full=False)  # its digests travel in the background: no verdict yet
+    assert events == [] and check.pending is not None
+    with pytest.raises(ReplicaMismatchError, match="after step 10: both ranks") as raised:
+        check.check(20, full=False)
+    assert raised.value.ranks == (0, 1)
+    [(name, fields)] = events
+    covered = [n for n, _ in check._covered(10, full=False)]
+    assert name == "replica_mismatch" and fields["step"] == 10 and fields["ranks"] == [0, 1]
+    assert fields["tensors"] == [covered[0]] and not fields["full"]
+
+
+def test_a_difference_before_a_save_is_judged_at_once() -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    check = check_of(Peer(bad=5), events)
+    with pytest.raises(ReplicaMismatchError, match="nothing was saved"):
+        check.check(7, full=True)
+    names = [n for n, _ in integrity.state_tensors(check.model, check.optimizer)]
+    assert events[0][1]["tensors"] == [names[5]] and events[0][1]["full"]
