@@ -16,7 +16,7 @@ from worker.jobspec.limits import MAX_STEPS, Frozen
 
 DEFAULT_EVERY_STEPS = 10
 """Each check hashes a quarter of the state; at this interval the benchmark MLP (the smallest
-compute per byte of state the benchmarks train) spends well under 1% of its step time on it."""
+compute per byte of state the benchmarks train) spends under 1% of its step time on it."""
 
 
 class IntegritySpec(Frozen):
