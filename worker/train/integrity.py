@@ -1,10 +1,10 @@
 """Data-parallel replicas compare their state: the digests and the collective.
 
 Each check hashes a part of the parameters and optimizer state (all of it before a save: see
-:mod:`worker.train.replicas`), each tensor on its own: on CPU xxh3-64 over its bytes in place
-(the checkpoint blocks' hash family, no copy), on an accelerator a fold on the device (wrapping int64 sums of
-its words and of their squares: any one flipped bit changes the first), read to the host once for
-the whole part. The tensors' digests make one 128-bit digest, and the ranks gather it (16 bytes
+:mod:`worker.train.replicas`), each tensor on its own: on CPU xxh3-64 over its bytes in place (the
+checkpoint blocks' hash family, no copy), on an accelerator a fold on the device (wrapping int64
+sums of its words and of their squares: any one flipped bit changes the first), read to the host
+once for the whole part. The tensors' digests make one 128-bit digest, and the ranks gather it (16 bytes
 each, one ``all_gather``, in the background for a periodic check). Only when they differ do the
 ranks gather their per-tensor digests, to name the tensors. Bit-exact: DDP replicas must be
 identical, so any difference is a fault.
