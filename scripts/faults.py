@@ -66,6 +66,8 @@ ROWS: dict[str, str] = {
     + "test_service_preemption.py::test_sigterm_to_nodes_is_a_preemption_that_loses_no_step",
     "peer-preempt": T
     + "test_service_preemption.py::test_in_peer_mode_a_preempted_node_hands_off_and_a_preempted_job_saves",
+    # Silent corruption: a user's model flips one bit of one weight on one rank (bare torchrun).
+    "bitflip-replica": T + "test_bitflip.py::test_a_flipped_bit_in_one_replica_is_named_and_trained_away",
     # Peer recovery: each row's cases (W, replacement, who dies) run once per seed.
     "peer-sigkill-rank": R + "test_peer_recovery.py::test_sigkill_of_a_random_rank",
     "peer-kill-in-transfer": R + "test_peer_faults.py::test_kill_during_the_state_transfer",

@@ -105,6 +105,9 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.retention.pinned_steps": "Steps never deleted.",
     "eval": "Evaluation on held-out data.",
     "eval.every_steps": "Evaluate every this many steps (also at the end when there is held-out data).",
+    "integrity": "Data-parallel replicas compare a digest of their state; a silent corruption is "
+    "named and trained away from the newest checkpoint they agreed on (see "
+    "[docs/recovery.md](docs/recovery.md#silent-corruption-replicas-compare-their-state)).",
     "log_every_steps": "A `progress` event and a readable line every this many steps.",
     "recovery": "How a lost rank is recovered (see [docs/recovery.md](docs/recovery.md)).",
     "preemption": "A SIGTERM (a node drain, a spot reclaim, a cancel) is a graceful stop: every rank stops "

@@ -148,6 +148,7 @@ class Attempt:
     last_step: int = 0
     finished: bool = False
     preempted: bool = False
+    replica_mismatch: bool = False
     progress: list[dict[str, Any]] = field(default_factory=list)
     world_sizes: list[int] = field(default_factory=list)  # in the order the attempt ran at them
     trained_at: list[int] = field(default_factory=list)  # those it finished a step at
@@ -170,6 +171,7 @@ class Attempt:
                 a.last_step = max(a.last_step, e["step"])
         a.finished = any(e["event"] == "finished" for e in events)
         a.preempted = any(e["event"] == "preempted" for e in events)
+        a.replica_mismatch = any(e["event"] == "replica_mismatch" for e in events)
         return a
 
     def first(self, *names: str) -> float | None:
@@ -190,6 +192,8 @@ class Attempt:
 
 def _restart(prev: Attempt, nxt: Attempt, t0: float) -> dict[str, Any]:
     kind = "rerun" if prev.finished else "preemption" if prev.preempted else "failure"
+    if prev.replica_mismatch and not prev.finished:  # stopped on purpose: the replicas disagreed
+        kind = "replica_mismatch"
     after = nxt.world_sizes[0] if nxt.world_sizes else None  # prev.world_size: the last it ran at
     if prev.world_size and after and prev.world_size != after:
         kind = "rescale"

@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker.errors import ElastrainError, FinalCheckpointError, SpecError
+from worker.errors import ElastrainError, FinalCheckpointError, ReplicaMismatchError, SpecError
 from worker.start import startgc
 from worker.wiring import die, job_checkpointer, preempted
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         waited = _waited_for(trainer, events) if "timed out" in str(exc).lower() else None
         if waited:
             text, line = f"{text.rstrip()}\n{waited[0]}\n", f"{line}; {waited[0]}"
-        ranks = waited[1] if waited else ()
+        ranks = waited[1] if waited else exc.ranks if isinstance(exc, ReplicaMismatchError) else ()
         again = not isinstance(exc, FinalCheckpointError)
         die(
             text, client, line=line, rank=info.rank, step=step, generation=generation,

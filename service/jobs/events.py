@@ -41,6 +41,7 @@ WorkerEventKind = Literal[
     "spare_promoted",
     "preempted",
     "straggler",
+    "replica_mismatch",
 ]
 WINDOW_S = Policy().merge_window_s
 MAX_TIME = 1e11
@@ -60,7 +61,9 @@ class WorkerEvent(BaseModel):
     ``*_at`` fields when each phase ended (Unix seconds), ``step`` the committed step the group
     resumes from, ``step_before`` the step it had reached. ``state_loaded`` (restart mode):
     ``step`` the step restored, ``bytes_from_storage`` the bytes the restore read.
-    ``spare_promoted``: the spare ``launch_id`` now fills slot ``node_index``."""
+    ``spare_promoted``: the spare ``launch_id`` now fills slot ``node_index``.
+    ``replica_mismatch``: the data-parallel replicas disagreed after ``step`` (``message`` names
+    the ranks and tensors); the ranks' ``failed`` reports that follow open the incident."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -133,6 +136,8 @@ def apply_worker_event(
         return _preempted(job, event, now)
     if event.kind == "straggler":  # the group names a slow rank; nothing changes but the log
         return job.with_event(now, "straggler", event.message or f"rank {event.rank} is a straggler")
+    if event.kind == "replica_mismatch":  # the workers' failure that follows opens the incident
+        return job.with_event(now, "replica_mismatch", event.message or f"at step {event.step}")
     who = f"rank {event.rank}" if event.rank is not None else "worker"
     return job.with_event(now, f"worker_{event.kind}", f"{who}: {event.message}".strip(": "))
 

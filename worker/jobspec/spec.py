@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from worker.errors import SpecError
+from worker.jobspec.integrity import IntegritySpec
 from worker.jobspec.limits import (
     IMAGE_RE,
     MAX_ACCUM,
@@ -348,6 +349,7 @@ class JobSpec(_Frozen):
     monitor: MonitorSpec = Field(default_factory=MonitorSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    integrity: IntegritySpec = Field(default_factory=IntegritySpec)
     log_every_steps: Steps = 10
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
     # Fields for the control plane; a bare torchrun worker ignores them.

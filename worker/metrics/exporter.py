@@ -168,6 +168,14 @@ class WorkerMetrics:
         with self._lock:
             self.rank.values["elastrain_worker_skipped_steps_total"] += 1
 
+    def integrity(self, seconds: float, *, mismatch: bool) -> None:
+        """One comparison of the replicas' state took ``seconds``; ``mismatch``: they disagreed."""
+        with self._lock:
+            v = self.rank.values
+            v["elastrain_worker_integrity_checks_total"] += 1
+            v["elastrain_worker_integrity_seconds_total"] += seconds
+            v["elastrain_worker_replica_mismatches_total"] += int(mismatch)
+
     def grad_stats(self, zero_fraction: float, min_nonzero: float) -> None:
         self._set(
             elastrain_worker_grad_zero_ratio=zero_fraction, elastrain_worker_grad_min_nonzero=min_nonzero

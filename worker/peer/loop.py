@@ -189,6 +189,7 @@ class PeerLoop:
         self.pending: dict[str, Any] | None = None  # the recovery report awaiting its first step
         trainer.commit = self
         trainer.window_rng = self._derive
+        trainer.replicas = None  # restart mode compares the replicas' state (worker.train.integrity)
         trainer.on_first_step = self._first_step
 
     # -- the step ------------------------------------------------------------------------------

@@ -364,6 +364,10 @@ class EventForwarder:
                 step=int(fields["step"]),
                 message=straggler_line(fields),
             )
+        elif event == "replica_mismatch":
+            client.event(
+                "replica_mismatch", rank=0, step=int(fields["step"]), message=str(fields["message"])[:2000]
+            )
         elif event == "preempted":
             why = f"{fields.get('signal') or 'a peer'} received; saved in {fields.get('save_seconds')} s"
             client.event("preempted", rank=0, step=int(fields["step"]), message=why)

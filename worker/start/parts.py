@@ -125,7 +125,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerSpec) -> torch.optim.Optimiz
 # so that the same training under the service and under bare torchrun has the same state digest.
 OPERATIONAL_FIELDS = frozenset(
     {"name", "checkpoint", "nodes", "initial_nodes", "nproc_per_node", "max_restarts", "resources",
-     "log_every_steps", "monitor", "recovery", "spares", "priority", "queue"}
+     "log_every_steps", "monitor", "integrity", "stragglers", "preemption", "recovery", "spares", "priority",
+     "queue"}
 )  # fmt: skip
 
 

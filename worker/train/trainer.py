@@ -38,6 +38,7 @@ from worker.start.parts import (
 from worker.train import preemption
 from worker.train.amp import OPTIMIZER_ROW, DynamicLossScaler, optimizer_row, state_dtypes
 from worker.train.evaluation import evaluate
+from worker.train.integrity import ReplicaCheck, replica_check
 from worker.train.monitor import GradMonitor, GradStats
 from worker.train.progress import Progress
 from worker.train.schedule import lr_at, plan_batch
@@ -93,6 +94,10 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        # Restart mode, DDP: the replicas compare their state (peer mode sets it to None)
+        self.replicas: ReplicaCheck | None = replica_check(
+            spec, self.model, self.optimizer, info, events=events, metrics=metrics, notes=self.notes
+        )
         self.tokens_per_sample = int(getattr(self.data, "meta", {}).get("seq_len", 0))
         self.last_log = (time.perf_counter(), 0)
         # Peer mode (worker.peer.loop): the window's commit vote, and the per-window random streams.
@@ -251,6 +256,8 @@ class Trainer:
             self._evaluate()
         if save:
             self._save()
+        elif self.replicas is not None and self.replicas.due(prog.step):
+            self.replicas.check(prog.step, full=False)
         if result.stop and not final:
             self._stop(result.stop)
 
@@ -458,6 +465,8 @@ class Trainer:
         is the one an undisturbed run has at this step."""
         checkpointer = self.checkpointer
         assert checkpointer is not None  # _want_save is False without one
+        if self.replicas is not None:  # nothing is saved while the replicas disagree
+            self.replicas.check(self.progress.step, full=True)
         metric = self.progress.best_metric if self.eval_data is not None else self.progress.last_loss
         if self.eval_data is None and metric is not None and not extra:
             best = self.progress.best_metric

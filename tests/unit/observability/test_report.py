@@ -94,6 +94,14 @@ def test_one_restart_with_phases_steps_lost_and_recovery_time() -> None:
     assert [p["seconds"] for p in restart["phases"]] == pytest.approx([10.5 - 2.4, 0.5])
 
 
+def test_a_restart_after_the_replicas_disagreed_says_so() -> None:
+    events = killed_run()
+    at = next(i for i, e in enumerate(events) if e["event"] == "checkpoint_restored")
+    events.insert(at, ev("replica_mismatch", 2.5, step=14, ranks=[0, 1], tensors=["net.0.weight"]))
+    (restart,) = build_report(Run("r", events))["restarts"]
+    assert restart["kind"] == "replica_mismatch" and restart["steps_lost"] == 4
+
+
 def test_every_phase_when_the_worker_reports_each() -> None:
     events = killed_run()
     at = next(i for i, e in enumerate(events) if e["event"] == "checkpoint_restored")
