@@ -6,8 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# pytest processes of make test's run from the tree (pytest-xdist; 0: in pytest's own process)
-TEST_WORKERS ?= 2
+# pytest processes of make test (pytest-xdist; 0: in pytest's own process). Three on two cores: the
+# launches spend part of their time waiting (process start, timeouts, a fault's pause)
+TEST_WORKERS ?= 3
 
 .PHONY: venv run test test-installed test-gpu lint types unit integration bench faults deploy-sync clean
 
