@@ -78,7 +78,7 @@ BENCHMARKS = (
     Bench("benchmarks.preemption", "a SIGTERM: exit time vs the grace period, steps lost",
           full=("--rounds", "3"), quick=("--rounds", "1")),
     Bench("benchmarks.stragglers", "straggler events in clean runs of the benchmark job (false positives)",
-          full=("--rounds", "20"), quick=("--rounds", "2", "--steps", "200")),
+          full=("--rounds", "20"), quick=("--rounds", "1", "--steps", "200")),
     Bench("benchmarks.integrity_check", "the replicas' comparison at its default interval vs none, one job",
           full=("--rounds", "3", "--steps", "3000"), quick=("--rounds", "1", "--steps", "400")),
 )  # fmt: skip

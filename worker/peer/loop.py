@@ -45,6 +45,7 @@ from worker.recovery.vote import NotCommitted
 from worker.report.service_client import EventForwarder
 from worker.start.dist import DistInfo
 from worker.start.parts import Wrapped
+from worker.train import preemption
 from worker.train.objective import call_model
 from worker.train.preemption import Preempted
 from worker.train.progress import Progress
@@ -212,7 +213,9 @@ class PeerLoop:
         world ends."""
         self.state.prepare()
         teardown()
-        self._settle(self.member.join(self.state), None, None)
+        with preemption.REQUEST.leaving_at_once():
+            outcome = self.member.join(self.state)
+        self._settle(outcome, None, None)
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` through every recovery; returns the finished event's fields."""
@@ -226,9 +229,11 @@ class PeerLoop:
             old, reached = self.member.record, trainer.progress.step  # the step it had committed
             # outside the except block: DDP, its group and sockets go now (a planned re-formation
             # keeps the settled DDP: nothing is in flight, and every member may carry it over)
-            self.state.void_window(keep_ddp=failure.is_planned)
-            teardown()
-            self._settle(self.member.recover(self.state, failure), old, failure, reached=reached)
+            with preemption.REQUEST.leaving_at_once():
+                self.state.void_window(keep_ddp=failure.is_planned)
+                teardown()
+                outcome = self.member.recover(self.state, failure)
+            self._settle(outcome, old, failure, reached=reached)
         fields = trainer._finish()
         if trainer.info.rank == 0:  # a worker still waiting to join (it came late) leaves: see peerrun
             with contextlib.suppress(ElastrainError):

@@ -18,15 +18,24 @@ once); later ones are noted and ignored: a stop is already
 under way, a signal to a process group reaches a worker from its agent and from the sender
 alike, and a save cut short would only lose its step. The sender's SIGKILL is the hard stop,
 and the two-phase publish keeps the newest published checkpoint intact under it.
+
+While the group is broken (a peer-mode member re-forming after a loss, a newcomer waiting to be
+called: :meth:`StopRequest.leaving_at_once`) no step comes to carry a request, and torchrun's
+agent itself sends SIGTERM to the workers it still has when one of them failed, before it starts
+them again. So a stop signal then ends the process at once (nothing of the broken window can be
+saved; the newest published checkpoint stays the newest).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from types import FrameType
 
 from worker.errors import ElastrainError
@@ -47,14 +56,37 @@ class StopRequest:
     signal_name: str | None = None
     received_at: float | None = None
     repeats: int = 0
+    at_once: bool = False
+    """Whether the group is broken: a stop signal ends the process at once."""
+    exit: Callable[[int], object] = field(default=os._exit, repr=False)
 
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
 
+    @contextlib.contextmanager
+    def leaving_at_once(self) -> Iterator[None]:
+        """While the group is broken a stop signal (one that came already, or one that comes)
+        ends the process at once with :data:`EXIT_PREEMPTED`."""
+        if self.requested:
+            self._leave(self.signal_name or "SIGTERM")
+        self.at_once = True
+        try:
+            yield
+        finally:
+            self.at_once = False
+
+    def _leave(self, name: str) -> None:
+        sys.stderr.write(f"elastrain worker: {name} while the group re-forms: nothing to save; exiting\n")
+        sys.stderr.flush()
+        self.exit(EXIT_PREEMPTED)
+
     def handle(self, signum: int, frame: FrameType | None = None) -> None:
-        """The signal handler: remember the first signal; note the others."""
+        """The signal handler: remember the first signal; note the others; leave at once while
+        the group is broken."""
         name = signal.Signals(signum).name
+        if self.at_once:
+            self._leave(name)
         if self.signal_name is None:
             self.signal_name, self.received_at = name, time.time()
             return

@@ -86,3 +86,21 @@ def test_a_non_finite_window_skips_and_loses_the_request() -> None:
         stop=True,
     )  # fmt: skip
     assert result.skipped and not result.stop
+
+
+def test_while_the_group_is_broken_a_stop_signal_exits_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun's agent sends SIGTERM to the workers it still has when one failed: a peer-mode
+    member re-forming has no step to carry a request, so it leaves at once (no 30 s wait for the
+    agent's SIGKILL); outside a re-formation the signal stays a request."""
+    exits: list[int] = []
+    request = preemption.StopRequest(exit=exits.append)
+    with request.leaving_at_once():
+        request.handle(signal.SIGTERM)
+    assert exits == [preemption.EXIT_PREEMPTED]
+    assert "SIGTERM while the group re-forms" in capsys.readouterr().err
+    request = preemption.StopRequest(exit=exits.append)
+    request.handle(signal.SIGTERM)  # the request, during training
+    assert exits == [preemption.EXIT_PREEMPTED] and request.requested and not request.at_once
+    with request.leaving_at_once():  # a re-formation that starts after it: leaves on entering
+        pass
+    assert exits == [preemption.EXIT_PREEMPTED] * 2
