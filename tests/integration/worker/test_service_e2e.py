@@ -210,7 +210,11 @@ def test_sigkill_of_a_worker_recovers_and_finishes_bit_for_bit(
     service = start_service({"ELASTRAIN_FAILPOINTS": KILL_RANK_1})
     job_id = service.submit(job_spec())
     final = service.finished(job_id)
-    assert "elastrain failpoint after_grad_sync: kill" in service.node_logs(job_id), "the kill never happened"
+    logs = service.node_logs(job_id)
+    assert "elastrain failpoint after_grad_sync: kill" in logs, "the kill never happened"
+    # torchrun's agent stops the survivor with SIGTERM before it starts the group again: the
+    # survivor leaves at once instead of being killed after the agent's 30 s
+    assert "Unable to shutdown process" not in logs, logs[-3000:]
     assert final["state"] == "SUCCEEDED", final
     assert final["restarts"] == 1
     recovery = final["recoveries"][-1]
