@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stats import rotation
+from benchmarks.stats import block_arm
 
 ARMS = ("peer", "restart", "control")
 PARTS = ("commit", "rng", "glance")  # what peer mode adds to the training thread's window
@@ -38,11 +38,8 @@ _installed = False
 
 
 def arm_at(step: int, *, block: int, warm: int) -> tuple[str, int] | None:
-    """The arm and cycle of the window that trains ``step`` + 1; None before ``warm``. Pure."""
-    if step < warm:
-        return None
-    cycle, k = divmod((step - warm) // block, len(ARMS))
-    return rotation(ARMS, cycle)[k], cycle
+    """The arm and cycle of the window that trains ``step`` + 1 (:func:`benchmarks.stats.block_arm`)."""
+    return block_arm(ARMS, step, block=block, warm=warm)
 
 
 def mlp(

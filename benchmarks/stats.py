@@ -47,3 +47,13 @@ def rotation(arms: tuple[str, ...], i: int) -> tuple[str, ...]:
     """Round ``i``'s order of the arms: each arm goes first, second, ... in turn. Pure."""
     k = i % len(arms)
     return arms[k:] + arms[:k]
+
+
+def block_arm(arms: tuple[str, ...], step: int, *, block: int, warm: int) -> tuple[str, int] | None:
+    """In one job whose windows of ``block`` steps take the arms in turn (each cycle in the
+    order :func:`rotation` gives it): the arm and cycle of the window that trains ``step`` + 1;
+    None before ``warm``. Pure."""
+    if step < warm:
+        return None
+    cycle, k = divmod((step - warm) // block, len(arms))
+    return rotation(arms, cycle)[k], cycle
