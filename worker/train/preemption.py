@@ -19,11 +19,13 @@ under way, a signal to a process group reaches a worker from its agent and from 
 alike, and a save cut short would only lose its step. The sender's SIGKILL is the hard stop,
 and the two-phase publish keeps the newest published checkpoint intact under it.
 
-While the group is broken (a peer-mode member re-forming after a loss, a newcomer waiting to be
-called: :meth:`StopRequest.leaving_at_once`) no step comes to carry a request, and torchrun's
-agent itself sends SIGTERM to the workers it still has when one of them failed, before it starts
-them again. So a stop signal then ends the process at once (nothing of the broken window can be
-saved; the newest published checkpoint stays the newest).
+torchrun's agent itself sends SIGTERM to the workers it still has when one of them failed,
+before it starts them all again. A peer-mode member re-forming after such a loss (or a newcomer
+waiting to be called: :meth:`StopRequest.leaving_at_once`) would keep that request for a step
+that never comes and be killed by the agent when its shutdown timeout is over. So a stop signal
+while the group re-forms ends the process at once when a worker of its own node is gone
+(:func:`local_peer_lost`); a loss on another node leaves it a request, carried by the first step
+of the re-formed group, which saves.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from worker.errors import ElastrainError
@@ -57,8 +60,10 @@ class StopRequest:
     received_at: float | None = None
     repeats: int = 0
     at_once: bool = False
-    """Whether the group is broken: a stop signal ends the process at once."""
+    """Whether the group re-forms (:meth:`leaving_at_once`)."""
     exit: Callable[[int], object] = field(default=os._exit, repr=False)
+    torn_down: Callable[[], bool] = field(default=lambda: local_peer_lost(), repr=False)
+    """Whether torchrun's agent is stopping this node's workers (a worker of its node is gone)."""
 
     @property
     def requested(self) -> bool:
@@ -66,9 +71,10 @@ class StopRequest:
 
     @contextlib.contextmanager
     def leaving_at_once(self) -> Iterator[None]:
-        """While the group is broken a stop signal (one that came already, or one that comes)
-        ends the process at once with :data:`EXIT_PREEMPTED`."""
-        if self.requested:
+        """While the group re-forms, a stop signal (one that came already, or one that comes)
+        ends the process at once with :data:`EXIT_PREEMPTED` when the agent is stopping this
+        node's workers."""
+        if self.requested and self.torn_down():
             self._leave(self.signal_name or "SIGTERM")
         self.at_once = True
         try:
@@ -77,21 +83,45 @@ class StopRequest:
             self.at_once = False
 
     def _leave(self, name: str) -> None:
-        sys.stderr.write(f"elastrain worker: {name} while the group re-forms: nothing to save; exiting\n")
+        sys.stderr.write(
+            f"elastrain worker: {name} while the group re-forms and a worker of this node is gone: exiting\n"
+        )
         sys.stderr.flush()
         self.exit(EXIT_PREEMPTED)
 
     def handle(self, signum: int, frame: FrameType | None = None) -> None:
         """The signal handler: remember the first signal; note the others; leave at once while
-        the group is broken."""
+        the group re-forms and the agent is stopping this node's workers."""
         name = signal.Signals(signum).name
-        if self.at_once:
+        if self.at_once and self.torn_down():
             self._leave(name)
         if self.signal_name is None:
             self.signal_name, self.received_at = name, time.time()
             return
         self.repeats += 1
         sys.stderr.write(f"elastrain worker: {name} again: the graceful stop already under way goes on\n")
+
+
+def local_peer_lost(proc: str = "/proc") -> bool:
+    """Whether fewer workers than torchrun's ``LOCAL_WORLD_SIZE`` still run under this process's
+    parent (its agent; a zombie counts as gone). False when that cannot be read (no ``/proc``, a
+    kernel without the children list, no agent)."""
+    expected = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if expected <= 1:
+        return False
+    parent = os.getppid()
+    try:
+        children = Path(f"{proc}/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return False
+    running = 0
+    for pid in children:
+        try:
+            state = Path(f"{proc}/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        running += state != "Z"
+    return running < expected
 
 
 REQUEST = StopRequest()

@@ -5,7 +5,9 @@ request still applies, and a non-finite window loses the request (it is made aga
 from __future__ import annotations
 
 import math
+import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,19 +90,47 @@ def test_a_non_finite_window_skips_and_loses_the_request() -> None:
     assert result.skipped and not result.stop
 
 
-def test_while_the_group_is_broken_a_stop_signal_exits_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    """torchrun's agent sends SIGTERM to the workers it still has when one failed: a peer-mode
-    member re-forming has no step to carry a request, so it leaves at once (no 30 s wait for the
-    agent's SIGKILL); outside a re-formation the signal stays a request."""
+def test_while_the_group_re_forms_a_stop_signal_from_a_tearing_down_agent_exits_at_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """torchrun's agent sends SIGTERM to the workers it still has when one of its node failed: a
+    peer-mode member re-forming then leaves at once (no wait for the agent's SIGKILL). A loss on
+    another node leaves the signal a request, for the re-formed group's first step to carry."""
     exits: list[int] = []
-    request = preemption.StopRequest(exit=exits.append)
+    request = preemption.StopRequest(exit=exits.append, torn_down=lambda: True)
     with request.leaving_at_once():
         request.handle(signal.SIGTERM)
     assert exits == [preemption.EXIT_PREEMPTED]
-    assert "SIGTERM while the group re-forms" in capsys.readouterr().err
-    request = preemption.StopRequest(exit=exits.append)
+    assert "a worker of this node is gone" in capsys.readouterr().err
+    request = preemption.StopRequest(exit=exits.append, torn_down=lambda: True)
     request.handle(signal.SIGTERM)  # the request, during training
     assert exits == [preemption.EXIT_PREEMPTED] and request.requested and not request.at_once
     with request.leaving_at_once():  # a re-formation that starts after it: leaves on entering
         pass
     assert exits == [preemption.EXIT_PREEMPTED] * 2
+    elsewhere = preemption.StopRequest(exit=exits.append, torn_down=lambda: False)
+    with elsewhere.leaving_at_once():
+        elsewhere.handle(signal.SIGTERM)
+    assert exits == [preemption.EXIT_PREEMPTED] * 2 and elsewhere.requested
+
+
+def test_a_local_peer_is_lost_when_fewer_of_the_agents_children_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = os.getppid()
+    (tmp_path / str(parent) / "task" / str(parent)).mkdir(parents=True)
+    children = tmp_path / str(parent) / "task" / str(parent) / "children"
+    for pid, state in ((11, "S"), (12, "Z"), (13, "R")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python) {state} {parent} 1 1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    children.write_text("11 13 ")
+    assert not preemption.local_peer_lost(str(tmp_path))
+    children.write_text("11 12 ")  # the other worker exited; the agent has not reaped it yet
+    assert preemption.local_peer_lost(str(tmp_path))
+    children.write_text("11 ")
+    assert preemption.local_peer_lost(str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert not preemption.local_peer_lost(str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not preemption.local_peer_lost(str(tmp_path / "none"))  # unreadable: no claim
