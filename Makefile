@@ -6,9 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# pytest processes of make test (pytest-xdist; 0: in pytest's own process). Three on two cores: the
-# launches spend part of their time waiting (process start, timeouts, a fault's pause)
-TEST_WORKERS ?= 3
+# pytest processes of make test (pytest-xdist; 0: in pytest's own process). Two on two cores: a
+# third makes the run shorter but puts the service's scale tests past their waits
+TEST_WORKERS ?= 2
 
 .PHONY: venv run test test-installed test-gpu lint types unit integration bench faults deploy-sync clean
 
