@@ -215,8 +215,8 @@ def under_service(svc: Service, body: dict[str, Any]) -> dict[str, Any]:
     raise AssertionError(f"job {job_id} did not finish in 900 s")
 
 
-def recovery(svc: Service, tmp: Path) -> tuple[float, float]:
-    body = spec(max_steps=400, checkpoint={"interval_steps": 50, "retention": {"keep_latest": 50}})
+def recovery(svc: Service, tmp: Path, *, steps: int = 400) -> tuple[float, float]:
+    body = spec(max_steps=steps, checkpoint={"interval_steps": 50, "retention": {"keep_latest": 50}})
     job_id = svc.submit(body)
     until(lambda: (svc.job(job_id)["last_published_step"] or 0) >= 100, "a checkpoint", 600)
     victim = until(lambda: worker_pids(job_id), "a worker", 60)[-1]
@@ -249,7 +249,13 @@ def main() -> int:
         "torchrun sets no thread count) against bare torchrun's 1 x 2",
     )  # fmt: skip
     parser.add_argument("--no-recovery", action="store_true", help="throughput only")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="make test's check that it runs: 1 round of 100 steps, no warm-up, a 200-step recovery job",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 1, 100
     shape = {"nodes": str(args.nodes), "nproc_per_node": 2 // args.nodes}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
@@ -257,8 +263,9 @@ def main() -> int:
         cpus: dict[str, list[float]] = {"bare": [], "service": [], "restart": []}
         # The service's default slot count on this host (its cores; nothing in any job's env).
         with serving(tmp / "svc", {"ELASTRAIN_LOCAL_SLOTS": str(host_cores())}) as svc:
-            bare(tmp, spec(max_steps=20))  # warm-up of both paths (page cache, first TorchX launch)
-            under_service(svc, spec(max_steps=20))
+            if not args.quick:  # warm-up of both paths (page cache, first TorchX launch)
+                bare(tmp, spec(max_steps=20))
+                under_service(svc, spec(max_steps=20))
             sides = ["bare", "service", "restart"]
             for i in range(args.rounds):  # interleaved, rotating, so drift on a shared machine hits all
                 for side in sides[i % 3 :] + sides[: i % 3]:
@@ -278,7 +285,8 @@ def main() -> int:
                       f"restart mode/bare {r['restart'] / r['bare']:.3f}, peer/restart "
                       f"{r['service'] / r['restart']:.3f} (worker endpoints scraped: "
                       f"{job['worker_endpoints_scraped']})", flush=True)  # fmt: skip
-            measured, floor = (0.0, 0.0) if args.no_recovery else recovery(svc, tmp)
+            steps = 200 if args.quick else 400
+            measured, floor = (0.0, 0.0) if args.no_recovery else recovery(svc, tmp, steps=steps)
 
     def ratio(a: str, b: str) -> str:
         pairs = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
