@@ -229,8 +229,12 @@ def test_scale_two_three_one_keeps_every_sample_once(tmp_path: Path) -> None:
     # The one test that slows every step (0.1 s): it scales twice while the job trains, and each
     # scale re-forms the group (seconds), so at the real step rate (~1 ms) the 96 steps would be
     # over before the test could act. Races at real step rates are the other tests' business.
-    svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": "after_grad_sync=sleep:0.1",
-                                     "ELASTRAIN_TRACE_SAMPLES": str(trace)})  # fmt: skip
+    # Rank 0 also pauses 15 s at its 10th step (the scale-up is asked for from step 5): a joining
+    # node starts a process and imports torch, which on a loaded machine can take longer than the
+    # 96 slowed steps: the job would end at world size 3 before the scale-down could come.
+    failpoints = "after_grad_sync=sleep:15@0#10^0,after_grad_sync=sleep:0.1"
+    env = {"ELASTRAIN_FAILPOINTS": failpoints, "ELASTRAIN_TRACE_SAMPLES": str(trace)}
+    svc = Service(tmp_path / "svc", env)
     svc.data_dir.mkdir()
     svc.start()
     try:
