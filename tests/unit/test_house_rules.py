@@ -54,6 +54,7 @@ WORKER_FOR_SERVICE = {
     "worker.jobspec.location",
     "worker.start.threads",
     "worker.checkpoint.commit",
+    "worker.checkpoint.credentials",
     "worker.checkpoint.export",
     "worker.checkpoint.final",
     "worker.checkpoint.layout",
