@@ -4,10 +4,10 @@
 (multipart, parallel, from a byte view without copying it), create an object only if it does not
 exist (``If-None-Match: *``), replace one only if it is unchanged (``If-Match`` on its ETag), and
 delete. Keys are full object keys in one bucket. :class:`S3Storage` speaks S3 through obstore (the
-object_store crate: request signing, retries with backoff, multipart); the endpoint and the
-credentials come from the standard variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_SESSION_TOKEN``). A local directory keeps its
-own code path (``layout.py``, ``shardio.py``): fsync and rename, no extra copies.
+object_store crate: request signing, retries with backoff, multipart); the endpoint, region and
+credentials are resolved as the AWS SDKs do (:mod:`worker.checkpoint.credentials`: the
+environment, a profile, web identity, metadata). A local directory keeps its own code path
+(``layout.py``, ``shardio.py``): fsync and rename, no extra copies.
 
 A writer killed during a multipart upload leaves the upload open: its parts are stored (and
 billed) but no listing of objects shows them. obstore has no call for that, so :meth:`uploads`
