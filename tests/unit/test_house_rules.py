@@ -53,6 +53,7 @@ WORKER_FOR_SERVICE = {
     "worker.jobspec.paths",
     "worker.jobspec.location",
     "worker.start.threads",
+    "worker.report.bucket_events",
     "worker.checkpoint.commit",
     "worker.checkpoint.credentials",
     "worker.checkpoint.export",
