@@ -85,6 +85,15 @@ class CredentialSource:
         self._credentials = credentials
         self.expires = hasattr(credentials, "refresh_needed")  # botocore's RefreshableCredentials
 
+    def check(self, method: str) -> None:
+        """Obtain the credentials now (a role is assumed, metadata asked): raises
+        :class:`CredentialsError` with the fix when that fails (I/O)."""
+        try:
+            self._credentials.get_frozen_credentials()
+        except Exception as exc:  # botocore's errors and a token file that cannot be read
+            first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            raise CredentialsError(f"no credentials from {method}: {first}; {obtain_fix(method)}") from None
+
     def __call__(self) -> S3Credential:
         frozen = self._credentials.get_frozen_credentials()
         return {
@@ -93,6 +102,18 @@ class CredentialSource:
             "token": frozen.token,
             "expires_at": expiry(self.expires, datetime.now(UTC)),
         }
+
+
+def obtain_fix(method: str) -> str:
+    """What to check when credentials found by ``method`` cannot be obtained. Pure."""
+    if method == "assume-role-with-web-identity":
+        return (
+            "check AWS_ROLE_ARN and the token in AWS_WEB_IDENTITY_TOKEN_FILE (on EKS: the "
+            "ServiceAccount's role annotation and the role's trust policy)"
+        )
+    if method.startswith("assume-role") or method == "custom-process":
+        return "check the profile's role_arn, source_profile or credential_process"
+    return "check where the credentials come from (container or instance role), or set AWS_PROFILE"
 
 
 def resolve() -> StoreAccess:

@@ -262,11 +262,12 @@ def _short(text: str) -> str:
 
 def check_reachable(location: S3Location, *, field: str = "checkpoint.dir") -> None:
     """One listing of the prefix, with few retries: raises :class:`SpecError` (one line naming
-    ``field`` and the fix) for credentials that do not resolve (a profile that is not there),
-    a missing bucket, refused credentials or an unreachable endpoint. Run before any rank waits
-    on another."""
+    ``field`` and the fix) for credentials that do not resolve (a profile that is not there) or
+    cannot be obtained (a role that refuses the web identity token), a missing bucket, refused
+    credentials or an unreachable endpoint. Run before any rank waits on another."""
     try:
         access = resolve()
+        access.credentials.check(access.method)
     except CredentialsError as exc:
         raise SpecError(f"field '{field}': {location}: {exc}") from None
     try:

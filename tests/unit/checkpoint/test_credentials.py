@@ -12,7 +12,7 @@ import pytest
 
 from service.jobs.objectstore import ObjectStorage, configured, storage_env
 from service.launch.environment import launch_storage_env
-from worker.checkpoint.credentials import REASK, CredentialsError, expiry, pick_region, resolve
+from worker.checkpoint.credentials import REASK, CredentialsError, expiry, obtain_fix, pick_region, resolve
 from worker.checkpoint.storage import unreachable_fix
 from worker.errors import SpecError
 from worker.jobspec.location import S3Location
@@ -100,6 +100,8 @@ def test_region_and_the_fix_for_a_refusal() -> None:
     )
     assert "at AWS's default endpoint" in unreachable_fix("NoSuchBucket", loc, None, "env")
     assert "profile's endpoint_url" in unreachable_fix("timed out", loc, "http://s3:1", "env")
+    assert "AWS_WEB_IDENTITY_TOKEN_FILE" in obtain_fix("assume-role-with-web-identity")
+    assert "role_arn" in obtain_fix("assume-role") and "instance role" in obtain_fix("iam-role")
 
 
 def test_what_the_service_needs_and_passes_on_for_a_profile_or_web_identity() -> None:
