@@ -21,6 +21,8 @@ from tests.integration.launch import run_worker, worker_env, write_spec
 from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, SeaweedServer
 from tests.specs import raw_spec
 
+pytestmark = pytest.mark.integration
+
 AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
             "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ALLOW_HTTP", "AWS_PROFILE")  # fmt: skip
 KILL_AT_STEP_3 = "after_grad_sync=kill@0#3^0"  # rank 0, after step 2 was published, first attempt

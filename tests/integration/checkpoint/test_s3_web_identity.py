@@ -32,6 +32,8 @@ from worker.checkpoint.storage import S3Storage, check_reachable
 from worker.errors import SpecError
 from worker.jobspec.location import S3Location
 
+pytestmark = pytest.mark.integration
+
 AUDIENCE = "elastrain-test"
 ROLE_ARN = "arn:aws:iam::role/CheckpointWriter"
 AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
