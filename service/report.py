@@ -74,7 +74,10 @@ class Run:
 
 
 def load_run(path: str | Path) -> Run:
-    """Read a run directory (or a bare events file). Raises :class:`ReportError`."""
+    """Read a run directory (or a bare events file), or a job's ``s3://`` location (its events
+    copies and manifests: :mod:`worker.report.bucket_events`). Raises :class:`ReportError`."""
+    if str(path).startswith("s3://"):
+        return _load_bucket_run(str(path))
     p = Path(path)
     events_path = p / EVENTS_FILE if p.is_dir() else p
     if not events_path.is_file():
@@ -94,6 +97,21 @@ def load_run(path: str | Path) -> Run:
         except (OSError, ValueError):
             continue
     return Run(str(p), events, record, manifests)
+
+
+def _load_bucket_run(url: str) -> Run:
+    from worker.checkpoint.storage import StorageError
+    from worker.jobspec.location import parse_location
+    from worker.report.bucket_events import read_run
+
+    try:
+        job = parse_location(url, field="report target")
+        assert job is not None
+        lines, manifests = read_run(job)
+    except (ValueError, StorageError) as exc:
+        raise ReportError(str(exc)) from None
+    events = sorted(parse_events(lines), key=lambda e: e["time"])
+    return Run(str(job), events, None, manifests)
 
 
 def parse_events(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -311,7 +329,11 @@ def build_report(run: Run, *, target_loss: float | None = None, others: Sequence
     attempts = [Attempt.of(evs) for evs in split_attempts(run.events) if evs]
     progress = [e for a in attempts for e in a.progress]
     if not progress:
-        raise ReportError(f"{run.path}: no progress events: the run never finished a step (or logged none)")
+        stored = ", ".join(f"step {m.get('step')} (W={m.get('world_size')})" for m in run.manifests)
+        raise ReportError(
+            f"{run.path}: no progress events: the run never finished a step (or logged none)"
+            + (f"; its published checkpoints: {stored}" if stored else "")
+        )
     t0, t_end = run.events[0]["time"], run.events[-1]["time"]
     restarts = [_restart(a, b, t0) for a, b in itertools.pairwise(attempts)]
     keep = [b.resumed_step for b in attempts[1:]] + [None]

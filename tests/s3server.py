@@ -32,8 +32,10 @@ def weed_binary() -> str:
 class SeaweedServer:
     """``weed mini`` in ``directory``; ``with`` starts it, waits until S3 answers, stops it."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, flags: tuple[str, ...] = ()) -> None:
+        """``flags``: more of ``weed mini``'s flags (e.g. ``-s3.iam.readOnly=false``)."""
         self.directory = directory
+        self.flags = flags
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self._ports: list[int] = []
@@ -74,7 +76,7 @@ class SeaweedServer:
             f"-s3.port={self.port}", f"-s3.config={config}", f"-master.port={master}",
             f"-volume.port={volume}", f"-filer.port={filer}", f"-admin.port={admin}",
             f"-debug.port={debug}", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
-            "-s3.port.lance=0", f"-bucket={','.join(buckets)}",
+            "-s3.port.lance=0", f"-bucket={','.join(buckets)}", *self.flags,
         ]  # fmt: skip
         with open(self.directory / "weed.log", "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -23,6 +23,8 @@ from worker.start import startgc
 from worker.wiring import die, job_checkpointer, preempted
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from worker.report.events import Events
     from worker.report.service_client import EventForwarder, ServiceClient
     from worker.start.build import Built
@@ -90,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         ):  # it belongs to this job, before anything is written there
             _own(Path(spec.checkpoint.dir), spec.name, main=info.is_main)
         events = Events(enabled=info.is_main and not peer, job=spec.name, rank=info.rank)
-        if (
-            (info.is_main or peer) and spec.checkpoint.dir is not None and not remote
-        ):  # the run dir `elastrain report` reads
-            events.log_path = _run_dir(spec.checkpoint.dir) / "events.jsonl"
+        if (info.is_main or peer) and spec.checkpoint.dir is not None:  # what `elastrain report` reads
+            if remote:
+                events.copies.append(_bucket_events(spec.checkpoint.dir))
+            else:
+                events.log_path = _run_dir(spec.checkpoint.dir) / "events.jsonl"
         default_timeout = str(spec.recovery.collective_timeout_s) if peer else "300"
         timeout_s = _collective_timeout(os.environ.get("ELASTRAIN_COLLECTIVE_TIMEOUT_S", default_timeout))
         built = build(spec, info, resuming=_resuming(spec.checkpoint.dir, spec.checkpoint.resume))
@@ -280,6 +283,20 @@ def _collective_timeout(raw: str) -> float:
     if value <= 0:
         raise SpecError(f"ELASTRAIN_COLLECTIVE_TIMEOUT_S={raw!r} must be a positive number of seconds")
     return value
+
+
+def _bucket_events(checkpoint_dir: str) -> Callable[[str, str], None]:
+    """This process's events kept beside its checkpoints in the bucket (``events/``)."""
+    import socket
+
+    from worker.checkpoint.storage import storage_for
+    from worker.jobspec.location import parse_location
+    from worker.report.bucket_events import BucketEvents, events_object
+
+    job = parse_location(checkpoint_dir)
+    assert job is not None
+    target = events_object(job, time.time(), socket.gethostname(), os.getpid())
+    return BucketEvents(target, storage_for(target).write)
 
 
 def _run_dir(path: str) -> Path:

@@ -1,8 +1,10 @@
 """``elastrain report JOB_OR_RUN_DIR [MORE_RUN_DIRS...] [--json] [--png PATH] [--target-loss X]``.
 
-A run directory (see :mod:`service.report`) is read directly. Anything else is taken as a job
-id: the service's record gives the job's checkpoint directory (read when this machine sees it)
-and its recoveries as the service measured them. Further run directories (the same model at
+A run directory (see :mod:`service.report`) or a job's ``s3://BUCKET/PREFIX`` (its events kept
+in the bucket, :mod:`worker.report.bucket_events`, with this machine's credentials) is read
+directly. Anything else is taken as a job id: the service's record gives the job's checkpoint
+directory or ``s3://`` location (read when this machine sees it) and its recoveries as the
+service measured them. Further run directories (the same model at
 other world sizes) feed the scaling table. Text by default; ``--json`` for machines; ``--png``
 draws throughput and loss over time with failures, recoveries, rescales and checkpoints marked.
 Imports no torch.
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from service.jobs.recovery import recovery_phases
-from service.report import ReportError, build_report, load_run
+from service.report import ReportError, Run, build_report, load_run
 
 PNG_SIZE = (10.0, 6.0)
 PNG_DPI = 100  # 1000 x 600 pixels
@@ -26,7 +28,9 @@ PNG_DPI = 100  # 1000 x 600 pixels
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("report", help="what a run achieved and what failures and checkpoints cost")
     p.add_argument(
-        "target", metavar="JOB_OR_RUN_DIR", help="a run directory (events.jsonl inside) or a job id"
+        "target",
+        metavar="JOB_OR_RUN_DIR",
+        help="a run directory (events.jsonl inside), a job's s3:// location or a job id",
     )
     p.add_argument("others", nargs="*", metavar="RUN_DIR", help="runs at other world sizes, for scaling")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -40,24 +44,14 @@ def register(subparsers: Any) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     service_view = None
-    if Path(args.target).exists():
+    if args.target.startswith("s3://") or Path(args.target).exists():
         run = load_run(args.target)
     else:
         record = _fetch_job(args)
         service_view = _service_view(record)
         location = str(record.get("checkpoint_dir") or "")
-        if location.startswith("s3://"):
-            raise ReportError(
-                f"job {args.target} keeps its checkpoints in {location}, where no run events are "
-                "kept; `elastrain status` and `elastrain checkpoints` show its recoveries and steps"
-            )
-        run_dir = Path(location)
-        if not (run_dir / "events.jsonl").is_file():
-            raise ReportError(
-                f"job {args.target}: its run directory {str(run_dir)!r} is not readable here; run "
-                "`elastrain report` where the checkpoint volume is mounted"
-            )
-        run = load_run(run_dir)
+        # a job on s3:// is read with this machine's credentials
+        run = load_run(location) if location.startswith("s3://") else _local_run(args.target, Path(location))
     report = build_report(run, target_loss=args.target_loss, others=[load_run(p) for p in args.others])
     if service_view is not None:
         report["service"] = service_view
@@ -66,6 +60,15 @@ def cmd_report(args: argparse.Namespace) -> int:
         report["png"] = args.png
     sys.stdout.write(json.dumps(report, indent=2) + "\n" if args.json else render_text(report))
     return 0
+
+
+def _local_run(job_id: str, run_dir: Path) -> Run:
+    if not (run_dir / "events.jsonl").is_file():
+        raise ReportError(
+            f"job {job_id}: its run directory {str(run_dir)!r} is not readable here; run "
+            "`elastrain report` where the checkpoint volume is mounted"
+        )
+    return load_run(run_dir)
 
 
 def _fetch_job(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,6 +179,14 @@ def render_text(r: dict[str, Any]) -> str:
         f"blocking mean {_num(ck['blocking_seconds_mean'], ' s', 3)}, "
         f"every {_num(ck['interval_steps_mean'], ' steps')}"
     )
+    stored = ck.get("on_disk") or []
+    if stored:
+        lines.append(
+            f"  stored         {len(stored)} in {r['run_dir']}: "
+            + ", ".join(
+                f"step {m['step']} (W={m['world_size']}, {_num(_mib(m['bytes']), ' MiB', 2)})" for m in stored
+            )
+        )
     if r["scaling"]:
         lines.append("  scaling        world  samples/s  global batch  efficiency  kind")
         for s in r["scaling"]:

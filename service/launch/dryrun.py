@@ -34,7 +34,6 @@ from service.launch.apps import (
     termination_grace_seconds,
 )
 from service.launch.protocol import NodeLaunch
-from worker.errors import SpecError
 from worker.jobspec.spec import JobSpec
 
 KUBERNETES = "kubernetes"
@@ -251,12 +250,10 @@ def give_storage_secret(pod: dict[str, Any], secret: str | None) -> None:
     """Give a worker pod of a job on ``s3://`` the service's storage credentials from the Secret
     ``secret`` (``secretKeyRef``: never a plain value in the pod spec; ``AWS_SESSION_TOKEN``
     optional). Where the store is (``AWS_ENDPOINT_URL``...) the service puts in the env itself.
-    Raises :class:`SpecError` when no Secret is configured. In place."""
+    No Secret: the pod resolves its own credentials (IAM roles for service accounts through the
+    workers' ServiceAccount, or the node's role) and nothing is added. In place."""
     if not secret:
-        raise SpecError(
-            "the job keeps checkpoints on s3:// but the service has no ELASTRAIN_STORAGE_SECRET "
-            "(the chart: objectStorage.secret) to give its pods the credentials"
-        )
+        return
     refs = [
         {
             "name": n,

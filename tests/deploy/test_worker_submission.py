@@ -258,3 +258,36 @@ def test_workers_of_a_job_on_s3_get_the_credentials_from_the_secret(
     assert by_name["AWS_REGION"]["value"] == "eu-1"
     assert "t" * 40 not in json.dumps(env)  # no credential the service holds is a plain value
     assert not [e for e in worker_env("/checkpoints/job-7") if e["name"].startswith("AWS_")]
+
+
+def test_with_a_role_for_the_service_accounts_every_pod_uses_its_own_identity(
+    render: Renderer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """objectStorage.roleArn, no Secret (EKS IAM roles for service accounts): both ServiceAccounts
+    carry the role; EKS gives the service's pod the web identity variables, which make it accept
+    jobs on s3://; the worker pods of such a job get no credentials from the service, only where
+    the store is, and resolve their own from their ServiceAccount's role."""
+    role = "arn:aws:iam::123456789012:role/ckpt"
+    objects = render(set_values=(f"objectStorage.roleArn={role}", "objectStorage.region=eu-1"))
+    accounts = find(objects, "ServiceAccount")
+    assert len(accounts) == 2
+    assert all(a["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == role for a in accounts)
+    irsa = {
+        "AWS_ROLE_ARN": role,
+        "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/eks.amazonaws.com/serviceaccount/token",
+    }
+    storage = ObjectStorage.from_environ(_service_env(objects) | irsa)  # what EKS's webhook adds
+    settings = _settings(objects, monkeypatch)
+    assert storage is not None and not settings.storage_secret
+    ctx = LaunchContext(
+        service_url=settings.service_url, storage_env=launch_storage_env(storage, kubernetes=True)
+    )
+    spec = SPEC.model_copy(
+        update={"checkpoint": SPEC.checkpoint.model_copy(update={"dir": "s3://ckpt/runs/job-7"})}
+    )
+    record = JobRecord.model_construct(id="job-7", checkpoint_dir="s3://ckpt/runs/job-7", spec=spec)
+    node = NodeLaunch("job-7", spec, 0, "job-7-n0-a0", service_env(record, ctx, "token"))
+    sched = apps.SchedulerSettings.from_settings(settings)
+    (container,) = dryrun.worker_pod(dryrun.kubernetes_dryrun(node, sched))["spec"]["containers"]
+    aws = {e["name"]: e.get("value") for e in container["env"] if e["name"].startswith("AWS_")}
+    assert aws == {"AWS_REGION": "eu-1"}

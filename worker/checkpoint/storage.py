@@ -4,20 +4,19 @@
 (multipart, parallel, from a byte view without copying it), create an object only if it does not
 exist (``If-None-Match: *``), replace one only if it is unchanged (``If-Match`` on its ETag), and
 delete. Keys are full object keys in one bucket. :class:`S3Storage` speaks S3 through obstore (the
-object_store crate: request signing, retries with backoff, multipart); the endpoint and the
-credentials come from the standard variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_SESSION_TOKEN``). A local directory keeps its
-own code path (``layout.py``, ``shardio.py``): fsync and rename, no extra copies.
+object_store crate: request signing, retries with backoff, multipart); the endpoint, region and
+credentials are resolved as the AWS SDKs do (:mod:`worker.checkpoint.credentials`: the
+environment, a profile, web identity, metadata). A local directory keeps its own code path
+(``layout.py``, ``shardio.py``): fsync and rename, no extra copies.
 
 A writer killed during a multipart upload leaves the upload open: its parts are stored (and
 billed) but no listing of objects shows them. obstore has no call for that, so :meth:`uploads`
 and :meth:`abort_uploads` (ListMultipartUploads, AbortMultipartUpload) go through botocore with
-the same standard variables; nothing else does.
+the same resolved configuration; nothing else does.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -26,6 +25,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
+from worker.checkpoint.credentials import CredentialsError, resolve
 from worker.errors import CheckpointError, SpecError
 from worker.jobspec.location import S3Location
 
@@ -96,15 +96,23 @@ class S3Storage:
     """:class:`Storage` on an S3 bucket, through obstore."""
 
     def __init__(self, bucket: str, *, retries: int = 5, timeout_s: float = 60.0) -> None:
+        """Raises :class:`StorageError` when no credentials resolve."""
         self.location = S3Location(bucket, "")
-        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        try:
+            self.access = access = resolve()
+        except CredentialsError as exc:
+            raise StorageError(f"{self.location}: {exc}") from None
         options: dict[str, object] = {"timeout": f"{int(timeout_s)}s", "connect_timeout": "5s"}
-        if endpoint.startswith("http://"):
-            options["allow_http"] = True
+        config: dict[str, object] = {"region": access.region}
+        if access.endpoint:
+            config["endpoint"] = access.endpoint
+            options["allow_http"] = access.endpoint.startswith("http://")
         self._store = S3Store(
             bucket,
+            config=config,  # type: ignore[arg-type]
             client_options=options,  # type: ignore[arg-type]
             retry_config={"max_retries": retries, "retry_timeout": timedelta(seconds=timeout_s)},
+            credential_provider=access.credentials,
         )
         self._retries, self._timeout_s = retries, timeout_s
         self._multipart: Any = None
@@ -222,10 +230,9 @@ class S3Storage:
                 raise _error(self.location, exc) from None
 
     def _multipart_client(self) -> Any:
-        """botocore's S3 client (made on first use): the endpoint, credentials and region from
-        the standard variables or a profile, path-style requests as obstore makes them."""
+        """botocore's S3 client (made on first use) with the resolved endpoint, region and
+        credentials, path-style requests as obstore makes them."""
         if self._multipart is None:
-            import botocore.session
             from botocore.config import Config
 
             config = Config(
@@ -234,11 +241,8 @@ class S3Storage:
                 connect_timeout=5,
                 read_timeout=self._timeout_s,
             )
-            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-            endpoint = os.environ.get("AWS_ENDPOINT_URL") or None
-            session = botocore.session.get_session()
-            self._multipart = session.create_client(
-                "s3", region_name=region, endpoint_url=endpoint, config=config
+            self._multipart = self.access.session.create_client(
+                "s3", region_name=self.access.region, endpoint_url=self.access.endpoint, config=config
             )
         return self._multipart
 
@@ -258,22 +262,37 @@ def _short(text: str) -> str:
 
 def check_reachable(location: S3Location, *, field: str = "checkpoint.dir") -> None:
     """One listing of the prefix, with few retries: raises :class:`SpecError` (one line naming
-    ``field`` and the fix) for a missing bucket, refused credentials or an unreachable endpoint.
-    Run before any rank waits on another."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL", "AWS's default endpoint")
+    ``field`` and the fix) for credentials that do not resolve (a profile that is not there) or
+    cannot be obtained (a role that refuses the web identity token), a missing bucket, refused
+    credentials or an unreachable endpoint. Run before any rank waits on another."""
+    try:
+        access = resolve()
+        access.credentials.check(access.method)
+    except CredentialsError as exc:
+        raise SpecError(f"field '{field}': {location}: {exc}") from None
     try:
         S3Storage(location.bucket, retries=1, timeout_s=10).listing(location.prefix)
     except StorageError as exc:
-        code = str(exc).rsplit(": ", 1)[-1]
-        if code == "NoSuchBucket":
-            fix = f"bucket {location.bucket!r} does not exist at {endpoint}; create it or fix the name"
-        elif code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied"):
-            fix = (
-                f"{code}: the store refused the credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
-            )
-        else:
-            fix = f"cannot reach the store at {endpoint} ({code[:200]}); set AWS_ENDPOINT_URL"
+        fix = unreachable_fix(str(exc).rsplit(": ", 1)[-1], location, access.endpoint, access.method)
         raise SpecError(f"field '{field}': {location}: {fix}") from None
+
+
+def unreachable_fix(code: str, location: S3Location, endpoint: str | None, method: str) -> str:
+    """What to do about a listing the store answered with ``code`` (:func:`_short`), for a
+    client of ``endpoint`` (None: AWS) whose credentials came from ``method``. Pure."""
+    where = endpoint or "AWS's default endpoint"
+    if code == "NoSuchBucket":
+        return f"bucket {location.bucket!r} does not exist at {where}; create it or fix the name"
+    if code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied"):
+        found = "" if method == "env" else f" (found by botocore: {method})"
+        return (
+            f"{code}: the store refused the credentials{found}; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or fix the profile AWS_PROFILE names"
+        )
+    return (
+        f"cannot reach the store at {where} ({code[:200]}); set AWS_ENDPOINT_URL or the profile's "
+        "endpoint_url"
+    )
 
 
 _stores: dict[str, S3Storage] = {}

@@ -31,6 +31,7 @@ class Events:
         self.rank = rank
         self.sinks: list[Sink] = []
         self.log_path: Path | None = None  # rank 0 appends every event here too (the run dir)
+        self.copies: list[Callable[[str, str], None]] = []  # (event, line) of every line written
         self.stopped: dict[str, str] = {}  # a place no longer written -> why
 
     def emit(self, event: str, **fields: Any) -> None:
@@ -62,6 +63,8 @@ class Events:
                     out.write(line)
             except OSError as exc:
                 self._stop(str(path), exc)
+        for copy in self.copies:
+            copy(event, line)
 
     def say(self, text: str) -> None:
         if self.enabled and "stderr" not in self.stopped:

@@ -2,7 +2,8 @@
 `elastrain serve` console script with object storage credentials in its environment, real
 torchrun workers. A worker SIGKILLed mid-run resumes from the bucket and the job ends on the
 same state as the same job on a local directory under bare torchrun; the service publishes each
-step in the bucket and applies retention there; a missing bucket and refused credentials are a
+step in the bucket and applies retention there; `elastrain report JOB_ID` reads the run's events
+from the bucket; a missing bucket and refused credentials are a
 422 naming ``checkpoint.dir`` at submit, before anything is stored."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launch import REPO
+from tests.integration.launch import REPO, worker_env
 from tests.integration.worker.test_service_e2e import Service, bare_run_digest, job_spec, until
 from tests.s3server import SECRET_KEY, SeaweedServer
 from tests.shared_runs import once
@@ -123,6 +124,16 @@ def test_a_job_on_s3_survives_a_service_crash_and_a_worker_sigkill(
     assert not (REPO / "s3:").exists()  # nor to a local directory named like the URL
     # the same job on a local directory under bare torchrun ends on the same state
     assert _digest(str(loc)) == bare30_digest(tmp_path_factory)
+    # `elastrain report JOB_ID`: the service's record, and the run's events from the bucket
+    report = subprocess.run(
+        [sys.executable, "-m", "service", "report", job_id, "--url", svc.url],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+        env=worker_env({"ELASTRAIN_API_TOKEN": svc.token}),
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert f"({loc})" in report.stdout and "finished at step 30" in report.stdout, report.stdout
+    assert f"stored         2 in {loc}: step 20 (W=2" in report.stdout, report.stdout
+    assert "incidents      " in report.stdout, report.stdout  # the service's view of the worker loss
 
 
 def _steps(svc: Service, job_id: str) -> list[int]:
@@ -154,3 +165,21 @@ def test_refused_credentials_are_422_at_submit(s3server: SeaweedServer, tmp_path
         assert wrong.http.get("/v1/jobs").json()["jobs"] == []  # nothing was stored
     finally:
         wrong.stop()
+
+
+def test_a_profile_that_is_not_there_is_422_at_submit(s3server: SeaweedServer, tmp_path: Path) -> None:
+    """A service configured by a profile (AWS_PROFILE and the files it names) whose profile is
+    not in them: a submit on s3:// is a 422 naming the field and the fix."""
+    (tmp_path / "aws-config").write_text(f"[profile store]\nendpoint_url = {s3server.endpoint}\n")
+    env = {"AWS_PROFILE": "nosuch", "AWS_CONFIG_FILE": str(tmp_path / "aws-config"), "PYTHONPATH": str(REPO)}
+    svc = Service(tmp_path, env)
+    svc.start()
+    try:
+        answer = svc.http.post("/v1/jobs", json=job_spec() | {"checkpoint": {"dir": "s3://ckpt/svc/profile"}})
+        assert answer.status_code == 422, answer.text
+        error = answer.json()["error"]
+        assert error["field"] == "checkpoint.dir", error
+        assert "(nosuch) could not be found" in error["message"], error
+        assert "set AWS_PROFILE to one there" in error["message"], error
+    finally:
+        svc.stop()
