@@ -41,6 +41,8 @@ WorkerEventKind = Literal[
     "spare_promoted",
     "preempted",
     "straggler",
+    "straggler_replaced",
+    "straggler_kept",
     "replica_mismatch",
 ]
 WINDOW_S = Policy().merge_window_s
@@ -136,6 +138,9 @@ def apply_worker_event(
         return _preempted(job, event, now)
     if event.kind == "straggler":  # the group names a slow rank; nothing changes but the log
         return job.with_event(now, "straggler", event.message or f"rank {event.rank} is a straggler")
+    if event.kind in ("straggler_replaced", "straggler_kept"):  # stragglers.action replace: the
+        # node's loss that follows a replacement is the group's peer recovery (it uses no restart)
+        return job.with_event(now, event.kind, event.message or f"rank {event.rank} at step {event.step}")
     if event.kind == "replica_mismatch":  # the workers' failure that follows opens the incident
         return job.with_event(now, "replica_mismatch", event.message or f"at step {event.step}")
     who = f"rank {event.rank}" if event.rank is not None else "worker"

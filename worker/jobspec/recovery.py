@@ -9,6 +9,7 @@ FSDP and under a bare torchrun (:func:`effective_mode`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import Field
@@ -62,6 +63,11 @@ def effective_mode(
     if mode == "peer" or (mode == "auto" and parallelism == "ddp" and not gpus):
         return "peer"
     return "restart"
+
+
+def peer_requested(env: Mapping[str, str]) -> bool:
+    """The service launched this process in peer mode (``ELASTRAIN_RECOVERY=peer``)."""
+    return env.get("ELASTRAIN_RECOVERY") == "peer"
 
 
 def restart_note(mode: str, *, launched_peer: bool) -> str | None:

@@ -24,7 +24,7 @@ import httpx
 from worker.checkpoint.commit import Report, report_to_json
 from worker.checkpoint.coordinator import Outcome
 from worker.jobspec.jsonlimits import finite
-from worker.report.events import straggler_line
+from worker.report.events import replace_line, straggler_line
 
 log = logging.getLogger("elastrain.service_client")
 
@@ -363,6 +363,14 @@ class EventForwarder:
                 rank=int(fields["rank"]),
                 step=int(fields["step"]),
                 message=straggler_line(fields),
+            )
+        elif event in ("straggler_replaced", "straggler_kept"):
+            leaves = event == "straggler_replaced"
+            client.event(
+                event,
+                rank=int(fields["rank"]),
+                step=int(fields["step"]),
+                message=replace_line(leaves, fields),
             )
         elif event == "replica_mismatch":
             client.event(
