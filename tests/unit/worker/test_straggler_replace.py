@@ -121,3 +121,15 @@ def test_a_node_leaving_asks_like_a_signal_and_signals_its_agent() -> None:
         preemption.REQUEST = saved
     assert request.requested and request.signal_name == "straggler"
     assert sent == [(4242, preemption.signal.SIGTERM)]
+
+
+def test_a_bare_torchrun_refuses_replace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.errors import SpecError
+    from worker.main import _replace_needs_peer
+
+    monkeypatch.delenv("ELASTRAIN_RECOVERY", raising=False)
+    with pytest.raises(SpecError, match=r"^field 'stragglers\.action': 'replace' needs peer recovery"):
+        _replace_needs_peer("replace")
+    _replace_needs_peer("report")
+    monkeypatch.setenv("ELASTRAIN_RECOVERY", "peer")
+    _replace_needs_peer("replace")
