@@ -55,8 +55,7 @@ def _resuming(checkpoint_dir: str | None, resume: str) -> bool:
 
 def _replace_needs_peer(action: str) -> None:
     """Refuse ``stragglers.action: replace`` in a launch without peer recovery (a bare torchrun)."""
-    from worker.jobspec.recovery import peer_requested
-    from worker.jobspec.stragglers import refuse_replace
+    from worker.jobspec.recovery import peer_requested, refuse_replace
 
     why = "this worker was not started by the service in peer mode (a bare torchrun)"
     refused = refuse_replace(action, peer=peer_requested(os.environ), why=why)

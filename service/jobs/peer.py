@@ -19,9 +19,8 @@ import json
 from service.jobs.model import JobRecord, RecoveryMode
 from service.jobs.resources import parse_resources
 from worker.errors import SpecError
-from worker.jobspec.recovery import effective_mode
+from worker.jobspec.recovery import effective_mode, refuse_replace
 from worker.jobspec.spec import JobSpec
-from worker.jobspec.stragglers import refuse_replace
 
 
 def peer_mode(spec: JobSpec) -> bool:

@@ -80,3 +80,15 @@ def restart_note(mode: str, *, launched_peer: bool) -> str | None:
         "bare torchrun, or a launcher of your own): a lost rank is recovered by torchrun's restart "
         "from the newest checkpoint; submit the job to `elastrain serve` for peer recovery"
     )
+
+
+def refuse_replace(action: str, *, peer: bool, why: str) -> str | None:
+    """The one line that refuses ``stragglers.action: replace`` for a job without peer recovery
+    (``why``: what its recovery is), or None. Pure."""
+    if action != "replace" or peer:
+        return None
+    return (
+        f"field 'stragglers.action': 'replace' needs peer recovery (a spare takes the slow node's "
+        f"place from the survivors' memory), but {why}; set 'stragglers.action' to 'report', or "
+        "'recovery.mode' to 'peer' and run the job under the service"
+    )

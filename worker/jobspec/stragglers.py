@@ -51,15 +51,3 @@ class StragglerSpec(Frozen):
             "takes its place, without a restart or a checkpoint read."
         ),
     )
-
-
-def refuse_replace(action: str, *, peer: bool, why: str) -> str | None:
-    """The one line that refuses ``stragglers.action: replace`` for a job without peer recovery
-    (``why``: what its recovery is), or None. Pure."""
-    if action != "replace" or peer:
-        return None
-    return (
-        f"field 'stragglers.action': 'replace' needs peer recovery (a spare takes the slow node's "
-        f"place from the survivors' memory), but {why}; set 'stragglers.action' to 'report', or "
-        "'recovery.mode' to 'peer' and run the job under the service"
-    )

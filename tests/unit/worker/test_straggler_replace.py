@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.unit.worker.test_stragglers import Recorder, summed, watched_steps
-from worker.jobspec.stragglers import StragglerSpec, refuse_replace
+from worker.jobspec.recovery import refuse_replace
+from worker.jobspec.stragglers import StragglerSpec
 from worker.train import preemption
 from worker.train.straggler_watch import StragglerWatch
 from worker.train.stragglers import Named, ballot, replacement, slowest, unpack
