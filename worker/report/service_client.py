@@ -318,6 +318,7 @@ class EventForwarder:
 
     def __init__(self, client: ServiceClient, *, rank: int, world_size: int, env: Mapping[str, str]) -> None:
         self.client, self.rank, self.world_size = client, rank, world_size
+        self.launch_id = env.get("ELASTRAIN_LAUNCH_ID", "")
         self.group_id = ":".join(
             env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
         )
@@ -328,6 +329,11 @@ class EventForwarder:
             client.set_step(int(fields["step"]))
         if event in ("recovery", "spare_promoted"):  # peer mode: from the recovery's leader, any rank
             client.event(event, **fields)
+            return
+        if event == "straggler_left":  # from the leaving rank itself, any rank
+            step = int(fields["step"])
+            what = f"rank {self.rank} of {self.launch_id or 'its node'} left the group after step {step}"
+            client.event(event, rank=self.rank, step=step, message=f"{what}: its node ends for a spare")
             return
         if self.rank != 0:
             return

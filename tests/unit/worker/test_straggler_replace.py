@@ -78,7 +78,7 @@ def watch_on(node: int, spares: int | None, left: list[str]) -> tuple[StragglerW
 def two_slow_windows(watch: StragglerWatch, parts: Any, *, other_node: int, other_spares: int) -> None:
     """Rank 1 (this watch) twice as slow as rank 0 in two windows of 5 steps."""
     for window in (1, 2):
-        watched_steps(watch, *parts, 5)
+        watched_steps(watch, parts[0], parts[1], 5)
         mine = watch.ballot(window * 5, rank=1, world_size=2)
         other = ballot(
             rank=0, world_size=2, seconds_per_step=mine[1] / 2, node=other_node, spares=other_spares

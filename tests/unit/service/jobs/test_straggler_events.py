@@ -78,3 +78,14 @@ def test_a_straggler_kept_says_why_it_was_not_replaced() -> None:
     assert "is not replaced after step 30: no spare waits" in message
     record = run(running_job(), [worker(100.5, "straggler_kept", step=30, message=message)])
     assert [e.kind for e in record.events if e.kind.startswith("straggler")] == ["straggler_kept"]
+
+
+def test_the_leaving_rank_says_so_itself_whatever_its_rank() -> None:
+    client = Client()
+    env = {"ELASTRAIN_LAUNCH_ID": "j-n1-a0"}
+    EventForwarder(client, rank=1, world_size=2, env=env)("straggler_left", {"step": 31})  # type: ignore[arg-type]
+    ((kind, fields),) = client.sent
+    assert kind == "straggler_left" and fields["rank"] == 1 and fields["step"] == 31
+    assert fields["message"] == "rank 1 of j-n1-a0 left the group after step 31: its node ends for a spare"
+    record = run(running_job(), [worker(100.5, "straggler_left", step=31, message=fields["message"])])
+    assert [e.kind for e in record.events if e.kind.startswith("straggler")] == ["straggler_left"]
