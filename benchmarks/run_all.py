@@ -84,6 +84,9 @@ BENCHMARKS = (
           full=("--rounds", "3"), quick=("--rounds", "1")),
     Bench("benchmarks.stragglers", "straggler events in clean runs of the benchmark job (false positives)",
           full=("--rounds", "20"), quick=("--rounds", "1", "--steps", "200")),
+    Bench("benchmarks.straggler_replace",
+          "a straggler replaced by a warm spare: throughput two windows after the join vs before",
+          full=("--window", "50"), quick=("--window", "25")),
     Bench("benchmarks.integrity_check", "the replicas' comparison at its default interval vs none, one job",
           full=("--rounds", "3", "--steps", "3000"), quick=("--rounds", "1", "--steps", "400")),
 )  # fmt: skip

@@ -62,6 +62,8 @@ ROWS: dict[str, str] = {
     + "test_preemption.py::test_a_second_signal_during_the_save_keeps_the_published_checkpoint",
     # A straggler made from outside: a SIGSTOP/SIGCONT duty cycle on one rank's process.
     "straggler-duty-cycle": T + "test_stragglers.py::test_a_rank_in_a_stop_duty_cycle_is_named",
+    "straggler-replace": T
+    + "test_straggler_replace.py::test_a_straggler_leaves_and_the_spare_takes_its_place",
     "service-preempt": T
     + "test_service_preemption.py::test_sigterm_to_nodes_is_a_preemption_that_loses_no_step",
     "peer-preempt": T

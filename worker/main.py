@@ -55,6 +55,16 @@ def _resuming(checkpoint_dir: str | None, resume: str) -> bool:
     return bool(list_published(place_of(checkpoint_dir)))
 
 
+def _replace_needs_peer(action: str) -> None:
+    """Refuse ``stragglers.action: replace`` in a launch without peer recovery (a bare torchrun)."""
+    from worker.jobspec.recovery import peer_requested, refuse_replace
+
+    why = "this worker was not started by the service in peer mode (a bare torchrun)"
+    refused = refuse_replace(action, peer=peer_requested(os.environ), why=why)
+    if refused is not None:
+        raise SpecError(refused)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     # Imported here so that `--help` and argument errors stay fast.
@@ -69,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # before torch is imported (~4 s): a spec that cannot run says so at once
         spec = load_spec(args.config)
+        _replace_needs_peer(spec.stragglers.action)
     except SpecError as exc:
         return _bad_input(exc)
     import torch

@@ -41,8 +41,13 @@ WorkerEventKind = Literal[
     "spare_promoted",
     "preempted",
     "straggler",
+    "straggler_replaced",
+    "straggler_kept",
+    "straggler_left",
     "replica_mismatch",
 ]
+STRAGGLER_REPLACE = ("straggler_replaced", "straggler_kept", "straggler_left")
+"""``stragglers.action: replace``: the group's choice (rank 0) and the leaving rank's own word."""
 WINDOW_S = Policy().merge_window_s
 MAX_TIME = 1e11
 """The largest time stamp a worker may send (Unix seconds; the year 5138)."""
@@ -136,6 +141,8 @@ def apply_worker_event(
         return _preempted(job, event, now)
     if event.kind == "straggler":  # the group names a slow rank; nothing changes but the log
         return job.with_event(now, "straggler", event.message or f"rank {event.rank} is a straggler")
+    if event.kind in STRAGGLER_REPLACE:  # the node's loss that follows is the group's peer recovery
+        return job.with_event(now, event.kind, event.message or f"rank {event.rank} at step {event.step}")
     if event.kind == "replica_mismatch":  # the workers' failure that follows opens the incident
         return job.with_event(now, "replica_mismatch", event.message or f"at step {event.step}")
     who = f"rank {event.rank}" if event.rank is not None else "worker"

@@ -19,7 +19,7 @@ import json
 from service.jobs.model import JobRecord, RecoveryMode
 from service.jobs.resources import parse_resources
 from worker.errors import SpecError
-from worker.jobspec.recovery import effective_mode
+from worker.jobspec.recovery import effective_mode, refuse_replace
 from worker.jobspec.spec import JobSpec
 
 
@@ -72,19 +72,27 @@ def max_incidents(spec: JobSpec) -> int | None:
 
 
 def check(spec: JobSpec) -> None:
-    """Refuse a spec asking for spares its recovery cannot use (a spare is only ever promoted by
-    peer recovery). Raises :class:`SpecError` naming the field and the fix."""
+    """Refuse a spec asking for spares, or for stragglers to be replaced, that its recovery cannot
+    give (a spare is only ever promoted by peer recovery). Raises :class:`SpecError` naming the
+    field and the fix."""
+    refused = refuse_replace(spec.stragglers.action, peer=peer_mode(spec), why=_restart_why(spec))
+    if refused is not None:
+        raise SpecError(refused)
     count = spares(spec)
     if count and not peer_mode(spec):
-        mode = spec.recovery.mode
-        why = f"recovery.mode is {mode!r}"
-        if mode == "auto":
-            kind = "an FSDP job" if spec.parallelism != "ddp" else "a job asking for GPUs"
-            why = f"{kind} under recovery.mode 'auto' recovers by restart"
         raise SpecError(
-            f"field 'spares': {count} spares need peer recovery, but {why}; set 'spares' to 0, or "
-            "'recovery.mode' to 'peer'"
+            f"field 'spares': {count} spares need peer recovery, but {_restart_why(spec)}; set 'spares' "
+            "to 0, or 'recovery.mode' to 'peer'"
         )
+
+
+def _restart_why(spec: JobSpec) -> str:
+    """Why this job recovers by restart, in a refusal's words. Pure."""
+    mode = spec.recovery.mode
+    if mode != "auto":
+        return f"recovery.mode is {mode!r}"
+    kind = "an FSDP job" if spec.parallelism != "ddp" else "a job asking for GPUs"
+    return f"{kind} under recovery.mode 'auto' recovers by restart"
 
 
 def desired(record: JobRecord) -> bytes | None:

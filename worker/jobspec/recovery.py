@@ -9,6 +9,7 @@ FSDP and under a bare torchrun (:func:`effective_mode`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import Field
@@ -64,6 +65,11 @@ def effective_mode(
     return "restart"
 
 
+def peer_requested(env: Mapping[str, str]) -> bool:
+    """The service launched this process in peer mode (``ELASTRAIN_RECOVERY=peer``)."""
+    return env.get("ELASTRAIN_RECOVERY") == "peer"
+
+
 def restart_note(mode: str, *, launched_peer: bool) -> str | None:
     """What the run record and the worker's stderr say when the spec asks for peer recovery and
     this launch cannot give it (a bare torchrun: no service started it in peer mode). Pure."""
@@ -73,4 +79,16 @@ def restart_note(mode: str, *, launched_peer: bool) -> str | None:
         "recovery.mode is 'peer', but this worker was not started by the service in peer mode (a "
         "bare torchrun, or a launcher of your own): a lost rank is recovered by torchrun's restart "
         "from the newest checkpoint; submit the job to `elastrain serve` for peer recovery"
+    )
+
+
+def refuse_replace(action: str, *, peer: bool, why: str) -> str | None:
+    """The one line that refuses ``stragglers.action: replace`` for a job without peer recovery
+    (``why``: what its recovery is), or None. Pure."""
+    if action != "replace" or peer:
+        return None
+    return (
+        f"field 'stragglers.action': 'replace' needs peer recovery (a spare takes the slow node's "
+        f"place from the survivors' memory), but {why}; set 'stragglers.action' to 'report', or "
+        "'recovery.mode' to 'peer' and run the job under the service"
     )

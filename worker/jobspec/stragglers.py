@@ -10,9 +10,9 @@ shared machine (``benchmarks/stragglers.py``): no rank was named in any of them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from worker.jobspec.limits import MAX_STEPS, Frozen
 
@@ -43,17 +43,11 @@ class StragglerSpec(Frozen):
         le=10_000,
         description="Consecutive slow windows after which a rank is named (event `straggler`).",
     )
-    action: Literal["report"] = Field(
+    action: Literal["report", "replace"] = Field(
         default="report",
-        description="`report`: the slow rank is named (event, metric, `elastrain report`).",
+        description=(
+            "`report`: the slow rank is named (event, metric, `elastrain report`). `replace` (peer "
+            "recovery only): its node also leaves at a step boundary and a warm spare (or a new node) "
+            "takes its place, without a restart or a checkpoint read."
+        ),
     )
-
-    @field_validator("action", mode="before")
-    @classmethod
-    def _action(cls, value: Any) -> Any:
-        if value == "replace":
-            raise ValueError(
-                "replacing a straggler is not supported yet; give 'report' (the slow rank is named "
-                "by event, metric and report, and you can take its node out of the job)"
-            )
-        return value

@@ -192,6 +192,9 @@ class PeerLoop:
         trainer.window_rng = self._derive
         trainer.replicas = None  # restart mode compares the replicas' state (worker.train.integrity)
         trainer.on_first_step = self._first_step
+        # stragglers.action replace: the leader counts the warm spares waiting, on the window's ballot
+        trainer.stragglers.spares = self._spares_waiting
+        trainer.stragglers.min_world = member.cfg.policy.min_world
 
     # -- the step ------------------------------------------------------------------------------
     def ballot(self) -> list[float]:
@@ -202,6 +205,10 @@ class PeerLoop:
         verdict = self.member.verdict(list(summed), nonfinite=found, version=self.state.version())
         self.reform = verdict.reform
         return verdict.nonfinite
+
+    def _spares_waiting(self) -> int:
+        """Warm spares connected to this member, counted by the group's leader (0 elsewhere)."""
+        return self.member.hub.waiting("spare") if self.member.is_leader else 0
 
     def _derive(self) -> None:
         derive_window_rng(self.trainer.spec.seed, self.state.version(), self.trainer.info.rank)

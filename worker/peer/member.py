@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from urllib.parse import urlparse
 
 from worker.errors import SpecError
+from worker.jobspec.recovery import peer_requested as peer_requested  # the launch's mode (torch-free)
 from worker.jobspec.spec import JobSpec, parse_nodes
 from worker.recovery.plan import Policy
 from worker.recovery.recover import EventSink, GroupMember
@@ -21,11 +22,6 @@ from worker.recovery.seam import RecoveryConfig
 from worker.start.dist import DistInfo
 
 ROLES = ("member", "spare")
-
-
-def peer_requested(env: Mapping[str, str]) -> bool:
-    """The service launched this process in peer mode."""
-    return env.get("ELASTRAIN_RECOVERY") == "peer"
 
 
 def role(env: Mapping[str, str]) -> str:

@@ -119,6 +119,15 @@ def straggler_line(fields: Mapping[str, Any]) -> str:
     )
 
 
+def replace_line(leaves: bool, fields: Mapping[str, Any]) -> str:
+    """The job's event for a named straggler under ``stragglers.action: replace``: its node
+    leaves for a spare (``straggler_replaced``) or stays (``straggler_kept``), and why. Pure."""
+    node = fields.get("node")
+    what = f"rank {fields['rank']} on node {node}" if node is not None else f"rank {fields['rank']}"
+    done = "leaves the group at the next step boundary" if leaves else "is not replaced"
+    return f"{what} ({fields['slowdown']}x) {done} after step {fields['step']}: {fields['why']}"
+
+
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ")  # gloo's and c10d's "[file.cc:537] "
 
 

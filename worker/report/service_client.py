@@ -24,7 +24,7 @@ import httpx
 from worker.checkpoint.commit import Report, report_to_json
 from worker.checkpoint.coordinator import Outcome
 from worker.jobspec.jsonlimits import finite
-from worker.report.events import straggler_line
+from worker.report.events import replace_line, straggler_line
 
 log = logging.getLogger("elastrain.service_client")
 
@@ -318,6 +318,7 @@ class EventForwarder:
 
     def __init__(self, client: ServiceClient, *, rank: int, world_size: int, env: Mapping[str, str]) -> None:
         self.client, self.rank, self.world_size = client, rank, world_size
+        self.launch_id = env.get("ELASTRAIN_LAUNCH_ID", "")
         self.group_id = ":".join(
             env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
         )
@@ -328,6 +329,11 @@ class EventForwarder:
             client.set_step(int(fields["step"]))
         if event in ("recovery", "spare_promoted"):  # peer mode: from the recovery's leader, any rank
             client.event(event, **fields)
+            return
+        if event == "straggler_left":  # from the leaving rank itself, any rank
+            step = int(fields["step"])
+            what = f"rank {self.rank} of {self.launch_id or 'its node'} left the group after step {step}"
+            client.event(event, rank=self.rank, step=step, message=f"{what}: its node ends for a spare")
             return
         if self.rank != 0:
             return
@@ -363,6 +369,14 @@ class EventForwarder:
                 rank=int(fields["rank"]),
                 step=int(fields["step"]),
                 message=straggler_line(fields),
+            )
+        elif event in ("straggler_replaced", "straggler_kept"):
+            leaves = event == "straggler_replaced"
+            client.event(
+                event,
+                rank=int(fields["rank"]),
+                step=int(fields["step"]),
+                message=replace_line(leaves, fields),
             )
         elif event == "replica_mismatch":
             client.event(

@@ -47,6 +47,10 @@ STOP_UNIT = float(2**20)
 """What a rank asking to stop adds to the step's flag: above any count the commit vote adds
 (at most one per member), and a sum over 2**20 ranks stays exact in float64."""
 
+STRAGGLER = "straggler"
+"""The request's name when the group chose this rank's node to leave for a spare
+(``stragglers.action: replace``, :func:`leave_node`)."""
+
 EXIT_PREEMPTED = 128 + int(signal.SIGTERM)
 """A worker that stopped on request exits as a process killed by SIGTERM reads (143): not 0,
 which torchrun and a Kubernetes Job would take for a finished run."""
@@ -89,6 +93,12 @@ class StopRequest:
         sys.stderr.flush()
         self.exit(EXIT_PREEMPTED)
 
+    def ask(self, reason: str) -> None:
+        """A request from inside the group (``reason``, e.g. ``straggler``: the group chose this
+        rank's node to leave for a spare), carried like a signal's; a request already made stays."""
+        if self.signal_name is None:
+            self.signal_name, self.received_at = reason, time.time()
+
     def handle(self, signum: int, frame: FrameType | None = None) -> None:
         """The signal handler: remember the first signal; note the others; leave at once while
         the group re-forms and the agent is stopping this node's workers."""
@@ -126,6 +136,19 @@ def local_peer_lost(proc: str = "/proc") -> bool:
 
 REQUEST = StopRequest()
 """This process's request (one per process: signals are per process)."""
+
+
+def leave_node(reason: str, *, kill: Callable[[int, int], None] = os.kill, agent: int | None = None) -> None:
+    """This rank's node leaves the group: ask to stop at the next step boundary, like a signal
+    (:meth:`StopRequest.ask`; in peer mode with ranks remaining that is a leave without a save),
+    and send SIGTERM to this process's torchrun agent (its parent), so that the node ends instead
+    of having its workers started again; the agent passes the signal on to its workers, whose
+    request is made already. Nothing is sent where there is no agent (the parent is init)."""
+    REQUEST.ask(reason)
+    parent = os.getppid() if agent is None else agent
+    if parent > 1:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(parent, signal.SIGTERM)
 
 
 def install() -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,8 +34,8 @@ from torch import nn
 
 from worker.jobspec.stragglers import StragglerSpec
 from worker.metrics import WorkerMetrics
-from worker.report.events import Events, straggler_line
-from worker.train import stragglers
+from worker.report.events import Events, replace_line, straggler_line
+from worker.train import preemption, stragglers
 from worker.train.stragglers import Streaks
 
 
@@ -71,6 +71,12 @@ class StragglerWatch:
         self.times: list[float] = []
         self.seat: tuple[int, int] | None = None
         self.streaks = Streaks()
+        # stragglers.action replace (peer mode sets them: worker.peer.loop): the warm spares
+        # waiting as this rank counts them (the group's leader: the others count 0), the
+        # group's smallest world, and how this rank's node leaves
+        self.spares: Callable[[], int] | None = None
+        self.min_world = 1
+        self.leave: Callable[[str], None] = preemption.leave_node
         if active:
             for p in model.parameters():
                 if p.requires_grad:
@@ -111,14 +117,19 @@ class StragglerWatch:
             return ()
         seated = bool(self.times) and self.seat == (rank, world_size)
         per_step = statistics.median(self.times) if seated else 0.0
-        return stragglers.ballot(rank=rank, world_size=world_size, seconds_per_step=per_step, node=self.node)
+        spares = None
+        if self.spec.action == "replace":
+            spares = self.spares() if self.spares is not None else 0
+        return stragglers.ballot(
+            rank=rank, world_size=world_size, seconds_per_step=per_step, node=self.node, spares=spares
+        )
 
     def read(self, summed: Sequence[float], step: int, *, rank: int, world_size: int) -> None:
         """The window's sums came back (every rank has the same): judge, say what is found."""
         if not summed:
             return
         self.times = []
-        times, nodes = stragglers.unpack(summed, world_size)
+        times, nodes, spares = stragglers.unpack(summed, world_size)
         ratios = stragglers.slowdowns(times)
         spec = self.spec
         self.streaks, found = stragglers.judge(
@@ -140,3 +151,27 @@ class StragglerWatch:
             }  # fmt: skip
             self.events.emit("straggler", **fields)
             self.events.say(straggler_line(fields))
+        if spec.action == "replace":
+            self._replace(found, nodes, spares=spares)
+
+    def _replace(
+        self, found: Sequence[stragglers.Named], nodes: Sequence[int | None], *, spares: int
+    ) -> None:
+        """``stragglers.action: replace``: the slowest named rank's node leaves for a spare, or
+        stays and the event says why (:func:`worker.train.stragglers.replacement`)."""
+        named = stragglers.slowest(found)
+        if named is None:
+            return
+        if self.spares is None:  # not in peer mode: nothing can take the node's place
+            decision = stragglers.Replacement(False, None, (), "the job does not run in peer mode")
+        else:
+            decision = stragglers.replacement(named, nodes, spares=spares, min_world=self.min_world)
+        fields = {
+            "rank": named.rank, "node": decision.node, "slowdown": round(named.slowdown, 4),
+            "step": named.step, "ranks": list(decision.ranks), "why": decision.why,
+        }  # fmt: skip
+        event = "straggler_replaced" if decision.leave else "straggler_kept"
+        self.events.emit(event, **fields)
+        self.events.say(replace_line(decision.leave, fields))
+        if decision.leave and decision.node == self.node:
+            self.leave(preemption.STRAGGLER)

@@ -17,21 +17,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
-def ballot(*, rank: int, world_size: int, seconds_per_step: float, node: int) -> tuple[float, ...]:
+def ballot(
+    *, rank: int, world_size: int, seconds_per_step: float, node: int, spares: int | None = None
+) -> tuple[float, ...]:
     """This rank's part of the window's vector: its time at ``rank``, ``node + 1`` at
     ``world_size + rank`` (0 elsewhere: the sum over the ranks holds every rank's numbers).
-    A rank that measured nothing this window (it joined mid-window) sends a time of 0."""
-    values = [0.0] * (2 * world_size)
+    A rank that measured nothing this window (it joined mid-window) sends a time of 0.
+    ``spares`` (``stragglers.action: replace`` only): one number more, the warm spares waiting
+    as the group's leader counts them (every other rank sends 0 there)."""
+    values = [0.0] * (2 * world_size + (spares is not None))
     values[rank] = max(float(seconds_per_step), 0.0)
     values[world_size + rank] = float(node + 1)
+    if spares is not None:
+        values[-1] = float(spares)
     return tuple(values)
 
 
-def unpack(summed: Sequence[float], world_size: int) -> tuple[list[float], list[int | None]]:
-    """(each rank's seconds per step, each rank's node or None) from the summed vector."""
+def unpack(summed: Sequence[float], world_size: int) -> tuple[list[float], list[int | None], int]:
+    """(each rank's seconds per step, each rank's node or None, the spares waiting: 0 when the
+    vector does not carry them) from the summed vector."""
     times = [float(v) for v in summed[:world_size]]
     nodes = [round(v) - 1 if v >= 1 else None for v in summed[world_size : 2 * world_size]]
-    return times, nodes
+    spares = round(summed[2 * world_size]) if len(summed) > 2 * world_size else 0
+    return times, nodes, spares
 
 
 def slowdowns(times: Sequence[float]) -> list[float | None]:
@@ -102,3 +110,45 @@ def judge(
             named[rank] = 0
             found.append(Named(rank, ratio, since[rank], step, count[rank]))
     return Streaks(since, count, named), found
+
+
+@dataclass(frozen=True, slots=True)
+class Replacement:
+    """What ``stragglers.action: replace`` does about a named rank: whether its node leaves,
+    which ranks leave with it (every rank of that node), and why, in words for the event."""
+
+    leave: bool
+    node: int | None
+    ranks: tuple[int, ...]
+    why: str
+
+
+def replacement(named: Named, nodes: Sequence[int | None], *, spares: int, min_world: int) -> Replacement:
+    """Whether the named rank's node leaves the group (every rank computes the same from the
+    window's sums). It leaves when a warm spare waits to take its place, or when the ranks left
+    are still at least ``min_world`` (the job's smallest ``nodes`` x ``nproc_per_node``: the
+    group goes on smaller until a new node joins); otherwise it stays and is only reported. Pure."""
+    node = nodes[named.rank] if named.rank < len(nodes) else None
+    if node is None:
+        return Replacement(False, None, (), "its node is not known")
+    ranks = tuple(r for r, n in enumerate(nodes) if n == node)
+    left = len(nodes) - len(ranks)
+    if left < 1:
+        return Replacement(False, node, ranks, "every rank of the group is on that node")
+    if spares > 0:
+        return Replacement(True, node, ranks, f"a warm spare takes its place ({spares} waiting)")
+    if left >= min_world:
+        return Replacement(
+            True, node, ranks, f"no spare waits: the group goes on with {left} ranks until a new node joins"
+        )
+    return Replacement(
+        False, node, ranks,
+        f"no spare waits, and without its {len(ranks)} rank(s) the group would have {left}, below "
+        f"the {min_world} its smallest 'nodes' needs",
+    )  # fmt: skip
+
+
+def slowest(found: Sequence[Named]) -> Named | None:
+    """The one named rank whose node may be replaced this window: the slowest (one node leaves at
+    a time; the others stay named). Pure."""
+    return max(found, key=lambda n: n.slowdown, default=None)

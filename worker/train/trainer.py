@@ -270,8 +270,9 @@ class Trainer:
         if preemption.hand_off(asking=asking, world_size=self.info.world_size, peer=self.commit is not None):
             if not request.requested:
                 return
+            event = "straggler_left" if request.signal_name == preemption.STRAGGLER else "preempted"
             self.events.record(
-                "preempted", step=self.progress.step, signal=request.signal_name,
+                event, step=self.progress.step, signal=request.signal_name,
                 received_at=request.received_at, save_seconds=0.0, saved_step=None, handed_off=True,
             )  # fmt: skip
             raise preemption.Preempted(self.progress.step)

@@ -89,6 +89,18 @@ def test_spares_need_peer_recovery() -> None:
     peer.check(with_recovery(spec(), mode="peer", spares=2))
 
 
+def test_replacing_stragglers_needs_peer_recovery() -> None:
+    replace = {"stragglers": {"action": "replace"}}
+    with pytest.raises(
+        SpecError, match=r"^field 'stragglers\.action': 'replace' needs peer recovery.*'report'"
+    ):
+        peer.check(with_recovery(spec(**replace), mode="restart"))
+    with pytest.raises(SpecError, match=r"field 'stragglers\.action'.*FSDP"):
+        peer.check(with_recovery(spec(parallelism="fsdp", **replace), mode="auto"))
+    peer.check(with_recovery(spec(**replace), mode="peer", spares=1))
+    peer.check(with_recovery(spec(**replace), mode="auto"))  # a CPU DDP job: peer under auto
+
+
 class World:
     def __init__(self, tmp_path: Path) -> None:
         self.clock = Clock()
