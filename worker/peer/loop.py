@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from worker.checkpoint import Checkpointer
 from worker.datapath.feed import Feed, make_feed
 from worker.errors import ElastrainError
+from worker.recovery.beacon import ControlStore, last_completed
 from worker.recovery.failure import Failure, classify, is_incident
 from worker.recovery.group import GroupInfo, teardown
 from worker.recovery.records import GenRecord
@@ -44,6 +45,7 @@ from worker.recovery.rng import derive_window_rng
 from worker.recovery.vote import NotCommitted
 from worker.report.service_client import EventForwarder
 from worker.start.dist import DistInfo
+from worker.start.hangs import Beacon
 from worker.start.parts import Wrapped
 from worker.train import preemption
 from worker.train.objective import call_model
@@ -192,6 +194,7 @@ class PeerLoop:
         trainer.window_rng = self._derive
         trainer.replicas = None  # restart mode compares the replicas' state (worker.train.integrity)
         trainer.on_first_step = self._first_step
+        trainer.beacon = Beacon(ControlStore(member), rank=trainer.info.rank, world_size=1)
 
     # -- the step ------------------------------------------------------------------------------
     def ballot(self) -> list[float]:
@@ -240,6 +243,8 @@ class PeerLoop:
                 kv = self.member.membership.kv
                 kv.put(self.member.membership.keys.finished, json.dumps({"step": fields["step"]}).encode())
         self.member.release_standby()
+        if trainer.beacon is not None:
+            trainer.beacon.close()
         return fields
 
     def _train(self) -> Failure | None:
@@ -373,6 +378,7 @@ class PeerLoop:
             "voided_windows": outcome.voided_windows, "world_before": max(len(old.members), 1),
             "world_after": info.world_size, "step": self.trainer.progress.step, "rank": info.rank,
             "step_before": step_before(reached, self.trainer.progress.step, trained),
+            "last_completed_steps": last_completed(old.members, outcome.lost, self.member.hub.steps),
         }  # fmt: skip
         self.trainer.events.record("recovery", phase="started", **report)
         self.pending = report

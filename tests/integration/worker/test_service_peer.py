@@ -12,6 +12,7 @@ job mid-run; the kill itself is a real SIGKILL from outside the worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -237,4 +238,44 @@ def test_a_loss_while_a_save_waits_for_the_service_ends_the_wait(tmp_path: Path,
     assert not any("no answer from the service" in r for r in reasons), reasons
     (recovery,) = final["recoveries"]
     assert recovery["kind"] == "peer", recovery
+    assert digest(Path(final["checkpoint_dir"])) == uninterrupted
+
+
+HOLD = "after_grad_sync=sleep:5#20^0"  # every first-attempt worker holds 5 s in window 20
+
+
+def test_a_stopped_worker_is_named_with_the_last_step_it_completed(
+    tmp_path: Path, uninterrupted: str
+) -> None:
+    """Node 1's worker is SIGSTOPped (not killed: its process and its connections stay) while
+    both workers hold in window 20, after step 19. The survivor's collective times out
+    (``recovery.collective_timeout_s``), the spare takes the slot from the survivor's memory, and
+    the recovery -- the leader's ``recovery`` event and the service's incident -- names rank 1
+    and the last step it completed, 19, as its beacon last said. Woken after the repair, the
+    stopped worker is fenced (or already gone with its node) and the job ends with the
+    uninterrupted run's state."""
+    service = start(tmp_path, f"{HOLD},{SLOW}")
+    try:
+        job_id = service.submit(peer_spec(spares=1, recovery={"mode": "peer", "collective_timeout_s": 8}))
+        victim = f"{job_id}-n1-a0"
+        (victim_pid,) = until(lambda: workers(victim), "the victim's worker", 120)
+        holding = f"elastrain failpoint after_grad_sync: sleep:5 (pid {victim_pid})"
+        until(lambda: holding in service.node_logs(job_id), "the victim holding in window 20", 300)
+        time.sleep(1.5)  # past one beacon period (1 s) inside the hold: its beacon said step 19
+        os.kill(victim_pid, signal.SIGSTOP)
+        try:
+            repaired = lambda: (r := service.job(job_id)["recoveries"]) and r[0]["first_step_at"]  # noqa: E731
+            until(repaired, "the repaired group's first step", 120)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the service may have stopped its node
+                os.kill(victim_pid, signal.SIGCONT)
+        final = service.finished(job_id)
+    finally:
+        service.stop()
+    assert final["state"] == "SUCCEEDED", (final["events"][-12:], service.node_logs(job_id)[-4000:])
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "peer" and victim in recovery["lost"], recovery
+    assert recovery["lost_ranks"] == [1] and recovery["last_completed_steps"] == {"1": 19}, recovery
+    reports = events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "recovery")
+    assert reports and all(r["last_completed_steps"] == {"1": 19} for r in reports), reports
     assert digest(Path(final["checkpoint_dir"])) == uninterrupted
