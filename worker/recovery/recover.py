@@ -149,6 +149,11 @@ class GroupMember:
         elif link is not None:
             link.send({"t": "at", "step": step})
 
+    def distrust(self) -> None:
+        """This member's state may not be handed on: the replicas disagreed (the next re-formation
+        restores the newest checkpoint when no member holds a trusted state)."""
+        self.valid = False
+
     def mark_valid(self) -> None:
         """The caller restored its state from storage (after a ``storage`` outcome)."""
         self.valid = True

@@ -28,6 +28,7 @@ from scripts.demo import alive, parent_pid, worker_pids
 from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, events_of, job_spec, until
 from tests.seeds import seeded
+from worker.checkpoint.verify import logical_digest
 
 pytestmark = pytest.mark.integration
 
@@ -279,3 +280,46 @@ def test_a_stopped_worker_is_named_with_the_last_step_it_completed(
     reports = events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "recovery")
     assert reports and all(r["last_completed_steps"] == {"1": 19} for r in reports), reports
     assert digest(Path(final["checkpoint_dir"])) == uninterrupted
+
+
+BITFLIP = "tests.integration.worker.bitflip:mlp"
+
+
+def three_replicas(**flip: Any) -> dict[str, Any]:
+    """A peer-mode job of three replicas (one node of three processes: torchrun's ``RANK`` is the
+    group's rank) of a team's model that may flip a bit (:mod:`tests.integration.worker.bitflip`)."""
+    model = {"factory": BITFLIP, "kwargs": {"hidden": 32, "norm": "layer", **flip}}
+    over = {"nodes": "1", "nproc_per_node": 3, "max_steps": 30, "integrity": {"every_steps": 4}}
+    return peer_spec(model=model) | over
+
+
+def test_a_flipped_bit_in_one_of_three_replicas_is_trained_away_in_process(
+    service: Service, tmp_path: Path
+) -> None:
+    """Rank 1's model flips a bit of a weight at its 29th training forward (the settling of DDP
+    counts a few: in step 12 or so, between the saves of steps 10 and 20). The next comparison
+    names rank 1 and the weight; nothing is saved while the replicas disagree; the group re-forms
+    without a restart and restores the newest checkpoint in process (a ``storage`` recovery: the
+    majority's state took gradients computed from the corrupt replica, so no memory holds the
+    undisturbed run's state); the steps since are trained again and the job ends, and publishes
+    every checkpoint, as an undisturbed job of the same training."""
+    reference_id = service.submit(three_replicas())
+    tensor = "net.0.weight"
+    job_id = service.submit(
+        three_replicas(
+            flip_rank=1, flip_call=2 * 15 - 1, flip_tensor=tensor, marker=str(tmp_path / "flipped")
+        )
+    )
+    final, reference = service.finished(job_id), service.finished(reference_id)
+    logs = service.node_logs(job_id)[-4000:]
+    assert final["state"] == reference["state"] == "SUCCEEDED", (final["events"][-12:], logs)
+    assert (tmp_path / "flipped").exists(), "the model never flipped its bit"
+    ck, ref_ck = Path(final["checkpoint_dir"]), Path(reference["checkpoint_dir"])
+    (caught,) = events_of(ck / "events.jsonl", "replica_mismatch")
+    assert caught["ranks"] == [1] and caught["tensors"] == [tensor] and 10 < caught["step"] < 20, caught
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "storage" and recovery["lost_ranks"] == [1], recovery
+    assert final["restarts"] == 0 and not reference["recoveries"], final["events"][-12:]
+    assert digest(ck) == digest(ref_ck)
+    steps = lambda root: {p.name: logical_digest(p) for p in sorted(root.glob("step-*"))}  # noqa: E731
+    assert steps(ck) == steps(ref_ck) and "step-00000030" in steps(ck)
