@@ -340,7 +340,9 @@ class PeerLoop:
         )  # fmt: skip
 
     def _restore(self, info: GroupInfo) -> int:
-        """No member holds a usable state: the checkpoint (or the seed, for a new job)."""
+        """No member holds a usable state: the checkpoint (or the seed, for a new job). After a
+        replica mismatch with no checkpoint published yet, this process exits (:class:`PeerExit`
+        1): its torchrun agent starts it again, and the new group starts from the seed."""
         t = self.trainer
         before = t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0
         if not self.started:
