@@ -79,6 +79,10 @@ ROWS: dict[str, str] = {
     "peer-agent-kill": W + "test_service_peer.py::test_a_killed_agent_is_one_recovery_timed_from_the_kill",
     "peer-kill-in-save-wait": W
     + "test_service_peer.py::test_a_loss_while_a_save_waits_for_the_service_ends_the_wait",
+    "peer-sigstop-named": W
+    + "test_service_peer.py::test_a_stopped_worker_is_named_with_the_last_step_it_completed",
+    "peer-bitflip-replica": W
+    + "test_service_peer.py::test_a_flipped_bit_in_one_of_three_replicas_is_trained_away_in_process",
 }
 
 

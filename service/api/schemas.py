@@ -190,6 +190,9 @@ class RecoveryPublic(BaseModel):
     reason: str
     lost: list[str] = Field(description="Launch ids of the node apps lost in it.")
     lost_ranks: list[int]
+    last_completed_steps: dict[str, int] = Field(
+        description="The last step each lost rank completed (rank -> step), when the workers reported it."
+    )
     failed_at: float = Field(description="The last sign of life of what was lost (Unix seconds).")
     detected_at: float | None
     step_before: int | None

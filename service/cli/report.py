@@ -109,6 +109,7 @@ def _service_view(record: dict[str, Any]) -> dict[str, Any]:
                 "reason": r.get("reason"),
                 "lost": r.get("lost", []),
                 "lost_ranks": r.get("lost_ranks", []),
+                "last_completed_steps": r.get("last_completed_steps") or {},
                 "recovery_seconds": r.get("seconds"),
                 "phases": [{"name": p["name"], "seconds": round(p["seconds"], 3)} for p in phases],
                 "bytes_from_peers": r.get("bytes_from_peers", 0),
@@ -240,6 +241,9 @@ def _straggler_lines(named: list[dict[str, Any]]) -> list[str]:
 def _incident_lines(i: int, x: dict[str, Any]) -> list[str]:
     """One incident: kind, what was lost, its phases, what moved from where, what was lost."""
     ranks = ", ".join(map(str, x["lost_ranks"])) or "n/a"
+    steps = x.get("last_completed_steps") or {}
+    if steps:  # peer mode: the step each lost rank completed, as its beacon last said
+        ranks += "; last completed " + ", ".join(f"step {s} on rank {r}" for r, s in sorted(steps.items()))
     world = f"world {x['world_before'] or '?'} -> {x['world_after'] or '?'}"
     phases = ", ".join(f"{p['name']} {p['seconds']:.3f} s" for p in x["phases"]) or "n/a"
     return [

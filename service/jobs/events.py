@@ -54,6 +54,7 @@ MAX_TIME = 1e11
 LaunchId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[a-z0-9-]+$")]
 Time = Annotated[float, Field(gt=0, lt=MAX_TIME, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
+RankKey = Annotated[str, Field(pattern=r"^[0-9]{1,6}$")]
 
 
 class WorkerEvent(BaseModel):
@@ -98,6 +99,8 @@ class WorkerEvent(BaseModel):
     world_after: int | None = Field(default=None, ge=1, le=100_000)
     step_before: int | None = Field(default=None, ge=0, le=1 << 62)
     """``recovery``: the step the group had reached when it failed (the reporter's own count)."""
+    last_completed_steps: dict[RankKey, Count] = Field(default_factory=dict, max_length=1024)
+    """``recovery``: the last step each lost rank completed (rank -> step), as its beacon last said."""
     launch_id: LaunchId | None = None
     restartable: bool = True
     """``failed``: False when a restart cannot help (the run trained to its end and its final
@@ -238,7 +241,7 @@ def _recovery(
         source_rank=event.source_rank, bytes_from_peers=event.bytes_from_peers,
         bytes_from_storage=event.bytes_from_storage, voided_windows=event.voided_windows,
         world_before=event.world_before, world_after=event.world_after, step=event.step,
-        step_before=event.step_before,
+        step_before=event.step_before, last_completed_steps=dict(event.last_completed_steps),
     )  # fmt: skip
     before = job.peer_incidents
     job, index = incidents.fold_report(

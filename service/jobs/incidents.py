@@ -90,6 +90,7 @@ class Report:
     world_after: int | None = None
     step: int | None = None
     step_before: int | None = None
+    last_completed_steps: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -301,6 +302,7 @@ def _claim(job: JobRecord, recovery: Recovery, report: Report, now: float) -> tu
         "detected_at": min(detected) if detected else None,
         "lost": tuple(dict.fromkeys((*recovery.lost, *report.lost))),
         "lost_ranks": lost_ranks,
+        "last_completed_steps": dict(recovery.last_completed_steps) | dict(report.last_completed_steps),
     }
     pairs = {
         "group_formed_at": report.formed_at,

@@ -144,6 +144,8 @@ class Recovery(_Frozen):
     lost: tuple[str, ...] = ()
     """Launch ids of the node apps lost in it."""
     lost_ranks: tuple[int, ...] = ()
+    last_completed_steps: dict[str, int] = Field(default_factory=dict)
+    """The last step each lost rank completed (rank -> step), as the workers reported it."""
     detected_at: float | None = None
     step_before: int | None = None
     group_formed_at: float | None = None

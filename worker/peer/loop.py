@@ -34,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from worker.checkpoint import Checkpointer
 from worker.datapath.feed import Feed, make_feed
-from worker.errors import ElastrainError
+from worker.errors import ElastrainError, ReplicaMismatchError
+from worker.recovery.beacon import ControlStore, last_completed
 from worker.recovery.failure import Failure, classify, is_incident
 from worker.recovery.group import GroupInfo, teardown
 from worker.recovery.records import GenRecord
@@ -44,8 +45,10 @@ from worker.recovery.rng import derive_window_rng
 from worker.recovery.vote import NotCommitted
 from worker.report.service_client import EventForwarder
 from worker.start.dist import DistInfo
+from worker.start.hangs import Beacon
 from worker.start.parts import Wrapped
 from worker.train import preemption
+from worker.train.integrity import replica_check
 from worker.train.objective import call_model
 from worker.train.preemption import Preempted
 from worker.train.progress import Progress
@@ -188,13 +191,15 @@ class PeerLoop:
         self.slots: dict[str, int] = {}  # member id -> node index, for spare_promoted
         self._slots_lock = threading.Lock()  # the read after a first step runs on a thread
         self.pending: dict[str, Any] | None = None  # the recovery report awaiting its first step
+        self.disagreeing: tuple[int, ...] = ()  # the ranks a replica mismatch named (its incident's)
         trainer.commit = self
         trainer.window_rng = self._derive
-        trainer.replicas = None  # restart mode compares the replicas' state (worker.train.integrity)
+        trainer.replicas = None  # each generation's own check, built when it is seated
         trainer.on_first_step = self._first_step
         # stragglers.action replace: the leader counts the warm spares waiting, on the window's ballot
         trainer.stragglers.spares = self._spares_waiting
         trainer.stragglers.min_world = member.cfg.policy.min_world
+        trainer.beacon = Beacon(ControlStore(member), rank=trainer.info.rank, world_size=1)
 
     # -- the step ------------------------------------------------------------------------------
     def ballot(self) -> list[float]:
@@ -234,6 +239,8 @@ class PeerLoop:
             if not failure.recoverable:
                 raise ElastrainError(f"this rank failed ({failure.message}); torchrun starts it again")
             old, reached = self.member.record, trainer.progress.step  # the step it had committed
+            if failure.kind == "mismatch":  # nobody's state is trusted: the newest checkpoint is
+                self.member.distrust()
             # outside the except block: DDP, its group and sockets go now (a planned re-formation
             # keeps the settled DDP: nothing is in flight, and every member may carry it over)
             with preemption.REQUEST.leaving_at_once():
@@ -247,6 +254,8 @@ class PeerLoop:
                 kv = self.member.membership.kv
                 kv.put(self.member.membership.keys.finished, json.dumps({"step": fields["step"]}).encode())
         self.member.release_standby()
+        if trainer.beacon is not None:
+            trainer.beacon.close()
         return fields
 
     def _train(self) -> Failure | None:
@@ -254,6 +263,7 @@ class PeerLoop:
         feed = self._feed()
         start = self.state.version()
         failure: Failure | None = None
+        self.disagreeing = ()
         try:
             while trainer.progress.step < trainer.spec.max_steps:
                 trainer.window(feed)
@@ -266,6 +276,7 @@ class PeerLoop:
             raise
         except Exception as exc:
             failure = classify(exc, in_window=self.state.version() == start)
+            self.disagreeing = exc.ranks if isinstance(exc, ReplicaMismatchError) else ()
         finally:
             feed.close()
         return failure
@@ -331,16 +342,22 @@ class PeerLoop:
         if t.checkpointer is not None:
             t.checkpointer.run_record = t.record
         t.stepped = False
+        t.replicas = replica_check(
+            t.spec, t.model, t.optimizer, t.info, events=t.events, metrics=t.metrics, notes=[], defer=False
+        )  # fmt: skip
 
     def _restore(self, info: GroupInfo) -> int:
-        """No member holds a usable state: the checkpoint (or the seed, for a new job)."""
+        """No member holds a usable state: the checkpoint (or the seed, for a new job). After a
+        replica mismatch with no checkpoint published yet, this process exits (:class:`PeerExit`
+        1): its torchrun agent starts it again, and the new group starts from the seed."""
         t = self.trainer
         before = t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0
         if not self.started:
             t.start()  # the first generation: resume if a checkpoint says so, write the run record
             self.started = True
-        else:
-            t._resume()
+        elif not t._resume() and self.disagreeing:
+            # nothing published yet, and every state in memory took the corrupt replica's gradients
+            raise PeerExit("the replicas disagreed before a checkpoint was published: start from the seed", 1)
         self.state.rewrap(info, agreed=False)
         self.member.mark_valid()
         return (t.checkpointer.stats.bytes_read_total if t.checkpointer is not None else 0) - before
@@ -365,8 +382,9 @@ class PeerLoop:
         if not self.member.is_leader:
             return
         decided = self.member.resolver.leader.decisions if self.member.resolver is not None else []
-        lost_ranks = [old.members.index(m) for m in outcome.lost if m in old.members]
-        launches = [old.launch_ids[r] for r in lost_ranks if r < len(old.launch_ids) and old.launch_ids[r]]
+        named = [old.members.index(m) for m in outcome.lost if m in old.members]
+        launches = [old.launch_ids[r] for r in named if r < len(old.launch_ids) and old.launch_ids[r]]
+        lost_ranks = named or list(self.disagreeing)  # a replica mismatch loses no member: its ranks
         phases = outcome.phases
         failed_at = decided[0].get("failed_at") if decided else None
         trained = self.member.member_id in old.members
@@ -380,6 +398,7 @@ class PeerLoop:
             "voided_windows": outcome.voided_windows, "world_before": max(len(old.members), 1),
             "world_after": info.world_size, "step": self.trainer.progress.step, "rank": info.rank,
             "step_before": step_before(reached, self.trainer.progress.step, trained),
+            "last_completed_steps": last_completed(old.members, outcome.lost, self.member.hub.steps),
         }  # fmt: skip
         self.trainer.events.record("recovery", phase="started", **report)
         self.pending = report

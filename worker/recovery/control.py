@@ -234,6 +234,7 @@ class Link:
         self.bye_at: float | None = None
         self.eof_at: float | None = None
         self.lost: set[tuple[int, str]] = set()  # (generation, member) the leader said it lost
+        self.step: int | None = None  # the last step the leader said it completed (its ``at``)
         threading.Thread(target=self._read, name="elastrain-control-link", daemon=True).start()
 
     def _read(self) -> None:
@@ -244,6 +245,11 @@ class Link:
                     break
                 if msg["t"] == "bye":
                     self.bye_at = bye_time(msg, time.time())
+                    continue
+                if msg["t"] == "at":  # the leader's beacon, read when it is lost
+                    step = msg.get("step")
+                    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+                        self.step = step
                     continue
                 if msg["t"] == "lost":  # read by the save's wait, not by the training thread
                     g, m = msg.get("generation"), msg.get("member")

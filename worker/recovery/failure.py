@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from worker.errors import ReplicaMismatchError
 from worker.recovery.vote import Fenced, NotCommitted
 
 # Transport and c10d errors that mean "a member of the group is gone or stalled", as gloo, c10d
@@ -39,8 +40,9 @@ class Failure:
     """``kind``: ``crash`` (a member is gone or stalled: the group is broken), ``fenced`` (the
     vote saw another stamp, or the leader found its generation not written), ``planned`` (the
     vote asked for a re-formation at this boundary), ``fatal`` (anything else: this process
-    exits and its agent respawns it). ``in_window``: the failure happened inside a window (its
-    gradients are voided)."""
+    exits and its agent respawns it), ``mismatch`` (the data-parallel replicas' state disagrees:
+    nobody's is trusted, the group restores the newest checkpoint). ``in_window``: the failure
+    happened inside a window (its gradients are voided)."""
 
     kind: str
     at: float
@@ -73,6 +75,8 @@ def classify(exc: BaseException, *, in_window: bool = True, at: float | None = N
     message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
     if isinstance(exc, (Fenced, NotCommitted)):
         return Failure("fenced", when, message, in_window)
+    if isinstance(exc, ReplicaMismatchError):
+        return Failure("mismatch", when, message, in_window)
     names = {t.__name__ for t in type(exc).__mro__}
     text = str(exc).lower()
     if names & set(_GROUP_TYPES) or (

@@ -43,6 +43,7 @@ class Hub:
         self.byes: dict[str, float] = {}  # member id -> when its node died, as it said before its EOF
         self.links: dict[str, Ended] = {}  # old leader -> this process's connection to it
         self.checkins: dict[str, Checkin] = {}
+        self.steps: dict[str, int] = {}  # member id -> the last step it said it completed (``at``)
         self.infos: dict[str, MemberInfo] = {}  # every process that said hello, as it did
         self.current: GenRecord | None = None  # the formed generation this process belongs to
         self.mode = IDLE
@@ -113,6 +114,11 @@ class Hub:
     def on_message(self, conn: Conn, msg: Message) -> None:
         if msg["t"] == "ping":
             conn.send({"t": "pong"})
+            return
+        if msg["t"] == "at":  # the member's beacon: the last step it completed
+            step = msg.get("step")
+            if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+                self.steps[conn.peer.member_id] = step
             return
         if msg["t"] == "bye":  # the member's node died at "at" (its agent); its EOF follows
             at = bye_time(msg, time.time())

@@ -139,6 +139,21 @@ class GroupMember:
         if info is not None:
             self.membership.update(info)
 
+    def tell_completed(self, step: int) -> None:
+        """This member's beacon (:mod:`worker.recovery.beacon`; the beacon's thread): to the
+        leader, or, on the leader, to the members."""
+        record, link = self.record, self.link
+        if record is not None and record.leader == self.member_id:
+            self.hub.steps[self.member_id] = step
+            self.hub.tell(set(record.members) - {self.member_id}, {"t": "at", "step": step})
+        elif link is not None:
+            link.send({"t": "at", "step": step})
+
+    def distrust(self) -> None:
+        """This member's state may not be handed on: the replicas disagreed (the next re-formation
+        restores the newest checkpoint when no member holds a trusted state)."""
+        self.valid = False
+
     def mark_valid(self) -> None:
         """The caller restored its state from storage (after a ``storage`` outcome)."""
         self.valid = True

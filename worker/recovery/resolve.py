@@ -50,6 +50,8 @@ class Resolver:
             # when this member next ran a collective (a save can hold it for a while): the
             # incident starts there. The hub reads the link again when it times the failure.
             self.hub.lost_link(old.leader, link)
+            if link.step is not None:  # the leader's beacon: the step it completed, if it is the one lost
+                self.hub.steps[old.leader] = link.step
         deadline = checkin.failed_at + self.policy.join_window_s + self.policy.replacement_timeout_s + 30.0
         while time.time() < deadline:
             for member_id, address in old.candidates():

@@ -135,15 +135,18 @@ class ReplicaCheck:
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every_steps: int,
         device: torch.device, world_size: int, events: Events, metrics: WorkerMetrics | None,
-        exchange: Exchange | None = None,
+        exchange: Exchange | None = None, defer: bool = True,
     ) -> None:  # fmt: skip
         """``exchange``: how the ranks' digests travel (default: an ``all_gather`` on the
-        default process group)."""
+        default process group). ``defer``: a periodic check is judged at the next one (its
+        gather in the background); else at once (peer mode: no collective is left in flight
+        on a group that a recovery tears down)."""
         self.model, self.optimizer = model, optimizer
         self.every_steps, self.world_size = every_steps, world_size
         self.events, self.metrics = events, metrics
         self.exchange: Exchange = exchange or (lambda values: _Gather(values, device, world_size))
         self.pending: _Started | None = None
+        self.defer = defer
         self._split: tuple[int, list[list[int]]] = (-1, [])  # (tensors, their parts)
 
     def due(self, step: int) -> bool:
@@ -155,14 +158,15 @@ class ReplicaCheck:
         on and are judged at the next check (so the training thread never waits for them). A
         comparison still in flight is judged first. On a difference say which ranks and tensors
         (event ``replica_mismatch``, the metric) and raise :class:`ReplicaMismatchError`: the
-        group stops before it saves anything, and its restart resumes from the newest published
-        checkpoint, which the replicas agreed on before it was saved, and trains the steps since
-        again."""
+        group stops before it saves anything, and resumes from the newest published checkpoint,
+        which the replicas agreed on before it was saved (restart mode: torchrun's restart; peer
+        mode: the group re-forms and restores it in process), and trains the steps since
+        again. Without ``defer`` this check is judged at once too."""
         pending, self.pending = self.pending, None
         if pending is not None:
             self._judge(pending)
         started = self._start(step, full=full)
-        if full:
+        if full or not self.defer:
             self._judge(started)
         else:
             self.pending = started
@@ -215,10 +219,11 @@ FSDP_NOTE = (
 
 def replica_check(
     spec: JobSpec, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo, *,
-    events: Events, metrics: WorkerMetrics | None, notes: list[str],
+    events: Events, metrics: WorkerMetrics | None, notes: list[str], defer: bool = True,
 ) -> ReplicaCheck | None:  # fmt: skip
     """The job's check: None when ``integrity.enabled`` is off, with one rank (nothing to compare
-    with), or under FSDP (which ``notes`` and rank 0's stderr say)."""
+    with), or under FSDP (which ``notes`` and rank 0's stderr say). ``defer``: see
+    :class:`ReplicaCheck`."""
     if not spec.integrity.enabled or info.world_size < 2:
         return None
     if spec.parallelism != "ddp":
@@ -227,5 +232,5 @@ def replica_check(
         return None
     return ReplicaCheck(
         model, optimizer, every_steps=spec.integrity.every_steps, device=torch.device(info.device),
-        world_size=info.world_size, events=events, metrics=metrics,
+        world_size=info.world_size, events=events, metrics=metrics, defer=defer,
     )  # fmt: skip

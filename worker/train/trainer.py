@@ -140,16 +140,17 @@ class Trainer:
             self.checkpointer.run_record = record
         return record
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
+        """Load the newest published checkpoint, if there is one; whether one was loaded."""
         if self.checkpointer is None:
-            return
+            return False
         try:
             restored = self.checkpointer.restore(model=self.model, optimizer=self.optimizer)
         finally:  # a refusal is visible at once, not at the next save (nor never, if nothing verifies)
             if self.metrics is not None:
                 self.metrics.checkpoint(self.checkpointer.stats.as_metrics())
         if restored is None:
-            return
+            return False
         raw = restored.progress
         self.progress = Progress.from_json(raw)
         self.scaler.load_state_dict(raw["loss_scaler"])
@@ -174,6 +175,7 @@ class Trainer:
                 world_size=self.info.world_size, saved_at=restored.saved_world_size, note=self.plan.note,
             )
         )  # fmt: skip
+        return True
 
     def _write_record(self, record: dict[str, Any]) -> None:
         out = self.spec.checkpoint.dir

@@ -12,6 +12,7 @@ job mid-run; the kill itself is a real SIGKILL from outside the worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,7 +27,8 @@ import pytest
 from scripts.demo import alive, parent_pid, worker_pids
 from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, events_of, job_spec, until
-from tests.seeds import seeded
+from tests.seeds import seeded, sweeping
+from worker.checkpoint.verify import logical_digest
 
 pytestmark = pytest.mark.integration
 
@@ -238,3 +240,93 @@ def test_a_loss_while_a_save_waits_for_the_service_ends_the_wait(tmp_path: Path,
     (recovery,) = final["recoveries"]
     assert recovery["kind"] == "peer", recovery
     assert digest(Path(final["checkpoint_dir"])) == uninterrupted
+
+
+@seeded
+def test_a_stopped_worker_is_named_with_the_last_step_it_completed(
+    tmp_path: Path, uninterrupted: str, seed: int
+) -> None:
+    """A node's worker is SIGSTOPped (not killed: its process and its connections stay) while
+    both workers hold in a window drawn from the seed: node 1's in ``make test``; under
+    ``make faults`` (``ELASTRAIN_FAULT_SWEEP=1``) the seed draws node 0 too, the group's leader,
+    whose step the survivor knows from the leader's beacon (that recovery waits until the service
+    ends the stopped node: about a minute longer). The survivor's collective times out
+    (``recovery.collective_timeout_s``), the spare takes the slot from the survivor's memory, and
+    the recovery -- its ``recovery`` events and the service's incident -- names the stopped rank
+    and the last step it completed, the step before that window, as its beacon last said. Woken
+    after the repair, the stopped worker is fenced (or already gone with its node) and the job
+    ends with the uninterrupted run's state."""
+    rng = random.Random(f"{seed}-stop")
+    node, window = rng.randrange(2) if sweeping() else 1, rng.randrange(15, 40)
+    what = f"seed={seed}: node {node} stopped in window {window}"
+    service = start(tmp_path, f"after_grad_sync=sleep:5#{window}^0,{SLOW}")  # first attempts hold 5 s
+    try:
+        job_id = service.submit(peer_spec(spares=1, recovery={"mode": "peer", "collective_timeout_s": 8}))
+        victim = f"{job_id}-n{node}-a0"
+        (victim_pid,) = until(lambda: workers(victim), f"the victim's worker; {what}", 120)
+        holding = f"elastrain failpoint after_grad_sync: sleep:5 (pid {victim_pid})"
+        until(lambda: holding in service.node_logs(job_id), f"the victim holding; {what}", 300)
+        time.sleep(1.5)  # past one beacon period (1 s) inside the hold: its beacon said the step
+        os.kill(victim_pid, signal.SIGSTOP)
+        try:
+            repaired = lambda: (r := service.job(job_id)["recoveries"]) and r[0]["first_step_at"]  # noqa: E731
+            until(repaired, f"the repaired group's first step; {what}", 120)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the service may have stopped its node
+                os.kill(victim_pid, signal.SIGCONT)
+        final = service.finished(job_id)
+    finally:
+        service.stop()
+    assert final["state"] == "SUCCEEDED", (what, final["events"][-12:], service.node_logs(job_id)[-4000:])
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "peer" and victim in recovery["lost"], (what, recovery)
+    named = {str(node): window - 1}
+    assert recovery["lost_ranks"] == [node] and recovery["last_completed_steps"] == named, (what, recovery)
+    reports = events_of(Path(final["checkpoint_dir"]) / "events.jsonl", "recovery")
+    assert reports and all(r["last_completed_steps"] == named for r in reports), (what, reports)
+    assert digest(Path(final["checkpoint_dir"])) == uninterrupted, what
+
+
+BITFLIP = "tests.integration.worker.bitflip:mlp"
+
+
+def three_replicas(**flip: Any) -> dict[str, Any]:
+    """A peer-mode job of three replicas (one node of three processes: torchrun's ``RANK`` is the
+    group's rank) of a team's model that may flip a bit (:mod:`tests.integration.worker.bitflip`)."""
+    model = {"factory": BITFLIP, "kwargs": {"hidden": 32, "norm": "layer", **flip}}
+    over = {"nodes": "1", "nproc_per_node": 3, "max_steps": 30, "integrity": {"every_steps": 4}}
+    return peer_spec(model=model) | over
+
+
+@seeded
+def test_a_flipped_bit_in_one_of_three_replicas_is_trained_away_in_process(
+    service: Service, tmp_path: Path, seed: int
+) -> None:
+    """One rank's model (drawn from the seed) flips a bit of a weight at a training forward
+    drawn from the seed (the settling of DDP counts a few): after the save of step 10, caught by
+    the comparison before the save of step 20 at the latest. The next comparison names that rank
+    and the weight; nothing is saved while the replicas disagree; the group re-forms without a
+    restart and restores the newest checkpoint in process (a ``storage`` recovery: the majority's
+    state took gradients computed from the corrupt replica, so no memory holds the undisturbed
+    run's state); the steps since are trained again and the job ends, and publishes every
+    checkpoint, as an undisturbed job of the same training."""
+    rng = random.Random(f"{seed}-flip")
+    rank, call, tensor = rng.randrange(3), 2 * rng.randrange(14, 17) - 1, "net.0.weight"
+    what = f"seed={seed}: rank {rank} flips a bit at its forward {call}"
+    reference_id = service.submit(three_replicas())
+    flip = {"flip_rank": rank, "flip_call": call, "flip_tensor": tensor, "marker": str(tmp_path / "flipped")}
+    job_id = service.submit(three_replicas(**flip))
+    final, reference = service.finished(job_id), service.finished(reference_id)
+    logs = service.node_logs(job_id)[-4000:]
+    assert final["state"] == reference["state"] == "SUCCEEDED", (what, final["events"][-12:], logs)
+    assert (tmp_path / "flipped").exists(), f"{what}: the model never flipped its bit"
+    ck, ref_ck = Path(final["checkpoint_dir"]), Path(reference["checkpoint_dir"])
+    (caught,) = events_of(ck / "events.jsonl", "replica_mismatch")
+    assert caught["ranks"] == [rank] and caught["tensors"] == [tensor], (what, caught)
+    assert 10 < caught["step"] <= 20, (what, caught)  # at 20: the comparison before that save
+    (recovery,) = final["recoveries"]
+    assert recovery["kind"] == "storage" and recovery["lost_ranks"] == [rank], (what, recovery)
+    assert final["restarts"] == 0 and not reference["recoveries"], (what, final["events"][-12:])
+    assert digest(ck) == digest(ref_ck), what
+    steps = lambda root: {p.name: logical_digest(p) for p in sorted(root.glob("step-*"))}  # noqa: E731
+    assert steps(ck) == steps(ref_ck) and "step-00000030" in steps(ck), what

@@ -370,3 +370,20 @@ def test_every_world_size_a_step_was_trained_at_is_listed_even_without_a_progres
     report = build_report(Run("r", events))
     assert report["world_sizes"] == [1, 2, 3]
     assert "world sizes    1, 2, 3" in render_text(report)
+
+
+def test_the_service_view_names_the_last_step_each_lost_rank_completed() -> None:
+    from service.cli.report import _service_view
+
+    record = {
+        "state": "RUNNING", "recovery_mode": "peer", "restarts": 0,
+        "recoveries": [
+            {
+                "incident": "j/g5", "kind": "peer", "reason": "peer recovery of j-n1-a0", "lost": ["j-n1-a0"],
+                "lost_ranks": [1], "last_completed_steps": {"1": 19}, "failed_at": 100.0, "seconds": 8.4,
+                "bytes_from_peers": 1, "bytes_from_storage": 0, "voided_windows": 1, "phases": [],
+            }
+        ],
+    }  # fmt: skip
+    text = render_text(build_report(Run("r", killed_run())) | {"service": _service_view(record)})
+    assert "lost j-n1-a0 (ranks 1; last completed step 19 on rank 1)" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from worker.errors import ReplicaMismatchError
 from worker.recovery.failure import Failure, classify, is_incident
 
 
@@ -22,6 +23,7 @@ class DistBackendError(RuntimeError):
         (ValueError("shapes (3, 4) and (5,) not aligned"), "fatal"),
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), "fatal"),
         (KeyError("weight"), "fatal"),
+        (ReplicaMismatchError("data-parallel replicas disagree after step 16: ranks 1", (1,)), "mismatch"),
     ],
 )  # fmt: skip
 def test_classify(exc: BaseException, kind: str) -> None:

@@ -135,7 +135,9 @@ class Peer:
         return SimpleNamespace(result=lambda: [values, other])
 
 
-def check_of(peer: Peer, events: list[tuple[str, dict[str, Any]]]) -> integrity.ReplicaCheck:
+def check_of(
+    peer: Peer, events: list[tuple[str, dict[str, Any]]], *, defer: bool = True
+) -> integrity.ReplicaCheck:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -145,7 +147,7 @@ def check_of(peer: Peer, events: list[tuple[str, dict[str, Any]]]) -> integrity.
     sink.sinks.append(lambda name, fields: events.append((name, fields)))
     return integrity.ReplicaCheck(
         model, optimizer, every_steps=10, device=torch.device("cpu"), world_size=2, events=sink,
-        metrics=None, exchange=peer,
+        metrics=None, exchange=peer, defer=defer,
     )  # fmt: skip
 
 
@@ -179,3 +181,12 @@ def test_a_difference_before_a_save_is_judged_at_once() -> None:
         check.check(7, full=True)
     names = [n for n, _ in integrity.state_tensors(check.model, check.optimizer)]
     assert events[0][1]["tensors"] == [names[5]] and events[0][1]["full"]
+
+
+def test_without_defer_a_periodic_difference_is_judged_at_once() -> None:
+    """Peer mode's check: no gather is left in flight on a group that a recovery may tear down."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    check = check_of(Peer(bad=0), events, defer=False)
+    with pytest.raises(ReplicaMismatchError, match="after step 10: both ranks"):
+        check.check(10, full=False)
+    assert events[0][1]["step"] == 10 and not events[0][1]["full"] and check.pending is None

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from service.api.schemas import recovery_public
 from service.jobs.events import WorkerEvent, apply_worker_event, first_step_done
 from service.jobs.machine import Launch, Observation, Policy, confirm_launch, reconcile, request_scale
 from service.jobs.model import JobRecord, JobState, NodePhase, NodeStatus, RecoveryMode
@@ -290,3 +291,18 @@ def test_completed_recoveries_are_handed_to_the_metrics_once() -> None:
     assert [r.incident for r in decision.completed] == [INCIDENT]
     again = reconcile(decision.job, Observation(now=202.0, statuses=statuses(decision.job)), POLICY)
     assert again.completed == ()
+
+
+def test_a_peer_incident_carries_the_last_step_each_lost_rank_completed() -> None:
+    """A hung rank's recovery report names the step it completed (its beacon's); the incident
+    keeps it through the report's ``done`` (which repeats only what changed), and the API shows it."""
+    started = worker(
+        200.06, "recovery", phase="started", incident=INCIDENT, recovery_kind="peer", lost=("j-n1-a0",),
+        lost_ranks=(1,), last_completed_steps={"1": 39}, failed_at=200.01, detected_at=200.02, step=40,
+    )  # fmt: skip
+    record = run(running_job("peer", nodes=(2, 1, 2)), [started, DONE])
+    (recovery,) = record.recoveries
+    assert recovery.lost_ranks == (1,) and recovery.last_completed_steps == {"1": 39}
+    assert recovery_public(recovery).last_completed_steps == {"1": 39}
+    with pytest.raises(ValueError, match="last_completed_steps"):
+        WorkerEvent(kind="recovery", last_completed_steps={"rank one": 3})
