@@ -275,6 +275,11 @@ def fold_report(
         if claimable(job.recoveries[i], report, now=now, window_s=window_s):
             job, claimed = _claim(job, job.recoveries[i], report, now)
             return _replace(job, i, claimed), i
+    if job.preempted_step is not None:  # the members that left had stopped on request
+        job = preempted(job, lost=lost, now=now, reason="the leaving members stopped on request")
+        index = len(job.recoveries) - 1
+        job, claimed = _claim(job, job.recoveries[index], report, now)
+        return _replace(job, index, claimed), index
     fresh = Recovery(
         reason=f"{report.kind} recovery of {', '.join(lost) or 'ranks ' + _ranks(report.lost_ranks)}",
         failed_at=report.failed_at if report.failed_at is not None else now,
@@ -294,9 +299,10 @@ def _claim(job: JobRecord, recovery: Recovery, report: Report, now: float) -> tu
     if detected:  # a failure is never later than its detection (a lost member's EOF can come late)
         failed_at = min(failed_at, *detected)
     lost_ranks = tuple(dict.fromkeys((*recovery.lost_ranks, *report.lost_ranks)))[:MAX_LOST_RANKS]
+    preemption = recovery.kind == "preemption"  # the members' own re-forming after a graceful stop
     update: dict[str, object] = {
         "incident": report.incident,
-        "kind": report.kind,
+        "kind": recovery.kind if preemption else report.kind,
         "reported": True,
         "failed_at": failed_at,
         "detected_at": min(detected) if detected else None,
@@ -320,7 +326,7 @@ def _claim(job: JobRecord, recovery: Recovery, report: Report, now: float) -> tu
     update |= {k: v for k, v in pairs.items() if v is not None}
     if report.phase == "done":
         update["first_step_at"] = report.first_step_at if report.first_step_at is not None else now
-    if first and report.kind != "restart":
+    if first and report.kind != "restart" and not preemption:
         job = job.model_copy(update={"peer_incidents": job.peer_incidents + 1})
     if recovery.charged and report.kind != "restart":  # a peer or storage recovery: no restart used
         job = job.model_copy(update={"restarts": max(0, job.restarts - 1)})
@@ -343,12 +349,18 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 def close(job: JobRecord, index: int, first_step_at: float, *, resumed_step: int | None = None) -> JobRecord:
     """The repaired group's first step. In peer mode, an incident no worker reported was a
-    restart of the workers: it uses one of ``max_restarts`` now."""
+    restart of the workers: it uses one of ``max_restarts`` now, unless it was a preemption (the
+    whole job stopped on request and saved)."""
     recovery = job.recoveries[index]
     update: dict[str, object] = {"first_step_at": first_step_at}
     if resumed_step is not None and recovery.resumed_step is None:
         update["resumed_step"] = resumed_step
-    if job.recovery_mode == "peer" and not recovery.reported and not recovery.charged:
+    if (
+        job.recovery_mode == "peer"
+        and not recovery.reported
+        and not recovery.charged
+        and recovery.kind != "preemption"
+    ):
         update["charged"] = True
         job = job.model_copy(update={"restarts": job.restarts + 1})
     job = job.model_copy(update={"reached_step": None})  # the new group counts from its own start

@@ -122,4 +122,7 @@ def test_in_peer_mode_a_preempted_node_hands_off_and_a_preempted_job_saves(
     assert final["state"] == "SUCCEEDED", f"{what}: {final['reason']}\n{service.node_logs(job_id)[-3000:]}"
     assert final["restarts"] == 0, f"{what}: {final['recoveries']}"
     assert all(r["steps_lost"] in (0, None) for r in final["recoveries"]), f"{what}: {final['recoveries']}"
+    # whichever node it was, the incident is a preemption (the leaving rank says so itself)
+    kinds = [(r["kind"], r["charged"]) for r in final["recoveries"]]
+    assert ("preemption", False) in kinds and final["preemptions"] >= 1, f"{what}: {final['recoveries']}"
     assert digest(Path(final["checkpoint_dir"])) == two_node_digest, what

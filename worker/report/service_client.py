@@ -314,7 +314,8 @@ class EventForwarder:
     """An Events sink that turns the worker's own events into the service's callbacks. ``rank``
     and ``world_size`` follow the group: peer mode re-seats them at every re-formation. The
     group's rank 0 reports, except a peer-mode recovery (``recovery``, ``spare_promoted``), which
-    its leader reports whatever its rank: only the leader knows it, and one process says it."""
+    its leader reports whatever its rank: only the leader knows it, and one process says it; and a
+    rank's own leaving (``straggler_left``, a handed-off ``preempted``), which that rank reports."""
 
     def __init__(self, client: ServiceClient, *, rank: int, world_size: int, env: Mapping[str, str]) -> None:
         self.client, self.rank, self.world_size = client, rank, world_size
@@ -334,6 +335,10 @@ class EventForwarder:
             step = int(fields["step"])
             what = f"rank {self.rank} of {self.launch_id or 'its node'} left the group after step {step}"
             client.event(event, rank=self.rank, step=step, message=f"{what}: its node ends for a spare")
+            return
+        if event == "preempted" and fields.get("handed_off"):  # peer mode: the leaving rank, any rank
+            why = f"{fields.get('signal') or 'a signal'} received; rank {self.rank} left without a save"
+            client.event("preempted", rank=self.rank, step=int(fields["step"]), message=why)
             return
         if self.rank != 0:
             return

@@ -88,3 +88,44 @@ def test_a_cancelled_job_records_the_stop_but_opens_no_incident() -> None:
     record = run(record, [PREEMPTED])
     assert record.preempted_step is None and any(e.kind == "preempted" for e in record.events)
     assert all(n.phase != NodePhase.FAILED for n in record.nodes)
+
+
+# ---------------------------------------------------------------------------- peer mode
+
+HANDED_OFF = worker(100.5, "preempted", step=40, message="SIGTERM received; rank 1 left without a save")
+SURVIVORS_REFORMED = worker(
+    100.7, "recovery", phase="done", incident="j/g2", recovery_kind="peer", lost=("j-n1-a0",),
+    lost_ranks=(1,), failed_at=100.6, formed_at=100.65, first_step_at=100.7, step=40, world_before=2,
+    world_after=1,
+)  # fmt: skip
+
+
+def test_in_peer_mode_a_node_that_left_on_request_is_a_preemption_whatever_comes_first() -> None:
+    """The leaving rank reports its stop; the survivors' leader reports the re-formation; the
+    wrapper's end comes last or first: one incident, kind preemption, no restart, and none of
+    recovery.max_incidents."""
+    for steps in (
+        [HANDED_OFF, node_lost(101.0, ended_at=100.8), SURVIVORS_REFORMED],
+        [HANDED_OFF, SURVIVORS_REFORMED, node_lost(101.0, ended_at=100.8)],
+    ):
+        record = run(running_job("peer"), steps)
+        assert [(r.kind, r.charged) for r in record.recoveries] == [("preemption", False)], record.recoveries
+        assert record.restarts == 0 and record.preemptions == 1 and record.peer_incidents == 0
+
+
+def test_in_peer_mode_a_whole_job_preempted_uses_no_restart() -> None:
+    """Every node signalled: rank 0 saves and reports; the nodes end; the relaunched group loads
+    the saved step. No worker reports a peer recovery, and yet no restart is used."""
+    record = run(
+        running_job("peer"),
+        [
+            PREEMPTED,
+            node_lost(101.5, launch="j-n1-a0", ended_at=101.0),
+            node_lost(102.0, launch="j-n0-a0", ended_at=101.2),
+            worker(108.0, "group_formed", group_id="g2", world_size=2),
+            worker(109.0, "state_loaded", step=40),
+            worker(110.0, "first_step", step=41),
+        ],
+    )
+    (recovery,) = record.recoveries
+    assert recovery.kind == "preemption" and not recovery.charged and record.restarts == 0, recovery
