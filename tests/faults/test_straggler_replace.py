@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from scripts.demo import alive, worker_pids
-from tests.faults.test_stragglers import RUN_S, STOP_S
+from tests.faults.duty import stop_cycles
 from tests.integration.launch import REPO, run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, job_spec, until
 from tests.seeds import seeded
@@ -69,24 +68,17 @@ def kinds(job: dict[str, Any]) -> list[str]:
 def duty_cycle(service: Service, job_id: str, pid: int) -> str:
     """Stop and continue ``pid`` until the job's events say the straggler is replaced (or kept),
     or the process is gone; it is left running. Says how many cycles ran."""
-    cycles, seen, began = 0, 0.0, time.monotonic()
-    try:
-        while alive(pid):
-            if time.monotonic() - seen > 0.5:  # the service's record, twice a second
-                seen = time.monotonic()
-                if {"straggler_replaced", "straggler_kept"} & set(kinds(service.job(job_id))):
-                    break
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(STOP_S)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(RUN_S)
-            cycles += 1
-    except ProcessLookupError:
-        pass
-    finally:
-        if alive(pid):
-            os.kill(pid, signal.SIGCONT)
-    return f"{cycles} stop cycles in {time.monotonic() - began:.1f} s"
+    asked = [0.0]
+
+    def done() -> bool:
+        if not alive(pid):
+            return True
+        if time.monotonic() - asked[0] <= 0.5:  # the service's record, twice a second
+            return False
+        asked[0] = time.monotonic()
+        return bool({"straggler_replaced", "straggler_kept"} & set(kinds(service.job(job_id))))
+
+    return stop_cycles(pid, done)
 
 
 @seeded

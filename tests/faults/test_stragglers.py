@@ -12,9 +12,7 @@ named, or when the run ends.
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -22,12 +20,12 @@ from typing import Any
 
 import pytest
 
+from tests.faults.duty import stop_cycles
 from tests.faults.test_sigstop import worker_pids
 from tests.integration.launch import REPO, Run, torchrun_cmd, worker_env, write_spec
 from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-STOP_S, RUN_S = 0.05, 0.005
 STEPS = 60
 
 
@@ -65,20 +63,7 @@ def duty_cycle(pid: int, out: Path, proc: subprocess.Popen[bytes]) -> str:
     run ends; the process is left running. Says how many cycles ran, over how long."""
     while proc.poll() is None and '"straggler_window"' not in out.read_text():
         time.sleep(0.02)
-    began, cycles = time.monotonic(), 0
-    try:
-        while proc.poll() is None and '"event": "straggler"' not in out.read_text():
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(STOP_S)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(RUN_S)
-            cycles += 1
-    except ProcessLookupError:
-        pass
-    finally:
-        if (Path("/proc") / str(pid)).exists():
-            os.kill(pid, signal.SIGCONT)
-    return f"{cycles} stop cycles in {time.monotonic() - began:.1f} s"
+    return stop_cycles(pid, lambda: proc.poll() is not None or '"event": "straggler"' in out.read_text())
 
 
 @seeded

@@ -6,8 +6,10 @@ incident, and a later crash is a crash again."""
 
 from __future__ import annotations
 
+import pytest
+
 from service.jobs.machine import Launch, Observation, reconcile
-from service.jobs.model import JobState, NodePhase, NodeStatus
+from service.jobs.model import JobState, NodePhase, NodeStatus, RecoveryMode
 from tests.unit.service.jobs.test_incidents import (
     POLICY,
     node_lost,
@@ -36,9 +38,12 @@ def test_a_preempted_node_is_relaunched_at_once_without_using_a_restart() -> Non
     assert relaunched == ["j-n1-a1"], decision.actions
 
 
-def test_a_whole_job_preempted_is_one_incident_that_loses_no_step() -> None:
+@pytest.mark.parametrize("mode", ["restart", "peer"])
+def test_a_whole_job_preempted_is_one_incident_that_loses_no_step(mode: RecoveryMode) -> None:
+    """In peer mode too: no worker reports a peer recovery (none survived), and yet the
+    relaunched group's first step uses no restart."""
     record = run(
-        running_job(),
+        running_job(mode),
         [
             PREEMPTED,
             node_lost(101.5, launch="j-n1-a0", ended_at=101.0),
@@ -51,6 +56,7 @@ def test_a_whole_job_preempted_is_one_incident_that_loses_no_step() -> None:
     (recovery,) = record.recoveries
     assert recovery.kind == "preemption" and set(recovery.lost) == {"j-n0-a0", "j-n1-a0"}
     assert recovery.steps_lost == 0 and record.restarts == 0 and record.state == S.RUNNING
+    assert not recovery.charged, recovery
 
 
 def test_workers_preempted_under_a_living_agent_re_form_without_using_a_restart() -> None:
@@ -111,21 +117,3 @@ def test_in_peer_mode_a_node_that_left_on_request_is_a_preemption_whatever_comes
         record = run(running_job("peer"), steps)
         assert [(r.kind, r.charged) for r in record.recoveries] == [("preemption", False)], record.recoveries
         assert record.restarts == 0 and record.preemptions == 1 and record.peer_incidents == 0
-
-
-def test_in_peer_mode_a_whole_job_preempted_uses_no_restart() -> None:
-    """Every node signalled: rank 0 saves and reports; the nodes end; the relaunched group loads
-    the saved step. No worker reports a peer recovery, and yet no restart is used."""
-    record = run(
-        running_job("peer"),
-        [
-            PREEMPTED,
-            node_lost(101.5, launch="j-n1-a0", ended_at=101.0),
-            node_lost(102.0, launch="j-n0-a0", ended_at=101.2),
-            worker(108.0, "group_formed", group_id="g2", world_size=2),
-            worker(109.0, "state_loaded", step=40),
-            worker(110.0, "first_step", step=41),
-        ],
-    )
-    (recovery,) = record.recoveries
-    assert recovery.kind == "preemption" and not recovery.charged and record.restarts == 0, recovery
