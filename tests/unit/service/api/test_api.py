@@ -286,3 +286,16 @@ def test_a_report_whose_metrics_are_not_numbers_is_refused(client: TestClient) -
     report["context"] = {"metrics": {"loss": True}}
     resp = client.post(f"/v1/jobs/{job['id']}/workers/checkpoints", json=report, headers=AUTH)
     assert error(resp, 422)["field"] == "context.metrics.loss"
+
+
+def test_the_readme_names_every_worker_event_the_service_takes() -> None:
+    """The README's REST table lists what ``POST .../workers/events`` accepts: every kind, once."""
+    from typing import get_args
+
+    from service.jobs.events import WorkerEventKind
+
+    readme = (Path(__file__).resolve().parents[4] / "README.md").read_text(encoding="utf-8")
+    (row,) = [line for line in readme.splitlines() if line.startswith("| `POST /v1/jobs/{id}/workers/")]
+    listed = row.split("`events` takes", 1)[1]
+    missing = [kind for kind in get_args(WorkerEventKind) if f"`{kind}`" not in listed]
+    assert not missing, f"README.md's worker callback row does not name {missing}"
