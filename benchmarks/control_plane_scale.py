@@ -105,11 +105,13 @@ class SimScheduler:
         self.path = directory / "launches.jsonl"
         self.done: set[str] = set()
         self.seen: dict[str, str] = {}
+        self.handles: set[str] = set()
 
     def launch(self, node: Any) -> str:
         handle = f"sim://{node.launch_id}"
         if node.launch_id not in self.seen:
             self.seen[node.launch_id] = handle
+            self.handles.add(handle)
             if node.spec.name == "finished":
                 self.done.add(handle)
             line = {"job": node.job_id, "node": node.node_index, "launch_id": node.launch_id}
@@ -123,7 +125,7 @@ class SimScheduler:
 
         if handle in self.done:
             return NodeStatus("succeeded", 0)
-        return NodeStatus("running" if handle in self.seen.values() else "unknown")
+        return NodeStatus("running" if handle in self.handles else "unknown")
 
     def cancel(self, handle: str) -> None:
         return None
@@ -184,17 +186,34 @@ class Wire:
         await asyncio.gather(*(self._conn() for _ in range(self.connections)))
 
     async def _conn(self) -> None:
-        reader, writer = await asyncio.open_connection(self.parts.hostname, self.parts.port)
+        """One connection, opened at its first request and again whenever the service closed it
+        (an idle keep-alive, a header deadline, ``connection: close``): the request is sent again."""
+        conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         while True:
             raw, done = await self.queue.get()
-            writer.write(raw)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))  # type: ignore[union-attr]
-            await reader.readexactly(length)
-            status = int(head.split(b" ", 2)[1])
-            if status != 200:
-                self.errors[status] = self.errors.get(status, 0) + 1
-            done.set_result(status)
+            for attempt in range(3):
+                if conn is None:
+                    conn = await asyncio.open_connection(self.parts.hostname, self.parts.port)
+                reader, writer = conn
+                try:
+                    writer.write(raw)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))  # type: ignore[union-attr]
+                    await reader.readexactly(length)
+                except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                    writer.close()
+                    conn = None
+                    if attempt == 2:
+                        done.set_exception(exc)  # the caller fails, not hangs
+                    continue
+                if re.search(rb"(?i)connection:\s*close", head):
+                    writer.close()
+                    conn = None
+                status = int(head.split(b" ", 2)[1])
+                if status != 200:
+                    self.errors[status] = self.errors.get(status, 0) + 1
+                done.set_result(status)
+                break
 
 
 @dataclass

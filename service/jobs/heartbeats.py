@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Collection
 
-from service.etcd.kv import read_all
+from service.etcd.kv import FEW, read_all
 from service.jobs import keys
 from service.jobs.writes import LeaderWrites
 
@@ -61,8 +61,8 @@ class Heartbeats:
         out: dict[str, tuple[dict[str, float], dict[str, float]]] = {
             job_id: ({}, dict(self._heard.get(job_id, {}))) for job_id in job_ids
         }
-        if len(out) == 1:  # one job: its own prefix
-            entries = self._writes.store.list_prefix(keys.heartbeats(next(iter(out))))
+        if len(out) <= FEW:  # a few jobs: their own prefixes
+            entries = [e for job_id in out for e in self._writes.store.list_prefix(keys.heartbeats(job_id))]
         else:
             entries = read_all(self._writes.store, keys.HEARTBEATS) if out else []
         for entry in entries:

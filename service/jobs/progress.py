@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from service.etcd.kv import read_all
+from service.etcd.kv import FEW, read_all
 from service.jobs import keys
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.writes import LeaderWrites
@@ -61,7 +61,7 @@ class ProgressBuffer:
     def newest_of(self, job_ids: Collection[str]) -> dict[str, Progress | None]:
         """:meth:`newest` of each of ``job_ids``, from one read of every stored progress (a pass,
         or a page of jobs, reads them once, not once a job); only theirs are decoded."""
-        if len(job_ids) <= 1:
+        if len(job_ids) <= FEW:
             return {job_id: self.newest(job_id) for job_id in job_ids}
         wanted = set(job_ids)
         stored: dict[str, Progress | None] = {}
