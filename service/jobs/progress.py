@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from service.etcd.kv import FEW, read_all
+from service.etcd.kv import FEW, PAGE, Entry
 from service.jobs import keys
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.writes import LeaderWrites
@@ -59,13 +59,24 @@ class ProgressBuffer:
         return self._newer(job_id, _decode(found.value) if found else None)
 
     def newest_of(self, job_ids: Collection[str]) -> dict[str, Progress | None]:
-        """:meth:`newest` of each of ``job_ids``, from one read of every stored progress (a pass,
-        or a page of jobs, reads them once, not once a job); only theirs are decoded."""
+        """:meth:`newest` of each of ``job_ids``: a read each for a few, else one range read from
+        the first id's key to the last's (a pass reads them once, not once a job; a page of jobs
+        reads the page's range, not every job's); only theirs are decoded."""
         if len(job_ids) <= FEW:
             return {job_id: self.newest(job_id) for job_id in job_ids}
         wanted = set(job_ids)
         stored: dict[str, Progress | None] = {}
-        for entry in read_all(self._writes.store, keys.PROGRESS):
+        first, last = keys.progress(min(wanted)), keys.progress(max(wanted))
+        found = self._writes.store.get(first)
+        entries = [Entry(first, found.value, found.mod_revision)] if found is not None else []
+        after = first
+        while True:
+            batch = self._writes.store.list_prefix(keys.PROGRESS, start_after=after, limit=PAGE)
+            entries += [entry for entry in batch if entry.key <= last]
+            if len(batch) < PAGE or batch[-1].key >= last:
+                break
+            after = batch[-1].key
+        for entry in entries:
             job_id = entry.key[len(keys.PROGRESS) :]
             if job_id in wanted:
                 stored[job_id] = _decode(entry.value)
