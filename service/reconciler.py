@@ -151,6 +151,9 @@ class Reconciler:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._adopted_term: int | None = None
+        self._led_since: float | None = None
+        """When this instance last took over (its first pass as leader after one as a standby, or
+        since it started): see ``Observation.led_since``."""
         self._adopted_at = float("-inf")
         self.budget = parts.budget
         self._sweep_again: dict[str, float] = {}
@@ -176,6 +179,7 @@ class Reconciler:
         self.metrics.is_leader.set(1 if fence else 0)
         if fence is None:
             self._passed_at = self.clock()  # a standby's pass is complete: it has nothing to do
+            self._adopted_term = None
             return False
         listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
         records = [record for record, _ in listed]
@@ -185,6 +189,8 @@ class Reconciler:
         grants = {} if self.slots is None else grant_all(records, slots=self.slots, now=self.clock())
         if self._adopted_term != fence.lease_id:
             self._adopt_storage(records)  # finished jobs too, once per leadership term
+            if self._adopted_term is None:  # beats may have gone to another leader, or to none
+                self._led_since = self.clock()
             self._adopted_term = fence.lease_id
             only = None  # a new term's first pass is a full one
         elif only is None and self.clock() - self._adopted_at >= ADOPT_EVERY_S:
@@ -453,6 +459,7 @@ class Reconciler:
             last_seen=last_seen,
             last_heard=last_heard,
             progress_at=progress.time if progress is not None else None,
+            led_since=self._led_since,
         )
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:

@@ -53,6 +53,8 @@ from worker.etcdclient import Credentials, EtcdClient, EtcdEndpoint, EtcdUnavail
 log = logging.getLogger("elastrain.server")
 TOKEN_FILE_NAME = "api-token"
 ROOT_PASSWORD_FILE = "etcd-root-password"
+WRITE_BEHIND_S = 0.5
+"""How long heartbeats and progress reports gather before they go to etcd in one transaction."""
 
 
 def resolve_api_token(settings: Settings) -> tuple[str, str]:
@@ -235,6 +237,8 @@ def build_app(
         object_storage=storage,
         fence_source=lambda: leader_fence(election, wait_s=2 * settings.reconcile_interval_s + 1),
         on_fence_refused=metrics.fenced_refusals.inc,
+        write_behind_s=WRITE_BEHIND_S,
+        on_write_dropped=metrics.write_behind_dropped.inc,
         on_job_write=job_written,
         heartbeat_write_s=settings.heartbeat_timeout_s / 4,
         merge_window_s=policy.merge_window_s,

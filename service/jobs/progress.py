@@ -1,6 +1,7 @@
 """The newest training progress of each job: held by this instance, written to etcd at most
 every ``flush_s`` per job (a worker reports every 2 s; each etcd write is a WAL fsync on the
-machine that trains), at once while the job recovers or rescales, and when it ends. Reads see
+machine that trains), each report while the job recovers or rescales, and when it ends; the
+server batches these writes with the heartbeats' (:mod:`service.jobs.writebehind`). Reads see
 the newest report, held or stored."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 from service.etcd.kv import FEW, PAGE, Entry
 from service.jobs import keys
 from service.jobs.model import JobRecord, JobState, Progress
+from service.jobs.writebehind import WriteBehind
 from service.jobs.writes import LeaderWrites
 
 
@@ -34,8 +36,10 @@ class ProgressBuffer:
         flush_s: float = 5.0,
         on_change: Callable[[str], None] = lambda job_id: None,
         clock: Callable[[], float] = time.time,
+        behind: WriteBehind | None = None,
     ) -> None:
         self._writes = writes
+        self._behind = behind if behind is not None else WriteBehind(writes)
         self._flush_s = flush_s
         self._on_change = on_change
         self._clock = clock
@@ -47,7 +51,7 @@ class ProgressBuffer:
         held = self._held.get(job.id)
         now = self._clock()
         if recovering or held is None or now - held.written_at >= self._flush_s:
-            self._writes.put(keys.progress(job.id), progress.model_dump_json().encode())
+            self._behind.put(keys.progress(job.id), progress.model_dump_json().encode())
             self._held[job.id] = _Held(progress, written=True, written_at=now)
         else:
             self._held[job.id] = _Held(progress, written=False, written_at=held.written_at)
@@ -92,7 +96,8 @@ class ProgressBuffer:
         """Write the newest held progress if etcd lacks it, and forget it (the job finished)."""
         held = self._held.pop(job_id, None)
         if held is not None and not held.written:
-            self._writes.put(keys.progress(job_id), held.progress.model_dump_json().encode())
+            self._behind.put(keys.progress(job_id), held.progress.model_dump_json().encode())
+        self._behind.flush()
 
 
 def _decode(raw: bytes) -> Progress | None:
