@@ -170,6 +170,7 @@ class Wire:
         self.queue: asyncio.Queue[tuple[bytes, asyncio.Future[int]]] = asyncio.Queue()
         self.connections = connections
         self.errors: dict[int, int] = {}
+        self.sent = 0
 
     def request(self, method: str, path: str, token: str, body: bytes = b"") -> bytes:
         head = f"{method} {path} HTTP/1.1\r\nHost: {self.parts.netloc}\r\nAuthorization: Bearer {token}\r\n"
@@ -179,6 +180,7 @@ class Wire:
 
     async def send(self, raw: bytes) -> int:
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.sent += 1
         await self.queue.put((raw, done))
         return await done
 
@@ -347,8 +349,10 @@ async def drive(
     players = [asyncio.create_task(play(wire, r, stop, t0=t0, checkpoint_s=args.checkpoint_s)) for r in ranks]
     await asyncio.sleep(args.warmup)
     first = await asyncio.to_thread(sample, url, etcd, pids)
+    first |= {"load_cpu": time.process_time(), "sent": wire.sent + probes.sent}
     lat = await probe(probes, token, jobs, stop, args.probe_rate)
     last = await asyncio.to_thread(sample, url, etcd, pids)
+    last |= {"load_cpu": time.process_time(), "sent": wire.sent + probes.sent}
     await asyncio.gather(*players)
     for runner in runners:
         runner.cancel()
@@ -375,6 +379,11 @@ def report(label: str, jobs: int, out: dict[str, Any], submits: float | None, re
     print(
         f"  p99: GET /v1/jobs/{{id}} {1e3 * p99(lat['job']):.1f} ms, GET /v1/jobs?limit=50 "
         f"{1e3 * p99(lat['page']):.1f} ms ({len(lat['job'])} each)"
+    )
+    sent, load = b["sent"] - a["sent"], b["load_cpu"] - a["load_cpu"]
+    print(
+        f"  load generator: {sent / span:.0f} requests/s, {load / span:.2f} cores, "
+        f"{1e3 * load / max(sent, 1):.3f} ms CPU a request"
     )
     if submits is not None:
         print(f"  submits: {submits:.1f}/s")
@@ -418,7 +427,9 @@ def main() -> int:
     parser.add_argument(
         "--retained-revisions", type=float, default=10_000, help="the embedded etcd's compaction retention"
     )
-    parser.add_argument("--quick", action="store_true", help="5 and 20 jobs, 5 s each (make bench)")
+    parser.add_argument(
+        "--quick", action="store_true", help="5 and 20 jobs, 5 s each, a full pass a second (make bench)"
+    )
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -426,6 +437,8 @@ def main() -> int:
         return serve(args.serve, args.data_dir)
     if args.quick:
         args.jobs, args.seconds, args.warmup, args.checkpoint_s = [5, 20], 5.0, 2.0, 5.0
+        # a full pass a second (not every 5 s), so that 5 s hold enough passes to time
+        os.environ["ELASTRAIN_RECONCILE_IDLE_INTERVAL_S"] = "1"
     passes = [(n, one_run(args, n, 0, "playing")) for n in args.jobs]
     ratios = []
     for small, large in itertools.pairwise(passes):
