@@ -39,6 +39,12 @@ class Heartbeats:
         """Per job, per (launch id, local rank): the newest beat this instance took."""
         self._pruned_at = -math.inf
 
+    @property
+    def deferred(self) -> bool:
+        """Whether a beat is written behind (no etcd I/O in :meth:`beat`, the leader's fence
+        check aside)."""
+        return self._behind.deferred
+
     def beat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
         """A rank is alive: written to etcd when its stored beat is older than ``write_every_s``."""
         now = self._clock()

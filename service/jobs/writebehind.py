@@ -50,6 +50,11 @@ class WriteBehind:
         self._due = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def deferred(self) -> bool:
+        """Whether values wait for a batch (else each is written at once)."""
+        return self._delay_s is not None
+
     def put(self, key: str, value: bytes) -> None:
         """Write ``value`` within ``delay_s`` (at once without one). NotLeaderError on a standby."""
         if self._delay_s is None:
