@@ -124,6 +124,12 @@ class Metrics:
             "Writes etcd refused because this instance's leader fence no longer held (a stale leader)",
             registry=r,
         )
+        self.write_behind_dropped = Counter(
+            "elastrain_write_behind_dropped_total",
+            "Heartbeats and progress reports held for a batched write that etcd refused or could "
+            "not take (the next beat or report supersedes them)",
+            registry=r,
+        )
         self.etcd_requests = Counter(
             "elastrain_etcd_requests_total", "Round trips to the state store", ["op", "outcome"], registry=r
         )

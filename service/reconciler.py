@@ -118,6 +118,7 @@ class Reconciler:
         kv: KvGateway | None = None,
         clock: Callable[[], float] = time.time,
         slots: int | None = None,
+        written: set[str] | None = None,
     ) -> None:
         self.jobs = parts.records
         self.progress = parts.progress
@@ -133,6 +134,11 @@ class Reconciler:
         self.busy = True
         """Whether the last pass saw a job in motion (not RUNNING or terminal) or acted."""
         self._wake = wake or threading.Event()
+        self._written = written if written is not None else set()
+        """Jobs written since the loop last looked (the writers add to it and set ``wake``)."""
+        self._full_now = False
+        self._grants: dict[str, Grant] = {}
+        """The queue's grants of the last pass (a woken pass reconciles a job whose grant moved)."""
         """Set to run the next pass now (the server sets it on every job write)."""
         self.storage = storage
         """Reconciles the checkpoint registry with storage (None: no checkpoint duties)."""
@@ -145,6 +151,9 @@ class Reconciler:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._adopted_term: int | None = None
+        self._led_since: float | None = None
+        """When this instance last took over (its first pass as leader after one as a standby, or
+        since it started): see ``Observation.led_since``."""
         self._adopted_at = float("-inf")
         self.budget = parts.budget
         self._sweep_again: dict[str, float] = {}
@@ -160,13 +169,17 @@ class Reconciler:
 
     # ------------------------------------------------------------------ loop
 
-    def run_once(self) -> bool:
-        """One pass; False when this instance is not the leader."""
+    def run_once(self, only: set[str] | None = None) -> bool:
+        """One pass; False when this instance is not the leader. ``only``: a woken pass, which
+        reconciles the jobs written since the last pass and those :func:`woken_pass_takes`; the
+        others wait for the next full pass (every ``interval_s``, or ``idle_interval_s`` while all
+        are steadily RUNNING), so a write costs a pass no more than the listing and its own job."""
         started = time.perf_counter()
         fence = self.election.campaign()
         self.metrics.is_leader.set(1 if fence else 0)
         if fence is None:
             self._passed_at = self.clock()  # a standby's pass is complete: it has nothing to do
+            self._adopted_term = None
             return False
         listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
         records = [record for record, _ in listed]
@@ -176,8 +189,11 @@ class Reconciler:
         grants = {} if self.slots is None else grant_all(records, slots=self.slots, now=self.clock())
         if self._adopted_term != fence.lease_id:
             self._adopt_storage(records)  # finished jobs too, once per leadership term
+            if self._adopted_term is None:  # beats may have gone to another leader, or to none
+                self._led_since = self.clock()
             self._adopted_term = fence.lease_id
-        elif self.clock() - self._adopted_at >= ADOPT_EVERY_S:
+            only = None  # a new term's first pass is a full one
+        elif only is None and self.clock() - self._adopted_at >= ADOPT_EVERY_S:
             # Workers under the service publish through it; this catches what a crash left behind.
             # A job that has not started has no workers: a queue of any length costs nothing here.
             self._adopt_storage([r for r in records if not r.state.terminal and r.state not in waits])
@@ -187,6 +203,9 @@ class Reconciler:
             for r, rev in listed
             if (not r.state.terminal or _stopping(r)) and not still_waiting(r, grants.get(r.id))
         ]
+        if only is not None:
+            live = [(r, rev) for r, rev in live if woken_pass_takes(r, only, grants, self._grants)]
+        self._grants = grants
         ids = [record.id for record, _ in live]
         progress, beats = self.progress.newest_of(ids), self.heartbeats.seen_of(ids)
         for record, revision in live:
@@ -208,6 +227,8 @@ class Reconciler:
             else:
                 self._failing.pop(record.id, None)
         self._sweep(fence)
+        if only is not None:
+            return True  # the full passes are the ones timed and counted
         self.metrics.observe_jobs(records)
         self.metrics.passes.inc()
         self._passed_at = self.clock()
@@ -257,24 +278,38 @@ class Reconciler:
                 log.warning("could not resign leadership: %s", exc)
 
     def wake(self) -> None:
-        """Run the next pass now (a job was written: a submit, scale, cancel or worker event)."""
+        """Run a full pass now."""
+        self._full_now = True
         self._wake.set()
 
     def _loop(self) -> None:
-        """Passes every ``interval_s`` while a job is in motion; every ``idle_interval_s`` while all
-        are steadily RUNNING (each pass wakes the machine's cores: on a node shared with
-        training that costs more than its CPU time), and at once after a job write."""
+        """Full passes every ``interval_s`` while a job is in motion; every ``idle_interval_s``
+        while all are steadily RUNNING (each pass wakes the machine's cores: on a node shared with
+        training that costs more than its CPU time); and a woken pass at once after a job write
+        (see :meth:`run_once`): with many jobs, writes come in proportion to their number, and a
+        full pass per write would cost the square of it."""
+        full_at = 0.0
         while not self._stop.is_set():
-            try:
-                self.run_once()
-            except EtcdUnavailableError as exc:
-                self.metrics.pass_errors.labels("store_unavailable").inc()
-                log.warning("etcd unavailable: %s", exc)
-            except Exception:
-                self.metrics.pass_errors.labels("unexpected").inc()
-                log.exception("reconciler pass failed")
-            self._wake.wait(self.interval_s if self.busy else self.idle_interval_s)
             self._wake.clear()
+            written = set()
+            while self._written:
+                written.add(self._written.pop())
+            full, self._full_now = self._full_now or time.monotonic() >= full_at, False
+            if full or written:
+                self._pass(None if full else written)
+                due = time.monotonic() + (self.interval_s if self.busy else self.idle_interval_s)
+                full_at = due if full else min(full_at, due)
+            self._wake.wait(max(0.0, full_at - time.monotonic()))
+
+    def _pass(self, only: set[str] | None) -> None:
+        try:
+            self.run_once(only)
+        except EtcdUnavailableError as exc:
+            self.metrics.pass_errors.labels("store_unavailable").inc()
+            log.warning("etcd unavailable: %s", exc)
+        except Exception:
+            self.metrics.pass_errors.labels("unexpected").inc()
+            log.exception("reconciler pass failed")
 
     def _keepalive(self) -> None:
         period = max(0.5, self.election.ttl_s / 3)
@@ -424,6 +459,7 @@ class Reconciler:
             last_seen=last_seen,
             last_heard=last_heard,
             progress_at=progress.time if progress is not None else None,
+            led_since=self._led_since,
         )
 
     def _launch(self, record: JobRecord, node: NodeRecord, fence: Fence) -> None:
@@ -491,3 +527,17 @@ class Reconciler:
             self.metrics.cancels.inc()
         except Exception as exc:
             log.warning("cancel of %s failed (retried next pass if still running): %s", node.handle, exc)
+
+
+def woken_pass_takes(
+    record: JobRecord, written: set[str], grants: Mapping[str, Grant], before: Mapping[str, Grant]
+) -> bool:
+    """Whether a woken pass reconciles this live job: it was written, it is not steadily RUNNING
+    (it starts, waits, recovers, rescales or stops: a write may have freed what it waits for), or
+    the queue's grant moved since the last pass. A steadily running job's nodes and heartbeats are
+    the full pass's to look at. Pure."""
+    return (
+        record.id in written
+        or record.state != JobState.RUNNING
+        or grants.get(record.id) != before.get(record.id)
+    )

@@ -53,6 +53,8 @@ from worker.etcdclient import Credentials, EtcdClient, EtcdEndpoint, EtcdUnavail
 log = logging.getLogger("elastrain.server")
 TOKEN_FILE_NAME = "api-token"
 ROOT_PASSWORD_FILE = "etcd-root-password"
+WRITE_BEHIND_S = 0.5
+"""How long heartbeats and progress reports gather before they go to etcd in one transaction."""
 
 
 def resolve_api_token(settings: Settings) -> tuple[str, str]:
@@ -216,7 +218,13 @@ def build_app(
     election = LeaderElection(
         store, holder_id(settings), ttl_s=settings.leader_ttl_s, address=settings.instance_address
     )
-    wake = threading.Event()  # any write of a job wakes the reconciler at once
+    wake = threading.Event()  # any write of a job wakes the reconciler at once, for that job
+    written: set[str] = set()
+
+    def job_written(job_id: str) -> None:
+        written.add(job_id)
+        wake.set()
+
     secret = ensure_worker_secret(store)
     policy = Policy(
         heartbeat_timeout_s=settings.heartbeat_timeout_s, startup_timeout_s=settings.startup_timeout_s
@@ -229,7 +237,9 @@ def build_app(
         object_storage=storage,
         fence_source=lambda: leader_fence(election, wait_s=2 * settings.reconcile_interval_s + 1),
         on_fence_refused=metrics.fenced_refusals.inc,
-        on_job_write=lambda job_id: wake.set(),
+        write_behind_s=WRITE_BEHIND_S,
+        on_write_dropped=metrics.write_behind_dropped.inc,
+        on_job_write=job_written,
         heartbeat_write_s=settings.heartbeat_timeout_s / 4,
         merge_window_s=policy.merge_window_s,
     )
@@ -244,6 +254,7 @@ def build_app(
             storage_env=launch_storage_env(storage, kubernetes=settings.scheduler == "kubernetes"),
         ),
         wake=wake,
+        written=written,
         metrics=metrics,
         policy=policy,
         interval_s=settings.reconcile_interval_s,

@@ -114,6 +114,8 @@ def delete_if(store: KVStore, key: str, expected: int, *, fence: Fence | None = 
 
 PAGE = 1000
 """Keys per range read of :func:`read_all` (bounds one answer's size)."""
+FEW = 8
+"""Up to this many jobs' keys are read one job's prefix at a time; more, in one :func:`read_all`."""
 
 
 def read_all(store: KVStore, prefix: str, *, page: int = PAGE, keys_only: bool = False) -> list[Entry]:

@@ -1,9 +1,10 @@
 """Ranks' heartbeats: each rank beats every few seconds; a beat reaches etcd when the stored one
 is older than ``write_every_s`` (the server sets a quarter of the reconciler's heartbeat timeout,
 so a live rank is never seen as silent, and each etcd write is a WAL fsync on the training
-machine). The reconciler reads, per launch, the oldest of its ranks' newest beats (is the node
-silent?) and the newest beat of any rank (its last sign of life, which this instance holds
-for every beat it took, written or not: a lost node's recovery is timed from it)."""
+machine; the server batches these writes, :mod:`service.jobs.writebehind`). The reconciler
+reads, per launch, the oldest of its ranks' newest beats (is the node silent?) and the newest
+beat of any rank (its last sign of life, which this instance holds for every beat it took,
+written or not: a lost node's recovery is timed from it)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,23 @@ import math
 import time
 from collections.abc import Callable, Collection
 
-from service.etcd.kv import read_all
+from service.etcd.kv import FEW, read_all
 from service.jobs import keys
+from service.jobs.writebehind import WriteBehind
 from service.jobs.writes import LeaderWrites
 
 
 class Heartbeats:
     def __init__(
-        self, writes: LeaderWrites, *, write_every_s: float = 15.0, clock: Callable[[], float] = time.time
+        self,
+        writes: LeaderWrites,
+        *,
+        write_every_s: float = 15.0,
+        clock: Callable[[], float] = time.time,
+        behind: WriteBehind | None = None,
     ) -> None:
         self._writes = writes
+        self._behind = behind if behind is not None else WriteBehind(writes)
         self._write_every_s = write_every_s
         self._clock = clock
         self._written: dict[str, float] = {}
@@ -30,6 +38,12 @@ class Heartbeats:
         self._ranks: dict[str, dict[tuple[str, int], float]] = {}
         """Per job, per (launch id, local rank): the newest beat this instance took."""
         self._pruned_at = -math.inf
+
+    @property
+    def deferred(self) -> bool:
+        """Whether a beat is written behind (no etcd I/O in :meth:`beat`, the leader's fence
+        check aside)."""
+        return self._behind.deferred
 
     def beat(self, job_id: str, launch_id: str, local_rank: int, step: int | None) -> None:
         """A rank is alive: written to etcd when its stored beat is older than ``write_every_s``."""
@@ -40,7 +54,7 @@ class Heartbeats:
         if now - self._written.get(key, -math.inf) < self._write_every_s:
             return
         value = f'{{"time": {now!r}, "step": {step if step is not None else "null"}}}'
-        self._writes.put(key, value.encode())
+        self._behind.put(key, value.encode())
         if now - self._pruned_at >= 4 * self._write_every_s:  # forget ranks of ended launches
             self._written = {k: t for k, t in self._written.items() if now - t < 4 * self._write_every_s}
             self._pruned_at = now
@@ -61,8 +75,8 @@ class Heartbeats:
         out: dict[str, tuple[dict[str, float], dict[str, float]]] = {
             job_id: ({}, dict(self._heard.get(job_id, {}))) for job_id in job_ids
         }
-        if len(out) == 1:  # one job: its own prefix
-            entries = self._writes.store.list_prefix(keys.heartbeats(next(iter(out))))
+        if len(out) <= FEW:  # a few jobs: their own prefixes
+            entries = [e for job_id in out for e in self._writes.store.list_prefix(keys.heartbeats(job_id))]
         else:
             entries = read_all(self._writes.store, keys.HEARTBEATS) if out else []
         for entry in entries:
@@ -101,3 +115,4 @@ class Heartbeats:
         """The job ended: drop what this instance holds of its beats."""
         self._heard.pop(job_id, None)
         self._ranks.pop(job_id, None)
+        self._behind.drop(keys.heartbeats(job_id))

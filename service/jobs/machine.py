@@ -70,6 +70,10 @@ class Observation:
     grant: Grant | None = None
     """The local scheduler's queue: how many nodes the job may have active now
     (:func:`service.jobs.queue.place`); None: no limit (the cluster's scheduler decides)."""
+    led_since: float | None = None
+    """When this leader took over: a node that beat before counts as seen then at the latest, so a
+    new leader declares no node silent for beats that went to its predecessor and were not yet
+    stored, or to no leader during the change (one heartbeat timeout of grace)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +243,8 @@ def _silent(
     if job.state.terminal or (seen is None and scheduler_says_running):
         return False
     baseline = max(seen or 0.0, node.launched_at or 0.0, job.state_since)
+    if seen is not None and obs.led_since is not None:
+        baseline = max(baseline, obs.led_since)
     running = job.state == S.RUNNING and seen is not None
     limit = policy.heartbeat_timeout_s if running else policy.startup_timeout_s
     return obs.now - baseline > limit

@@ -17,6 +17,7 @@ from service.jobs.heartbeats import Heartbeats
 from service.jobs.objectstore import ObjectStorage
 from service.jobs.progress import ProgressBuffer
 from service.jobs.service import JobService
+from service.jobs.writebehind import WriteBehind
 from service.jobs.writes import LeaderWrites
 
 VIEW_CACHE_S = 0.5
@@ -50,16 +51,23 @@ class JobParts:
         merge_window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.time,
         object_storage: ObjectStorage | None = None,
+        write_behind_s: float | None = None,
+        on_write_dropped: Callable[[int], None] = lambda count: None,
     ) -> JobParts:
         """``fence_source``: this instance's leader fence (None while it does not lead; leave it
         out for unfenced writes); ``on_job_write``: hears of every write of a job record (the
         server wakes the reconciler); ``merge_window_s``: how long a completed incident takes
         late reports of it (two heartbeat timeouts); ``object_storage``: the service's access to
-        S3 (None: a job's ``s3://`` location is refused at submit)."""
+        S3 (None: a job's ``s3://`` location is refused at submit); ``write_behind_s``: heartbeats
+        and progress gather this long and go to etcd together (None: each at once; see
+        :mod:`service.jobs.writebehind`), ``on_write_dropped`` hears how many a failed batch lost."""
         views = TTLCache[bytes](VIEW_CACHE_S)
         writes = LeaderWrites(store, fence_source=fence_source, on_refused=on_fence_refused)
-        progress = ProgressBuffer(writes, flush_s=progress_flush_s, on_change=views.drop, clock=clock)
-        heartbeats = Heartbeats(writes, write_every_s=heartbeat_write_s, clock=clock)
+        behind = WriteBehind(writes, delay_s=write_behind_s, on_dropped=on_write_dropped)
+        progress = ProgressBuffer(
+            writes, flush_s=progress_flush_s, on_change=views.drop, clock=clock, behind=behind
+        )
+        heartbeats = Heartbeats(writes, write_every_s=heartbeat_write_s, clock=clock, behind=behind)
         records = JobService(
             writes,
             storage_root=storage_root,

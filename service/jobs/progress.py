@@ -1,6 +1,7 @@
 """The newest training progress of each job: held by this instance, written to etcd at most
 every ``flush_s`` per job (a worker reports every 2 s; each etcd write is a WAL fsync on the
-machine that trains), at once while the job recovers or rescales, and when it ends. Reads see
+machine that trains), each report while the job recovers or rescales, and when it ends; the
+server batches these writes with the heartbeats' (:mod:`service.jobs.writebehind`). Reads see
 the newest report, held or stored."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from service.etcd.kv import read_all
+from service.etcd.kv import FEW, PAGE, Entry
 from service.jobs import keys
 from service.jobs.model import JobRecord, JobState, Progress
+from service.jobs.writebehind import WriteBehind
 from service.jobs.writes import LeaderWrites
 
 
@@ -34,8 +36,10 @@ class ProgressBuffer:
         flush_s: float = 5.0,
         on_change: Callable[[str], None] = lambda job_id: None,
         clock: Callable[[], float] = time.time,
+        behind: WriteBehind | None = None,
     ) -> None:
         self._writes = writes
+        self._behind = behind if behind is not None else WriteBehind(writes)
         self._flush_s = flush_s
         self._on_change = on_change
         self._clock = clock
@@ -47,7 +51,7 @@ class ProgressBuffer:
         held = self._held.get(job.id)
         now = self._clock()
         if recovering or held is None or now - held.written_at >= self._flush_s:
-            self._writes.put(keys.progress(job.id), progress.model_dump_json().encode())
+            self._behind.put(keys.progress(job.id), progress.model_dump_json().encode())
             self._held[job.id] = _Held(progress, written=True, written_at=now)
         else:
             self._held[job.id] = _Held(progress, written=False, written_at=held.written_at)
@@ -59,13 +63,24 @@ class ProgressBuffer:
         return self._newer(job_id, _decode(found.value) if found else None)
 
     def newest_of(self, job_ids: Collection[str]) -> dict[str, Progress | None]:
-        """:meth:`newest` of each of ``job_ids``, from one read of every stored progress (a pass,
-        or a page of jobs, reads them once, not once a job); only theirs are decoded."""
-        if len(job_ids) <= 1:
+        """:meth:`newest` of each of ``job_ids``: a read each for a few, else one range read from
+        the first id's key to the last's (a pass reads them once, not once a job; a page of jobs
+        reads the page's range, not every job's); only theirs are decoded."""
+        if len(job_ids) <= FEW:
             return {job_id: self.newest(job_id) for job_id in job_ids}
         wanted = set(job_ids)
         stored: dict[str, Progress | None] = {}
-        for entry in read_all(self._writes.store, keys.PROGRESS):
+        first, last = keys.progress(min(wanted)), keys.progress(max(wanted))
+        found = self._writes.store.get(first)
+        entries = [Entry(first, found.value, found.mod_revision)] if found is not None else []
+        after = first
+        while True:
+            batch = self._writes.store.list_prefix(keys.PROGRESS, start_after=after, limit=PAGE)
+            entries += [entry for entry in batch if entry.key <= last]
+            if len(batch) < PAGE or batch[-1].key >= last:
+                break
+            after = batch[-1].key
+        for entry in entries:
             job_id = entry.key[len(keys.PROGRESS) :]
             if job_id in wanted:
                 stored[job_id] = _decode(entry.value)
@@ -81,7 +96,8 @@ class ProgressBuffer:
         """Write the newest held progress if etcd lacks it, and forget it (the job finished)."""
         held = self._held.pop(job_id, None)
         if held is not None and not held.written:
-            self._writes.put(keys.progress(job_id), held.progress.model_dump_json().encode())
+            self._behind.put(keys.progress(job_id), held.progress.model_dump_json().encode())
+        self._behind.flush()
 
 
 def _decode(raw: bytes) -> Progress | None:

@@ -146,6 +146,10 @@ class JobService:
         self._recent.drop(job_id)
         self._on_change(job_id)
 
+    def cached_recent(self, job_id: str) -> JobRecord | None:
+        """What :meth:`get_recent` holds of the job now (None: it would read etcd)."""
+        return self._recent.get(job_id)
+
     def get_recent(self, job_id: str) -> JobRecord:
         """The job record, read from etcd at most every ``record_cache_s`` (for the workers'
         frequent callbacks: each etcd read wakes the cores that training shares)."""

@@ -27,7 +27,7 @@ from service.checkpoints.results import CheckpointOutcome, ResumeAnswer
 from service.checkpoints.service import Checkpoints
 from service.jobs.callbacks import check_event, check_node, check_open, check_step, check_world_size
 from service.jobs.errors import OverBudgetError
-from service.jobs.model import JobRecord, Progress
+from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.tokens import hash_token
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["workers"])
@@ -36,11 +36,20 @@ _READ = error_responses(401, 403, 404, 422, 503)
 _WRITE = error_responses(400, 401, 403, 404, 409, 422, 503)
 
 
-def _job(ctx: Context, job_id: str, principal: str, request: Request, *, recent: bool = False) -> JobRecord:
+def _job(
+    ctx: Context,
+    job_id: str,
+    principal: str,
+    request: Request,
+    *,
+    recent: bool = False,
+    known: JobRecord | None = None,
+) -> JobRecord:
     """The job, and the caller may act on it. ``recent``: a record up to ~2 s old will do (the
-    frequent heartbeats and progress reports; this instance's own writes are seen at once). A
-    worker token stops working when the job ends (409)."""
-    record = ctx.jobs.get_recent(job_id) if recent else ctx.jobs.get(job_id)
+    frequent heartbeats and progress reports; this instance's own writes are seen at once);
+    ``known``: that record, already in hand. A worker token stops working when the job ends
+    (409)."""
+    record = known if known is not None else ctx.jobs.get_recent(job_id) if recent else ctx.jobs.get(job_id)
     token = bearer(request.headers.get("authorization")) or ""
     if principal == "worker" and hash_token(token) != record.worker_token_hash:
         raise ApiError(403, "forbidden", f"this worker token does not belong to job {job_id!r}")
@@ -81,12 +90,33 @@ def _ack(record: JobRecord) -> Ack:
     return Ack(state=record.state, cancel_requested=record.cancel_requested)
 
 
+def _in_hand(ctx: Context, job_id: str) -> JobRecord | None:
+    """The job's record when a heartbeat or progress report needs no I/O, so it is taken on the
+    event loop: this instance leads, writes them behind (:mod:`service.jobs.writebehind`), holds
+    the record (``_job``'s ``recent``), and the job is not recovering or rescaling (a report may
+    end that: a write). Else None: a worker thread takes it. With thousands of ranks a thread per
+    callback would take the interpreter lock from the reconciler's thread in turns with dozens."""
+    record = ctx.jobs.cached_recent(job_id)
+    if record is None or not ctx.leader() or not ctx.heartbeats.deferred:
+        return None
+    return None if record.state in (JobState.RECOVERING, JobState.RESCALING) else record
+
+
 @router.post("/workers/heartbeat", response_model=Ack, responses=_WRITE)
-def heartbeat(
+async def heartbeat(
     job_id: str, body: HeartbeatRequest, auth: WorkerAuth, ctx: ContextDep, request: Request
 ) -> Ack:
     """A rank is alive. The answer says whether the job is being cancelled."""
-    record = _job(ctx, job_id, auth, request, recent=True)
+    known = _in_hand(ctx, job_id)
+    if known is not None:
+        return _heartbeat(ctx, job_id, body, auth, request, known)
+    return await run_in_threadpool(_heartbeat, ctx, job_id, body, auth, request, None)
+
+
+def _heartbeat(
+    ctx: Context, job_id: str, body: HeartbeatRequest, auth: str, request: Request, known: JobRecord | None
+) -> Ack:
+    record = _job(ctx, job_id, auth, request, recent=True, known=known)
     check_node(record, body.launch_id, body.local_rank)
     _write(ctx, auth, record, _size(request))
     ctx.heartbeats.beat(job_id, body.launch_id, body.local_rank, body.step)
@@ -94,9 +124,20 @@ def heartbeat(
 
 
 @router.post("/workers/progress", response_model=Ack, responses=_WRITE)
-def progress(job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextDep, request: Request) -> Ack:
+async def progress(
+    job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextDep, request: Request
+) -> Ack:
     """Newest training progress (rank 0): step, samples seen, samples/s, loss, world size."""
-    record = _job(ctx, job_id, auth, request, recent=True)
+    known = _in_hand(ctx, job_id)
+    if known is not None:
+        return _progress(ctx, job_id, body, auth, request, known)
+    return await run_in_threadpool(_progress, ctx, job_id, body, auth, request, None)
+
+
+def _progress(
+    ctx: Context, job_id: str, body: ProgressRequest, auth: str, request: Request, known: JobRecord | None
+) -> Ack:
+    record = _job(ctx, job_id, auth, request, recent=True, known=known)
     check_world_size(record, body.world_size)
     _write(ctx, auth, record, _size(request))
     report = Progress(**body.model_dump(), time=ctx.jobs.clock())

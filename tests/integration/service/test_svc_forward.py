@@ -54,8 +54,11 @@ def test_a_standby_forwards_writes_to_the_leader(tmp_path: Path) -> None:
                     headers=worker,
                 )
                 assert beat.status_code == 200 and beat.json()["cancel_requested"] is False, beat.text
-                stored = EtcdStore([etcd.endpoint]).get(keys.heartbeat(job, launch, 0))
-                assert stored is not None and b'"step": 3' in stored.value
+                # the leader took it: it reaches etcd with the leader's next batch of beats
+                stored = wait_for(
+                    lambda: EtcdStore([etcd.endpoint]).get(keys.heartbeat(job, launch, 0)), what="the beat"
+                )
+                assert b'"step": 3' in stored.value
 
                 assert on_b.get(f"/v1/jobs/{job}").json()["desired_nodes"] == 1  # b caches its view
                 scaled = on_b.post(f"/v1/jobs/{job}/scale", json={"nodes": 2})

@@ -121,6 +121,17 @@ def test_silent_node_is_lost_cancelled_and_replaced() -> None:
     assert decision.job.state == S.RECOVERING
 
 
+def test_a_new_leader_gives_a_silent_node_one_heartbeat_timeout_from_its_takeover() -> None:
+    record = launched(job())
+    seen = {"j-1-n0-a0": 100.0, "j-1-n1-a0": 10.0}  # n1's newer beats went to the old leader
+    policy = Policy(heartbeat_timeout_s=60)
+    early = Observation(now=100.0, statuses=running(record), last_seen=seen, led_since=90.0)
+    assert reconcile(record, early, policy).job.state == S.RUNNING
+    late = Observation(now=151.0, statuses=running(record), last_seen=seen, led_since=90.0)
+    lost = [n.launch_id for n in reconcile(record, late, policy).job.nodes if n.phase == NodePhase.LOST]
+    assert lost == ["j-1-n1-a0"]
+
+
 def test_running_node_without_heartbeats_is_trusted_to_the_scheduler() -> None:
     record = launched(job())
     decision = reconcile(record, Observation(now=10_000.0, statuses=running(record)))

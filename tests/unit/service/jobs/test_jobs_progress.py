@@ -12,6 +12,7 @@ from service.etcd.memory import MemoryStore
 from service.jobs import keys
 from service.jobs.model import JobState, Progress
 from service.jobs.parts import JobParts
+from service.jobs.progress import ProgressBuffer
 from tests.specs import raw_spec
 from worker.jobspec.spec import parse_spec
 
@@ -130,3 +131,21 @@ def test_many_jobs_read_at_once_see_what_each_read_alone_sees(tmp_path: Path) ->
     assert parts.heartbeats.seen_of(ids)[second] == ({"launch-b": clock.now}, {"launch-b": clock.now})
     assert parts.heartbeats.seen_of([first]) == {first: parts.heartbeats.seen(first)}
     assert parts.progress.newest_of([]) == {} and parts.heartbeats.seen_of([]) == {}
+
+
+def test_a_range_of_many_jobs_reads_what_each_read_alone_sees(tmp_path: Path) -> None:
+    parts, _, clock, first = setup(tmp_path)
+    ids = [first, *(parts.records.create(parse_spec(SPEC))[0].id for _ in range(11))]
+    for n, job_id in enumerate(ids):
+        if n % 3:  # some jobs report nothing
+            parts.progress.report(parts.records.get(job_id), Progress(step=n, time=clock.now))
+    clock.now += 10
+    parts.progress.report(parts.records.get(ids[1]), Progress(step=99, time=clock.now))  # held
+    some = sorted(ids)[2:10]  # a page in id order, with jobs outside it on both sides
+    standby = ProgressBuffer(parts.writes, clock=clock)  # holds nothing: etcd's reports only
+    for buffer in (parts.progress, standby):
+        for wanted in (ids, some, some[::2] + ids[:1]):
+            assert buffer.newest_of(wanted) == {j: buffer.newest(j) for j in wanted}
+    assert parts.progress.newest_of(ids)[ids[1]] == Progress(step=99, time=clock.now)
+    reported = standby.newest_of(ids)
+    assert [n for n, job_id in enumerate(ids) if reported[job_id] is not None] == [1, 2, 4, 5, 7, 8, 10, 11]

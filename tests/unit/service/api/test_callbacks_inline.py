@@ -1,0 +1,91 @@
+"""Heartbeats and progress taken on the event loop (the leader writes them behind and holds the
+job's record) answer and refuse exactly as those a worker thread takes."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.api.app import create_app
+from service.etcd.memory import MemoryStore
+from service.jobs.machine import fail
+from service.jobs.model import JobRecord, JobState
+from service.jobs.parts import JobParts
+from service.settings import load_settings
+from tests.unit.service.api.test_api import launched
+from tests.unit.service.api_client import AUTH, SPEC, TOKEN
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+LATER = 3600.0  # the batch is never written during a test: the beats are held
+
+
+class Leader:
+    def __init__(self, tmp_path: Path) -> None:
+        settings = load_settings(data_dir=tmp_path)
+        store = MemoryStore()
+        self.parts = JobParts.build(
+            store, storage_root=settings.checkpoint_root, secret=b"k" * 32, write_behind_s=LATER
+        )
+        app = create_app(settings, store, api_token=TOKEN, parts=self.parts, leader=lambda: True)
+        self.client = TestClient(app, raise_server_exceptions=False)
+
+    def job(self) -> tuple[str, dict[str, str]]:
+        job_id = self.client.post("/v1/jobs", json=SPEC, headers=AUTH).json()["id"]
+        launched(self.parts.records, job_id)
+        token = self.parts.records.worker_token(job_id)
+        return job_id, {"Authorization": f"Bearer {token}"}
+
+    def beat(self, job_id: str, worker: dict[str, str], launch: str) -> tuple[int, str]:
+        body = {"launch_id": launch, "local_rank": 0, "step": 3}
+        answer = self.client.post(f"/v1/jobs/{job_id}/workers/heartbeat", json=body, headers=worker)
+        return answer.status_code, answer.text
+
+
+@pytest.fixture
+def leader(tmp_path: Path) -> Iterator[Leader]:
+    service = Leader(tmp_path)
+    with service.client:
+        yield service
+
+
+def held(leader: Leader, job_id: str) -> JobRecord:
+    record = leader.parts.records.cached_recent(job_id)
+    assert record is not None and leader.parts.heartbeats.deferred  # the event loop takes the next
+    return record
+
+
+def test_beats_and_progress_on_the_event_loop_are_taken_and_checked(leader: Leader) -> None:
+    job_id, worker = leader.job()
+    other, others = leader.job()
+    launch = f"{job_id}-n0-a0"
+    assert leader.beat(job_id, worker, launch)[0] == 200  # a worker thread reads the record
+    held(leader, job_id)
+    status, text = leader.beat(job_id, worker, launch)
+    assert status == 200 and '"cancel_requested":false' in text.replace(" ", "")
+    assert launch in leader.parts.heartbeats.seen(job_id)[1]  # held for the next batch
+    assert leader.beat(job_id, worker, "made-up")[0] == 422
+    assert leader.beat(other, others, f"{other}-n0-a0")[0] == 200
+    held(leader, other)
+    assert leader.beat(other, worker, f"{other}-n0-a0")[0] == 403  # another job's token
+    progress = {"step": 7, "samples_seen": 56, "samples_per_s": 1.0, "loss": 1.0, "world_size": 1}
+    url = f"/v1/jobs/{job_id}/workers/progress"
+    assert leader.client.post(url, json=progress, headers=worker).status_code == 200
+    newest = leader.parts.progress.newest(job_id)
+    assert newest is not None and newest.step == 7
+    bad = leader.client.post(url, json=progress | {"world_size": 9}, headers=worker)
+    assert bad.status_code == 422
+
+
+def test_a_job_that_ended_refuses_its_workers_on_the_event_loop_too(leader: Leader) -> None:
+    job_id, worker = leader.job()
+    leader.beat(job_id, worker, f"{job_id}-n0-a0")
+    leader.parts.records.update(job_id, lambda r: fail(r, 1.0, reason="x"))  # drops the held record
+    leader.parts.records.get_recent(job_id)
+    assert held(leader, job_id).state == JobState.FAILED
+    assert leader.beat(job_id, worker, f"{job_id}-n0-a0")[0] == 409
