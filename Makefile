@@ -6,11 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# pytest processes of make test (pytest-xdist; 0: in pytest's own process). Two on two cores: a
-# third makes the run shorter but puts the service's scale tests past their waits
-TEST_WORKERS ?= 2
+# pytest processes of make test (pytest-xdist; 0: in pytest's own process). Three on two cores:
+# many tests wait on processes they started, so a third keeps the cores busier
+TEST_WORKERS ?= 3
 
-.PHONY: venv run test test-installed test-gpu lint types unit integration bench bench-tools faults deploy-sync clean
+.PHONY: venv run test test-installed test-gpu lint types unit integration bench faults deploy-sync clean
 
 venv: $(STAMP)
 
@@ -37,13 +37,11 @@ integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
 # Each test runs once: the installed-distribution subset (the unit tests and a few launches, see
-# scripts/test_installed.py) against the wheel, everything else from the tree. Then every
-# benchmark's short run, two at a time and keeping no number (a benchmark that breaks fails here;
-# `make bench QUICK=1` runs them one at a time and writes their rows).
-test: lint types bench-tools
+# scripts/test_installed.py) against the wheel, everything else from the tree. Every benchmark's
+# short run is `make bench QUICK=1`, which CI runs after this (.ci/run).
+test: lint types
 	$(PY) -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS)
 	$(PY) -m scripts.test_installed -n $(TEST_WORKERS) --dist loadscope
-	$(PY) -m benchmarks.run_all --quick --no-table --parallel 2
 
 # Part of the suite against the distribution users install: a wheel of this tree, installed (not
 # editable) into build/installed/venv, run from a copy of tests/ with no service/ or worker/
@@ -62,13 +60,11 @@ test-gpu: $(STAMP)
 # benchmarks/service_api.py; installed with apt-get when missing and we are root, otherwise that
 # benchmark says it ran without it.
 QUICK ?=
-bench: bench-tools
-	$(PY) -m benchmarks.run_all $(if $(QUICK),--quick)
-
-bench-tools: $(STAMP)
+bench: $(STAMP)
 	@command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		echo "installing Debian's wrk for the API load benchmark" && \
 		(apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); } || true
+	$(PY) -m benchmarks.run_all $(if $(QUICK),--quick)
 
 # The fault matrix, each row TRIALS times with recorded seeds; writes a results table.
 TRIALS ?= 1

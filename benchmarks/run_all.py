@@ -1,17 +1,13 @@
 """``make bench``: every benchmark, one after another, each printing its own ratios; then the
 table of ``docs/benchmarks.md`` rewritten from their result records (:mod:`benchmarks.record`).
 
-``python -m benchmarks.run_all [--quick] [--no-table] [--parallel N] [--only MODULE ...]
-[--machine-note TEXT]``
+``python -m benchmarks.run_all [--quick] [--no-table] [--only MODULE ...] [--machine-note TEXT]``
 
 Each benchmark runs in its own process (they start torchrun, etcd and uvicorn themselves). A
 failing benchmark is reported, its row keeps its last measured value, and the others still run;
 the exit code says whether all ran and each printed its record. ``--quick`` runs each in a short
 mode (a round or two of small runs: it proves the benchmark works, its numbers are rough; the
-rows say "quick mode"). ``--no-table`` leaves the docs alone. ``--parallel N`` runs N benchmarks
-at once, each one's output printed when it ends: for ``make test``, which checks that every
-benchmark still runs and keeps no number (benchmarks sharing the machine measure each other, so
-``--parallel`` above 1 implies ``--no-table``).
+rows say "quick mode"). ``--no-table`` leaves the docs alone (what the test suite runs).
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import datetime
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,27 +87,21 @@ BENCHMARKS = (
 )  # fmt: skip
 
 
-def run(bench: Bench, *, quick: bool, echo: bool = True) -> tuple[int, list[str]]:
-    """Runs one benchmark; its exit code and output lines. ``echo``: its output is printed as it
-    comes; otherwise all of it once it ends (benchmarks running side by side)."""
+def run(bench: Bench, *, quick: bool) -> tuple[int, list[str]]:
+    """Runs one benchmark, echoing its output; its exit code and output lines."""
     args = bench.quick if quick else bench.full
-    head = f"\n=== {bench.compares}: python -m {bench.module} {' '.join(args)}"
-    if echo:
-        print(head, flush=True)
+    print(f"\n=== {bench.compares}: python -m {bench.module} {' '.join(args)}", flush=True)
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", bench.module, *args],
-        stdout=subprocess.PIPE, stderr=None if echo else subprocess.STDOUT, text=True, bufsize=1,
-    )  # fmt: skip
+        [sys.executable, "-m", bench.module, *args], stdout=subprocess.PIPE, text=True, bufsize=1
+    )
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
-        if echo:
-            print(line, end="", flush=True)
+        print(line, end="", flush=True)
         lines.append(line.rstrip("\n"))
     code = proc.wait()
-    tail = f"=== {bench.module}: exit code {code} after {time.monotonic() - started:.0f} s"
-    print(tail if echo else "\n".join([head, *lines, tail]), flush=True)
+    print(f"=== {bench.module}: exit code {code} after {time.monotonic() - started:.0f} s", flush=True)
     return code, lines
 
 
@@ -122,20 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-table", action="store_true", help=f"do not rewrite {TABLE.name}")
     parser.add_argument("--only", nargs="+", default=[], help="these modules only")
     parser.add_argument("--machine-note", default="", help="appended to the machine column")
-    parser.add_argument("--parallel", type=int, default=1, help="benchmarks at once (above 1: no table)")
     args = parser.parse_args(argv)
-    if args.parallel < 1:
-        parser.error("--parallel: at least 1")
     unknown = sorted(set(args.only) - {b.module for b in BENCHMARKS})
     if unknown:
         parser.error(f"not a benchmark of make bench: {', '.join(unknown)} (see benchmarks/run_all.py)")
     chosen = [b for b in BENCHMARKS if not args.only or b.module in args.only]
     started = time.monotonic()
     failed, rows = [], []
-    where = ", ".join(filter(None, [machine(), "quick mode" if args.quick else "", args.machine_note]))
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        outcomes = list(pool.map(lambda b: run(b, quick=args.quick, echo=args.parallel == 1), chosen))
-    for bench, (code, lines) in zip(chosen, outcomes, strict=True):
+    given = (machine(), "quick mode" if args.quick else "", args.machine_note)
+    where = ", ".join(dict.fromkeys(p for g in given for p in g.split(", ") if p))  # nothing twice
+    for bench in chosen:
+        code, lines = run(bench, quick=args.quick)
         records = parse(lines)
         if code or not records:
             failed.append(bench.module)
@@ -143,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         today = datetime.datetime.now(datetime.UTC).date().isoformat()
         rows.append(Row(bench.module, bench.compares, records[-1], today, where))
-    if not args.no_table and args.parallel == 1 and rows:
+    if not args.no_table and rows:
         TABLE.write_text(merge(TABLE.read_text(), rows, [b.module for b in BENCHMARKS]))
         print(f"\n{TABLE}: {len(rows)} rows written")
     print(f"\n{len(chosen)} benchmarks in {time.monotonic() - started:.0f} s")
