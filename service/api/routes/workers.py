@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import ValidationError
@@ -102,15 +103,21 @@ def _in_hand(ctx: Context, job_id: str) -> JobRecord | None:
     return None if record.state in (JobState.RECOVERING, JobState.RESCALING) else record
 
 
+async def _take(ctx: Context, job_id: str, handle: Callable[..., Ack], *args: Any) -> Ack:
+    """``handle(ctx, job_id, *args, known)`` on the event loop when the job is in hand
+    (:func:`_in_hand`), else on a worker thread with ``known`` None."""
+    known = _in_hand(ctx, job_id)
+    if known is not None:
+        return handle(ctx, job_id, *args, known)
+    return await run_in_threadpool(handle, ctx, job_id, *args, None)
+
+
 @router.post("/workers/heartbeat", response_model=Ack, responses=_WRITE)
 async def heartbeat(
     job_id: str, body: HeartbeatRequest, auth: WorkerAuth, ctx: ContextDep, request: Request
 ) -> Ack:
     """A rank is alive. The answer says whether the job is being cancelled."""
-    known = _in_hand(ctx, job_id)
-    if known is not None:
-        return _heartbeat(ctx, job_id, body, auth, request, known)
-    return await run_in_threadpool(_heartbeat, ctx, job_id, body, auth, request, None)
+    return await _take(ctx, job_id, _heartbeat, body, auth, request)
 
 
 def _heartbeat(
@@ -128,10 +135,7 @@ async def progress(
     job_id: str, body: ProgressRequest, auth: WorkerAuth, ctx: ContextDep, request: Request
 ) -> Ack:
     """Newest training progress (rank 0): step, samples seen, samples/s, loss, world size."""
-    known = _in_hand(ctx, job_id)
-    if known is not None:
-        return _progress(ctx, job_id, body, auth, request, known)
-    return await run_in_threadpool(_progress, ctx, job_id, body, auth, request, None)
+    return await _take(ctx, job_id, _progress, body, auth, request)
 
 
 def _progress(
