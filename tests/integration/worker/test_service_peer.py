@@ -27,7 +27,7 @@ import pytest
 from scripts.demo import alive, parent_pid, worker_pids
 from tests.integration.launch import run_worker, write_spec
 from tests.integration.worker.test_service_e2e import Service, digest, events_of, job_spec, until
-from tests.seeds import seeded, sweeping
+from tests.seeds import seeded, sweeping, swept
 from worker.checkpoint.verify import logical_digest
 
 pytestmark = pytest.mark.integration
@@ -288,6 +288,7 @@ def test_a_stopped_worker_is_named_with_the_last_step_it_completed(
 
 
 BITFLIP = "tests.integration.worker.bitflip:mlp"
+WHEN_FLIPPED = ["between saves", "before the first save"]
 
 
 def three_replicas(**flip: Any) -> dict[str, Any]:
@@ -299,20 +300,26 @@ def three_replicas(**flip: Any) -> dict[str, Any]:
 
 
 @seeded
+@pytest.mark.parametrize("when", swept(WHEN_FLIPPED), ids=lambda w: w or "drawn")
 def test_a_flipped_bit_in_one_of_three_replicas_is_trained_away_in_process(
-    service: Service, tmp_path: Path, seed: int
+    service: Service, tmp_path: Path, seed: int, when: str | None
 ) -> None:
     """One rank's model (drawn from the seed) flips a bit of a weight at a training forward
-    drawn from the seed (the settling of DDP counts a few): after the save of step 10, caught by
-    the comparison before the save of step 20 at the latest. The next comparison names that rank
-    and the weight; nothing is saved while the replicas disagree; the group re-forms without a
-    restart and restores the newest checkpoint in process (a ``storage`` recovery: the majority's
-    state took gradients computed from the corrupt replica, so no memory holds the undisturbed
-    run's state); the steps since are trained again and the job ends, and publishes every
-    checkpoint, as an undisturbed job of the same training."""
+    drawn from the seed (the settling of DDP counts a few). Between saves (after the save of
+    step 10): caught by the comparison before the save of step 20 at the latest; the next
+    comparison names that rank and the weight; nothing is saved while the replicas disagree;
+    the group re-forms without a restart and restores the newest checkpoint in process (a
+    ``storage`` recovery: the majority's state took gradients computed from the corrupt replica,
+    so no memory holds the undisturbed run's state). Before the first save there is nothing to
+    restore: the workers exit and torchrun's restart trains from the seed (one restart). Either
+    way the steps since are trained again and the job ends, and publishes every checkpoint, as
+    an undisturbed job of the same training."""
     rng = random.Random(f"{seed}-flip")
-    rank, call, tensor = rng.randrange(3), 2 * rng.randrange(14, 17) - 1, "net.0.weight"
-    what = f"seed={seed}: rank {rank} flips a bit at its forward {call}"
+    when = when or rng.choice(WHEN_FLIPPED)
+    early = when == "before the first save"
+    steps_drawn = (3, 7) if early else (14, 17)
+    rank, call, tensor = rng.randrange(3), 2 * rng.randrange(*steps_drawn) - 1, "net.0.weight"
+    what = f"seed={seed}: rank {rank} flips a bit at its forward {call}, {when}"
     reference_id = service.submit(three_replicas())
     flip = {"flip_rank": rank, "flip_call": call, "flip_tensor": tensor, "marker": str(tmp_path / "flipped")}
     job_id = service.submit(three_replicas(**flip))
@@ -323,10 +330,16 @@ def test_a_flipped_bit_in_one_of_three_replicas_is_trained_away_in_process(
     ck, ref_ck = Path(final["checkpoint_dir"]), Path(reference["checkpoint_dir"])
     (caught,) = events_of(ck / "events.jsonl", "replica_mismatch")
     assert caught["ranks"] == [rank] and caught["tensors"] == [tensor], (what, caught)
-    assert 10 < caught["step"] <= 20, (what, caught)  # at 20: the comparison before that save
     (recovery,) = final["recoveries"]
-    assert recovery["kind"] == "storage" and recovery["lost_ranks"] == [rank], (what, recovery)
-    assert final["restarts"] == 0 and not reference["recoveries"], (what, final["events"][-12:])
+    if early:
+        assert caught["step"] <= 10, (what, caught)  # at 10: the comparison before the first save
+        assert recovery["kind"] == "restart" and recovery["resumed_step"] == 0, (what, recovery)
+        assert final["restarts"] == 1, (what, final["events"][-12:])
+    else:
+        assert 10 < caught["step"] <= 20, (what, caught)  # at 20: the comparison before that save
+        assert recovery["kind"] == "storage" and recovery["lost_ranks"] == [rank], (what, recovery)
+        assert final["restarts"] == 0, (what, final["events"][-12:])
+    assert not reference["recoveries"], (what, reference["recoveries"])
     assert digest(ck) == digest(ref_ck), what
     steps = lambda root: {p.name: logical_digest(p) for p in sorted(root.glob("step-*"))}  # noqa: E731
     assert steps(ck) == steps(ref_ck) and "step-00000030" in steps(ck), what
