@@ -118,15 +118,29 @@ FEW = 8
 """Up to this many jobs' keys are read one job's prefix at a time; more, in one :func:`read_all`."""
 
 
-def read_all(store: KVStore, prefix: str, *, page: int = PAGE, keys_only: bool = False) -> list[Entry]:
+def read_all(
+    store: KVStore,
+    prefix: str,
+    *,
+    page: int = PAGE,
+    keys_only: bool = False,
+    first: str | None = None,
+    last: str | None = None,
+) -> list[Entry]:
     """Every key under ``prefix`` in key order, one range read per ``page`` keys (``keys_only``:
-    their revisions, no value)."""
+    their revisions, no value). ``first`` and ``last`` (both included) bound the keys: the reads
+    start at ``first`` and stop once past ``last``."""
     out: list[Entry] = []
     after: str | None = None
+    if first is not None:
+        found = store.get(first)
+        if found is not None:
+            out.append(Entry(first, b"" if keys_only else found.value, found.mod_revision))
+        after = first
     while True:
         batch = store.list_prefix(prefix, start_after=after, limit=page, keys_only=keys_only)
-        out += batch
-        if len(batch) < page:
+        out += [entry for entry in batch if last is None or entry.key <= last]
+        if len(batch) < page or (last is not None and batch[-1].key >= last):
             return out
         after = batch[-1].key
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from service.etcd.kv import FEW, PAGE, Entry
+from service.etcd.kv import FEW, read_all
 from service.jobs import keys
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.writebehind import WriteBehind
@@ -71,16 +71,7 @@ class ProgressBuffer:
         wanted = set(job_ids)
         stored: dict[str, Progress | None] = {}
         first, last = keys.progress(min(wanted)), keys.progress(max(wanted))
-        found = self._writes.store.get(first)
-        entries = [Entry(first, found.value, found.mod_revision)] if found is not None else []
-        after = first
-        while True:
-            batch = self._writes.store.list_prefix(keys.PROGRESS, start_after=after, limit=PAGE)
-            entries += [entry for entry in batch if entry.key <= last]
-            if len(batch) < PAGE or batch[-1].key >= last:
-                break
-            after = batch[-1].key
-        for entry in entries:
+        for entry in read_all(self._writes.store, keys.PROGRESS, first=first, last=last):
             job_id = entry.key[len(keys.PROGRESS) :]
             if job_id in wanted:
                 stored[job_id] = _decode(entry.value)
