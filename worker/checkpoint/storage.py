@@ -25,7 +25,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
-from worker.checkpoint.credentials import CredentialsError, resolve
+from worker.checkpoint.credentials import CredentialsError, StoreAccess, resolve
 from worker.errors import CheckpointError, SpecError
 from worker.jobspec.location import S3Location
 
@@ -95,11 +95,15 @@ class StorageError(CheckpointError):
 class S3Storage:
     """:class:`Storage` on an S3 bucket, through obstore."""
 
-    def __init__(self, bucket: str, *, retries: int = 5, timeout_s: float = 60.0) -> None:
-        """Raises :class:`StorageError` when no credentials resolve."""
+    def __init__(
+        self, bucket: str, *, retries: int = 5, timeout_s: float = 60.0, access: StoreAccess | None = None
+    ) -> None:
+        """``access``: what :func:`~worker.checkpoint.credentials.resolve` answered, when the
+        caller has it; else resolved here. Raises :class:`StorageError` when no credentials
+        resolve."""
         self.location = S3Location(bucket, "")
         try:
-            self.access = access = resolve()
+            self.access = access = access if access is not None else resolve()
         except CredentialsError as exc:
             raise StorageError(f"{self.location}: {exc}") from None
         options: dict[str, object] = {"timeout": f"{int(timeout_s)}s", "connect_timeout": "5s"}
@@ -271,7 +275,7 @@ def check_reachable(location: S3Location, *, field: str = "checkpoint.dir") -> N
     except CredentialsError as exc:
         raise SpecError(f"field '{field}': {location}: {exc}") from None
     try:
-        S3Storage(location.bucket, retries=1, timeout_s=10).listing(location.prefix)
+        S3Storage(location.bucket, retries=1, timeout_s=10, access=access).listing(location.prefix)
     except StorageError as exc:
         fix = unreachable_fix(str(exc).rsplit(": ", 1)[-1], location, access.endpoint, access.method)
         raise SpecError(f"field '{field}': {location}: {fix}") from None
