@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from service.ports import free_port
@@ -90,8 +88,17 @@ class SeaweedServer:
                 return port
 
     def _wait(self, buckets: tuple[str, ...], timeout: float) -> None:
+        """Until every bucket answers a signed HEAD (an unsigned request is refused alike for a
+        bucket that is there and one not made yet when IAM is configured)."""
+        import botocore.session
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = botocore.session.get_session().create_client(
+            "s3", region_name=REGION, endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY, config=Config(retries={"max_attempts": 1}, connect_timeout=2),
+        )  # fmt: skip
         deadline = time.monotonic() + timeout
-        url = f"{self.endpoint}/{buckets[0]}" if buckets else f"{self.endpoint}/"
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
@@ -99,15 +106,13 @@ class SeaweedServer:
                     f"weed mini exited {self.proc.returncode}; see {self.directory / 'weed.log'}"
                 )
             try:
-                urllib.request.urlopen(url, timeout=2)
-            except urllib.error.HTTPError as exc:  # answered: 403 for an unsigned request is fine
-                if exc.code != 404 or not buckets:
-                    return
-            except OSError:
-                pass
-            else:
+                for bucket in buckets:
+                    client.head_bucket(Bucket=bucket)
+                if not buckets:
+                    client.list_buckets()
                 return
-            time.sleep(0.3)
+            except (BotoCoreError, ClientError):
+                time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"weed mini did not answer on {self.endpoint} within {timeout}s")
 
