@@ -134,12 +134,13 @@ class Reconciler:
         self.busy = True
         """Whether the last pass saw a job in motion (not RUNNING or terminal) or acted."""
         self._wake = wake or threading.Event()
+        """Set to run a pass now: a woken pass of ``written`` (the server sets it on every job
+        write), or a full one after :meth:`wake`."""
         self._written = written if written is not None else set()
         """Jobs written since the loop last looked (the writers add to it and set ``wake``)."""
         self._full_now = False
         self._grants: dict[str, Grant] = {}
         """The queue's grants of the last pass (a woken pass reconciles a job whose grant moved)."""
-        """Set to run the next pass now (the server sets it on every job write)."""
         self.storage = storage
         """Reconciles the checkpoint registry with storage (None: no checkpoint duties)."""
         self.kv = kv
