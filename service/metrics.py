@@ -77,6 +77,16 @@ class Metrics:
         # the reconciler and the scheduler it drives
         self.is_leader = Gauge("elastrain_reconciler_is_leader", "1 while this instance leads", registry=r)
         self.passes = Counter("elastrain_reconciler_passes_total", "Reconciler passes", registry=r)
+        self.heartbeat_period = Gauge(
+            "elastrain_worker_heartbeat_period_seconds",
+            "How often each rank is asked to send its heartbeat (longer as the ranks grow)",
+            registry=r,
+        )
+        self.progress_period = Gauge(
+            "elastrain_worker_progress_period_seconds",
+            "How often each job's rank 0 is asked to send its progress",
+            registry=r,
+        )
         self.last_pass = Gauge(
             "elastrain_reconciler_last_pass_timestamp_seconds",
             "When the reconciler last completed a pass (Unix time)",

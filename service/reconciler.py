@@ -24,6 +24,7 @@ from service.etcd.election import LeaderElection
 from service.etcd.gateway import KvGateway
 from service.etcd.kv import Fence, Write
 from service.jobs import keys
+from service.jobs.cadence import cadence_of
 from service.jobs.errors import NotFoundError, NotLeaderError
 from service.jobs.events import first_step_done, merge_progress
 from service.jobs.machine import (
@@ -180,6 +181,8 @@ class Reconciler:
         self.metrics.is_leader.set(1 if fence else 0)
         if fence is None:
             self._passed_at = self.clock()  # a standby's pass is complete: it has nothing to do
+            if self._adopted_term is not None:
+                self.jobs.forget_all()
             self._adopted_term = None
             return False
         listed = [self._readable(stored, fence) for stored in self.jobs.scan()]
@@ -189,6 +192,7 @@ class Reconciler:
         self.busy = any(not r.state.terminal and r.state not in steady for r in records)
         grants = {} if self.slots is None else grant_all(records, slots=self.slots, now=self.clock())
         if self._adopted_term != fence.lease_id:
+            self.jobs.forget_all()  # records held from before this term may be another leader's
             self._adopt_storage(records)  # finished jobs too, once per leadership term
             if self._adopted_term is None:  # beats may have gone to another leader, or to none
                 self._led_since = self.clock()
@@ -207,6 +211,11 @@ class Reconciler:
         if only is not None:
             live = [(r, rev) for r, rev in live if woken_pass_takes(r, only, grants, self._grants)]
         self._grants = grants
+        if only is None:
+            cadence = cadence_of(records, heartbeat_timeout_s=self.policy.heartbeat_timeout_s)
+            self.heartbeats.cadence = cadence
+            self.metrics.heartbeat_period.set(cadence.heartbeat_s)
+            self.metrics.progress_period.set(cadence.progress_s)
         ids = [record.id for record, _ in live]
         progress, beats = self.progress.newest_of(ids), self.heartbeats.seen_of(ids)
         for record, revision in live:

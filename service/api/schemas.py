@@ -284,6 +284,11 @@ class JobLogs(BaseModel):
 class Ack(BaseModel):
     state: JobState
     cancel_requested: bool
+    heartbeat_s: float = Field(
+        description="How often each rank is to send its heartbeat, in seconds. The service "
+        "lengthens it as the ranks it serves grow in number, up to a third of its heartbeat timeout."
+    )
+    progress_s: float = Field(description="How often rank 0 is to send its progress, in seconds.")
 
 
 def summary(record: JobRecord) -> JobSummary:

@@ -1,7 +1,9 @@
-"""A tiny time-bounded cache for hot reads (``GET /v1/jobs/{id}``).
+"""Caches for hot reads: rendered ``GET /v1/jobs/{id}`` bodies and the records the workers'
+callbacks check.
 
 Entries live ``ttl_s`` seconds; the service drops an entry as soon as it writes the job itself,
-so a client reads its own writes, and changes made by another instance show within ``ttl_s``.
+so a client reads its own writes, and changes made by another instance show within ``ttl_s``. A
+value read while its key was written is not kept (:meth:`TTLCache.stamp`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ class TTLCache(Generic[V]):
         self._clock = clock
         self._data: dict[str, tuple[float, V]] = {}
         self._lock = threading.Lock()
+        self._generation = 0
+        self._dropped: dict[str, int] = {}
+        """Per key, the generation of its latest drop (pruned past ``max_entries``: then every
+        stamp taken before the prune is refused)."""
+        self._floor = 0
 
     def get(self, key: str) -> V | None:
         item = self._data.get(key)
@@ -30,8 +37,16 @@ class TTLCache(Generic[V]):
             return None
         return item[1]
 
-    def put(self, key: str, value: V) -> None:
+    def stamp(self) -> int:
+        """Take before reading what :meth:`put` will store: a put with it is refused when the key
+        was dropped (or the cache cleared) since, so a read that raced a write never stores the
+        value the write replaced."""
+        return self._generation
+
+    def put(self, key: str, value: V, *, stamp: int | None = None) -> None:
         with self._lock:
+            if stamp is not None and (stamp < self._floor or self._dropped.get(key, -1) > stamp):
+                return
             if len(self._data) >= self.max_entries:
                 now = self._clock()
                 self._data = {k: v for k, v in self._data.items() if v[0] >= now}
@@ -42,6 +57,19 @@ class TTLCache(Generic[V]):
     def drop(self, key: str) -> None:
         with self._lock:
             self._data.pop(key, None)
+            self._generation += 1
+            self._dropped[key] = self._generation
+            if len(self._dropped) > self.max_entries:
+                self._dropped.clear()
+                self._floor = self._generation
+
+    def clear(self) -> None:
+        """Drop every entry (and refuse every put stamped before now)."""
+        with self._lock:
+            self._data.clear()
+            self._dropped.clear()
+            self._generation += 1
+            self._floor = self._generation
 
 
 class RevisionCache(Generic[V]):

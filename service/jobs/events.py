@@ -115,12 +115,13 @@ def apply_worker_event(
     progress_at: float | None = None,
     window_s: float = WINDOW_S,
     heard: Mapping[str, float] | None = None,
+    beat_s: float = incidents.BEAT_S,
 ) -> JobRecord:
     """Fold one worker event into the record. Events for a finished job change nothing.
     ``progress_at``: when the newest progress came (the old group's last sign of life);
     ``window_s``: how long a completed incident still takes late reports of it; ``heard``: by
     launch id, when each node's quietest rank last sent a heartbeat (a lost node's last sign of
-    life: see :func:`service.jobs.incidents.fold_report`)."""
+    life: see :func:`service.jobs.incidents.fold_report`), ``beat_s`` apart."""
     if job.state.terminal:
         return job
     if event.kind == "group_formed":
@@ -137,7 +138,9 @@ def apply_worker_event(
     if event.kind == "failed":
         return _failed(job, event, now)
     if event.kind == "recovery":
-        return _recovery(job, event, now, window_s=window_s, heard=heard, progress_at=progress_at)
+        return _recovery(
+            job, event, now, window_s=window_s, heard=heard, progress_at=progress_at, beat_s=beat_s
+        )
     if event.kind == "spare_promoted":
         return _spare_promoted(job, event, now)
     if event.kind == "preempted":
@@ -225,6 +228,7 @@ def _recovery(
     window_s: float,
     heard: Mapping[str, float] | None,
     progress_at: float | None,
+    beat_s: float,
 ) -> JobRecord:
     """A worker's ``recovery`` report (see :mod:`service.jobs.incidents` for the merge rules). A
     re-formation that only drops nodes the service stopped is the rescale, not an incident."""
@@ -245,7 +249,7 @@ def _recovery(
     )  # fmt: skip
     before = job.peer_incidents
     job, index = incidents.fold_report(
-        job, report, now=now, window_s=window_s, heard=heard, progress_at=progress_at
+        job, report, now=now, window_s=window_s, heard=heard, progress_at=progress_at, beat_s=beat_s
     )
     recovery = job.recoveries[index]
     what = f"{recovery.kind} recovery {recovery.incident} {event.phase}"

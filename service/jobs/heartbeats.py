@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection
 
 from service.etcd.kv import FEW, read_all
 from service.jobs import keys
+from service.jobs.cadence import Cadence
 from service.jobs.writebehind import WriteBehind
 from service.jobs.writes import LeaderWrites
 
@@ -38,6 +39,9 @@ class Heartbeats:
         self._ranks: dict[str, dict[tuple[str, int], float]] = {}
         """Per job, per (launch id, local rank): the newest beat this instance took."""
         self._pruned_at = -math.inf
+        self.cadence = Cadence()
+        """The periods every answer to a worker asks for (the leader's reconciler sets them each
+        full pass from the ranks it runs, :func:`service.jobs.cadence.cadence_for`)."""
 
     @property
     def deferred(self) -> bool:

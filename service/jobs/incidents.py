@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from service.jobs.cadence import HEARTBEAT_S
 from service.jobs.model import (
     MAX_LOST_RANKS,
     MAX_RECOVERIES,
@@ -55,9 +56,10 @@ from service.jobs.model import (
 )
 
 Join = Literal["lost", "member", "replacement"]
-BEAT_S = 5.0
-"""How often a worker sends its heartbeat (and, rank 0, its progress at most every 2 s): a lost
-node silent for longer than this before the workers' failure time was not alive until then."""
+BEAT_S = HEARTBEAT_S
+"""How often a worker sends its heartbeat at the fastest (the service sets the period, see
+:mod:`service.jobs.cadence`; rank 0's progress comes at least as often): a lost node silent for
+longer than the period before the workers' failure time was not alive until then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,19 +260,21 @@ def fold_report(
     window_s: float,
     heard: Mapping[str, float] | None = None,
     progress_at: float | None = None,
+    beat_s: float = BEAT_S,
 ) -> tuple[JobRecord, int]:
     """Fold a worker's report into its incident (opening one when none claims it). Returns the
     job and the index of the incident's recovery. ``heard``: by launch id, when the service last
     heard from each rank of a node (the oldest of its ranks' newest heartbeats); ``progress_at``:
     when the newest progress came. The lost nodes' last sign of life is the later of the two,
-    and it moves the report's failure time earlier (:func:`last_sign`)."""
+    and it moves the report's failure time earlier when older than a heartbeat period
+    ``beat_s`` (:func:`last_sign`)."""
     known = {n.launch_id for n in job.nodes}
     lost = tuple(dict.fromkeys(lid for lid in report.lost if lid in known))
     report = dataclasses.replace(report, lost=lost)
     if report.failed_at is not None:
         signs = [heard[lid] for lid in lost if heard is not None and lid in heard]
         life = max(min(signs), progress_at or 0.0) if signs else None
-        report = dataclasses.replace(report, failed_at=last_sign(report.failed_at, life))
+        report = dataclasses.replace(report, failed_at=last_sign(report.failed_at, life, beat_s=beat_s))
     for i in range(len(job.recoveries) - 1, -1, -1):
         if claimable(job.recoveries[i], report, now=now, window_s=window_s):
             job, claimed = _claim(job, job.recoveries[i], report, now)

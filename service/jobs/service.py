@@ -26,6 +26,7 @@ from service.jobs.claims import check_free, claim_write
 from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.events import WINDOW_S, WorkerEvent, apply_worker_event, first_step_done, merge_progress
 from service.jobs.heartbeats import Heartbeats
+from service.jobs.incidents import BEAT_S
 from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.objectstore import ObjectStorage, is_s3
@@ -85,7 +86,7 @@ class JobService:
         clock: Callable[[], float] = time.time,
         on_change: Callable[[str], None] = lambda job_id: None,
         on_job_write: Callable[[str], None] = lambda job_id: None,
-        record_cache_s: float = 2.0,
+        record_cache_s: float = 30.0,
         merge_window_s: float = WINDOW_S,
         object_storage: ObjectStorage | None = None,
     ) -> None:
@@ -104,9 +105,11 @@ class JobService:
         self.merge_window_s = merge_window_s
         """How long a completed incident takes late reports of it (two heartbeat timeouts)."""
         self._recent = TTLCache[JobRecord](record_cache_s, clock=time.monotonic)
+        """Records for :meth:`get_recent`. Only the leader writes records, and this instance's
+        own writes drop them at once, so while it leads nothing it holds is stale; the reconciler
+        empties it when a leadership term begins or ends (:meth:`forget_all`), and
+        ``record_cache_s`` bounds what a missed drop could cost."""
         self._decoded = RevisionCache[JobRecord]()
-        """Records for :meth:`get_recent` (this instance's own writes drop them at once; only the
-        leader writes, so one is stale only across a failover)."""
 
     @property
     def store(self) -> KVStore:
@@ -146,37 +149,48 @@ class JobService:
         self._recent.drop(job_id)
         self._on_change(job_id)
 
+    def forget_all(self) -> None:
+        """Drop every record :meth:`get_recent` holds: leadership changed hands, and records
+        written under the other leader may differ."""
+        self._recent.clear()
+
     def cached_recent(self, job_id: str) -> JobRecord | None:
         """What :meth:`get_recent` holds of the job now (None: it would read etcd)."""
         return self._recent.get(job_id)
 
     def get_recent(self, job_id: str) -> JobRecord:
-        """The job record, read from etcd at most every ``record_cache_s`` (for the workers'
-        frequent callbacks: each etcd read wakes the cores that training shares)."""
+        """The job record as this instance last read or wrote it (for the workers' frequent
+        callbacks: each etcd read wakes the cores that training shares). A read that raced a
+        write of the job is returned but not kept."""
         cached = self._recent.get(job_id)
         if cached is not None:
             return cached
+        stamp = self._recent.stamp()
         record = self.get(job_id)
-        self._recent.put(job_id, record)
+        self._recent.put(job_id, record, stamp=stamp)
         return record
 
     def list(
         self, *, state: JobState | None = None, limit: int = 50, cursor: str | None = None
     ) -> tuple[list[JobRecord], str | None]:
-        """Jobs in id order after ``cursor``; the second value is the next cursor or None."""
+        """Jobs in id order after ``cursor``; the second value is the next cursor or None. An
+        unfiltered page reads its own records and one more (whether there are more), no others."""
         out: list[JobRecord] = []
         after = keys.job(cursor) if cursor else None
+        size = limit + 1 if state is None else max(limit, 100)
         while len(out) < limit:
-            batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=max(limit, 100))
-            for entry in batch:
+            batch = self.store.list_prefix(keys.JOBS, start_after=after, limit=size)
+            for i, entry in enumerate(batch):
                 after = entry.key
                 record = self._decode(entry.key, entry.value, entry.mod_revision).record
                 if state is None or record.state == state:
                     out.append(record)
                     if len(out) == limit:
-                        more = self.store.list_prefix(keys.JOBS, start_after=after, limit=1)
+                        more = i + 1 < len(batch) or self.store.list_prefix(
+                            keys.JOBS, start_after=after, limit=1, keys_only=True
+                        )
                         return out, (record.id if more else None)
-            if len(batch) < max(limit, 100):
+            if len(batch) < size:
                 break
         return out, None
 
@@ -424,7 +438,7 @@ class JobService:
             merged = merge_progress(record, progress)
             return apply_worker_event(
                 merged, event, self.clock(), progress_at=progress_at, window_s=self.merge_window_s,
-                heard=heard,
+                heard=heard, beat_s=beats.cadence.heartbeat_s if beats is not None else BEAT_S,
             )  # fmt: skip
 
         return self.update(job_id, change)

@@ -60,6 +60,19 @@ EVENT_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
 takes to pass to a standby."""
 
 
+PERIOD_RANGE_S = (0.5, 300.0)
+"""A period the service asks for is kept within this range."""
+
+
+def _period(asked: object, current: float) -> float:
+    """The period the service asked for, within :data:`PERIOD_RANGE_S`; ``current`` when it
+    asked for none (an older service) or sent something else."""
+    if isinstance(asked, bool) or not isinstance(asked, int | float) or asked != asked:
+        return current
+    low, high = PERIOD_RANGE_S
+    return min(max(float(asked), low), high)
+
+
 class ServiceClient:
     """Fire-and-forget callbacks plus the blocking checkpoint calls."""
 
@@ -182,7 +195,7 @@ class ServiceClient:
                 return
             else:
                 if answer.status_code == 200:
-                    self.cancel_requested = bool(answer.json().get("cancel_requested", False))
+                    self._answered(answer.json())
                     return
                 failure = f"service answered {answer.status_code}: {answer.text[:300]}"
                 if answer.status_code != 503:
@@ -194,6 +207,13 @@ class ServiceClient:
                     self.dropped += 1
                 log.warning("%s to %s; given up", failure, path)
                 return
+
+    def _answered(self, ack: dict[str, Any]) -> None:
+        """Take what an answer asks: whether the job is being cancelled, and how often to send
+        heartbeats and progress (the service lengthens both as the ranks it serves grow)."""
+        self.cancel_requested = bool(ack.get("cancel_requested", False))
+        self._heartbeat_s = _period(ack.get("heartbeat_s"), self._heartbeat_s)
+        self._progress_s = _period(ack.get("progress_s"), self._progress_s)
 
     def close(self, *, drain_s: float = 5.0) -> None:
         """Send what is queued, retries included (for at most ``drain_s``), then stop."""

@@ -46,10 +46,10 @@ def _job(
     recent: bool = False,
     known: JobRecord | None = None,
 ) -> JobRecord:
-    """The job, and the caller may act on it. ``recent``: a record up to ~2 s old will do (the
-    frequent heartbeats and progress reports; this instance's own writes are seen at once);
-    ``known``: that record, already in hand. A worker token stops working when the job ends
-    (409)."""
+    """The job, and the caller may act on it. ``recent``: the record this instance holds will do
+    (the frequent heartbeats, progress and checkpoint reports; while it leads, that is the stored
+    one: only the leader writes records, and its own writes drop what it held); ``known``: that
+    record, already in hand. A worker token stops working when the job ends (409)."""
     record = known if known is not None else ctx.jobs.get_recent(job_id) if recent else ctx.jobs.get(job_id)
     token = bearer(request.headers.get("authorization")) or ""
     if principal == "worker" and hash_token(token) != record.worker_token_hash:
@@ -87,8 +87,14 @@ def _checkpoints(ctx: Context) -> Checkpoints:
     return ctx.checkpoints
 
 
-def _ack(record: JobRecord) -> Ack:
-    return Ack(state=record.state, cancel_requested=record.cancel_requested)
+def _ack(ctx: Context, record: JobRecord) -> Ack:
+    cadence = ctx.heartbeats.cadence
+    return Ack(
+        state=record.state,
+        cancel_requested=record.cancel_requested,
+        heartbeat_s=cadence.heartbeat_s,
+        progress_s=cadence.progress_s,
+    )
 
 
 def _in_hand(ctx: Context, job_id: str) -> JobRecord | None:
@@ -127,7 +133,7 @@ def _heartbeat(
     check_node(record, body.launch_id, body.local_rank)
     _write(ctx, auth, record, _size(request))
     ctx.heartbeats.beat(job_id, body.launch_id, body.local_rank, body.step)
-    return _ack(record)
+    return _ack(ctx, record)
 
 
 @router.post("/workers/progress", response_model=Ack, responses=_WRITE)
@@ -148,7 +154,7 @@ def _progress(
     ctx.progress.report(record, report)
     ctx.metrics.observe_job(record, report, now=report.time)
     ctx.jobs.progress_reported(record, report)  # may end a recovery (the reconciler observes it)
-    return _ack(record)
+    return _ack(ctx, record)
 
 
 @router.post("/workers/events", response_model=Ack, responses=_WRITE)
@@ -158,7 +164,7 @@ def event(job_id: str, body: WorkerEventRequest, auth: WorkerAuth, ctx: ContextD
     before = _job(ctx, job_id, auth, request)
     check_event(before, body, now=ctx.jobs.clock())
     _write(ctx, auth, before, _size(request))
-    return _ack(ctx.jobs.worker_event(job_id, body))
+    return _ack(ctx, ctx.jobs.worker_event(job_id, body))
 
 
 @router.post(
@@ -177,7 +183,7 @@ async def checkpoint_report(
     """Phase 1 report of one rank (the JSON of ``worker.checkpoint.commit.report_to_json``).
     The answer says whether the step is pending, published or aborted (the fields of
     ``worker.checkpoint.coordinator.Outcome`` plus ``status``). Idempotent per rank."""
-    record = await run_in_threadpool(_job, ctx, job_id, auth, request)
+    record = await run_in_threadpool(lambda: _job(ctx, job_id, auth, request, recent=True))
     body = await request.body()
     try:  # the shape only; the coordinator parses and stores the bytes exactly as sent
         shape = CheckpointReportRequest.model_validate_json(body)

@@ -13,7 +13,13 @@ import httpx
 
 from worker.checkpoint.commit import Report
 from worker.jobspec.jsonlimits import finite, loads
-from worker.report.service_client import HttpCoordinator, ServiceClient, ServiceConfig
+from worker.report.service_client import (
+    PERIOD_RANGE_S,
+    HttpCoordinator,
+    ServiceClient,
+    ServiceConfig,
+    _period,
+)
 
 CFG = ServiceConfig(url="http://svc", token="t", job_id="job-1", launch_id="job-1-n0", node_index=0)
 
@@ -210,3 +216,31 @@ def test_the_services_answer_wins_over_a_loss_seen_after_it() -> None:
     outcome = coordinator.outcome(20, 3, seq=1, timeout=600.0)
     client.close()
     assert outcome.published and outcome.reason == "service says published"
+
+
+def test_heartbeats_and_progress_follow_the_periods_the_service_asks_for() -> None:
+    beats: list[float] = []
+    third = threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/heartbeat"):
+            beats.append(1.0)
+            if len(beats) >= 3:
+                third.set()
+        return httpx.Response(200, json={"cancel_requested": False, "heartbeat_s": 0.05, "progress_s": 0.05})
+
+    # An hour between beats unless the service asks otherwise: the first beat's answer does.
+    client = ServiceClient(CFG, heartbeat_s=3600, progress_s=0.05, transport=httpx.MockTransport(handler))
+    try:
+        client.heartbeat_from(0)
+        assert third.wait(timeout=30)
+    finally:
+        client.close()
+
+
+def test_a_period_the_service_asks_for_is_bounded_and_nonsense_is_ignored() -> None:
+    assert _period(20.0, 5.0) == 20.0
+    assert _period(0, 5.0) == PERIOD_RANGE_S[0]
+    assert _period(1e9, 5.0) == PERIOD_RANGE_S[1]
+    for nonsense in (None, "20", True, float("nan"), [20]):
+        assert _period(nonsense, 5.0) == 5.0

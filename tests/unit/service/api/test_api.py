@@ -104,6 +104,15 @@ def test_list_is_paginated_and_filtered(client: TestClient) -> None:
     assert error(client.get("/v1/jobs?state=BOGUS", headers=AUTH), 422)["field"] == "state"
 
 
+@pytest.mark.parametrize("state", ["", "&state=PENDING"])
+def test_a_last_page_that_is_exactly_full_has_no_cursor(client: TestClient, state: str) -> None:
+    ids = sorted(submit(client)["id"] for _ in range(4))
+    first = client.get(f"/v1/jobs?limit=2{state}", headers=AUTH).json()
+    second = client.get(f"/v1/jobs?limit=2&cursor={first['next_cursor']}{state}", headers=AUTH).json()
+    assert [j["id"] for j in first["jobs"] + second["jobs"]] == ids
+    assert second["next_cursor"] is None
+
+
 @pytest.mark.parametrize(
     ("body", "status", "field", "fix"),
     [
