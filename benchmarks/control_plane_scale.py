@@ -6,8 +6,9 @@ simulated.
 a scheduler that starts nothing and reports every node running; it is selected by this module's
 hidden ``--serve`` entry point, which ships in no package. For each N it submits N jobs of 10
 nodes x 1 process (submits/s), waits for their 10 x N launches, and then plays every rank over
-the real worker callback routes at the workers' own rates (``worker/report/service_client.py``):
-a heartbeat per rank every 5 s, progress from each job's rank 0 every 2 s, and a checkpoint
+the real worker callback routes as the workers do (``worker/report/service_client.py``): a
+heartbeat per rank and progress from each job's rank 0 at the periods the service's answers ask
+for (5 s and 2 s at the fastest, longer as the ranks grow: ``service/jobs/cadence.py``), a checkpoint
 report from every rank every ``--checkpoint-s`` (a failed staging, ``ok: false``: the round is
 kept in etcd and aborted, no files are needed). While they run it measures over ``--seconds``:
 the reconciler's pass time (its own histogram), the service's and etcd's CPU (``/proc``),
@@ -41,7 +42,7 @@ import httpx
 
 from benchmarks import record
 
-HEARTBEAT_S, PROGRESS_S = 5.0, 2.0  # ServiceClient's periods
+HEARTBEAT_S, PROGRESS_S = 5.0, 2.0  # ServiceClient's periods until the service asks for others
 STEPS_PER_S = 5.0
 IDLE_PROBE_RATE = 0.5
 NODES = 10
@@ -62,6 +63,16 @@ def prom_value(text: str, name: str) -> float | None:
     """The sum of a Prometheus text series ``name`` over its labels (None when absent). Pure."""
     found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     return sum(float(v) for v in found) if found else None
+
+
+def by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """A Prometheus text series ``name`` summed by the value of one ``label``. Pure."""
+    out: dict[str, float] = {}
+    for labels, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+        found = re.search(rf'{re.escape(label)}="([^"]*)"', labels)
+        if found:
+            out[found.group(1)] = out.get(found.group(1), 0.0) + float(value)
+    return out
 
 
 def per_pass_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
@@ -167,10 +178,12 @@ class Wire:
 
     def __init__(self, url: str, connections: int) -> None:
         self.parts = urlsplit(url)
-        self.queue: asyncio.Queue[tuple[bytes, asyncio.Future[int]]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[bytes, asyncio.Future[tuple[int, bytes]]]] = asyncio.Queue()
         self.connections = connections
         self.errors: dict[int, int] = {}
         self.sent = 0
+        self.kinds: dict[str, int] = {}
+        """Requests sent, by the path's last part (heartbeat, progress, checkpoints, ...)."""
 
     def request(self, method: str, path: str, token: str, body: bytes = b"") -> bytes:
         head = f"{method} {path} HTTP/1.1\r\nHost: {self.parts.netloc}\r\nAuthorization: Bearer {token}\r\n"
@@ -178,9 +191,12 @@ class Wire:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         return (head + "\r\n").encode() + body
 
-    async def send(self, raw: bytes) -> int:
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    async def send(self, raw: bytes) -> tuple[int, bytes]:
+        """The answer's status and body."""
+        done: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         self.sent += 1
+        kind = raw.split(b" ", 2)[1].split(b"?")[0].rsplit(b"/", 1)[-1].decode()
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
         await self.queue.put((raw, done))
         return await done
 
@@ -201,7 +217,7 @@ class Wire:
                     writer.write(raw)
                     head = await reader.readuntil(b"\r\n\r\n")
                     length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))  # type: ignore[union-attr]
-                    await reader.readexactly(length)
+                    body = await reader.readexactly(length)
                 except (ConnectionError, asyncio.IncompleteReadError) as exc:
                     writer.close()
                     conn = None
@@ -214,7 +230,7 @@ class Wire:
                 status = int(head.split(b" ", 2)[1])
                 if status != 200:
                     self.errors[status] = self.errors.get(status, 0) + 1
-                done.set_result(status)
+                done.set_result((status, body))
                 break
 
 
@@ -236,33 +252,39 @@ def checkpoint_round(job: str, now: float, *, t0: float, period: float) -> tuple
 
 
 async def play(wire: Wire, rank: Rank, stop: float, *, t0: float, checkpoint_s: float) -> None:
-    """One rank: heartbeats, progress (node 0) and failed checkpoint reports, at their periods."""
+    """One rank: heartbeats, progress (node 0) and failed checkpoint reports, at the periods the
+    service's answers ask for, as ``ServiceClient`` does."""
     base = f"/v1/jobs/{rank.job}/workers"
+    periods = {"heartbeat_s": HEARTBEAT_S, "progress_s": PROGRESS_S}
+
+    async def post(path: str, body: dict[str, Any]) -> None:
+        status, answer = await wire.send(wire.request("POST", path, rank.token, json.dumps(body).encode()))
+        if status == 200:
+            ack = json.loads(answer)
+            periods.update({k: float(ack[k]) for k in periods if k in ack})
+
     await asyncio.sleep(random.uniform(0, HEARTBEAT_S))
     if rank.node == 0:
         event = {"kind": "group_formed", "node_index": 0, "rank": 0, "group_id": "g", "world_size": NODES}
-        await wire.send(wire.request("POST", f"{base}/events", rank.token, json.dumps(event).encode()))
+        await post(f"{base}/events", event)
     next_beat = next_progress = 0.0
     reported = checkpoint_round(rank.job, time.monotonic(), t0=t0, period=checkpoint_s)[0]
     while (now := time.monotonic()) < stop:
         step = int((now - t0) * STEPS_PER_S)
         if now >= next_beat:
-            beat = {"launch_id": rank.launch_id, "local_rank": 0, "step": step}
-            await wire.send(wire.request("POST", f"{base}/heartbeat", rank.token, json.dumps(beat).encode()))
-            next_beat = now + HEARTBEAT_S
+            await post(f"{base}/heartbeat", {"launch_id": rank.launch_id, "local_rank": 0, "step": step})
+            next_beat = now + periods["heartbeat_s"]
         if rank.node == 0 and now >= next_progress:
             body = {"step": step, "samples_seen": 8 * step, "samples_per_s": 8.0 * STEPS_PER_S}
-            body |= {"loss": 1.0, "world_size": NODES}
-            await wire.send(wire.request("POST", f"{base}/progress", rank.token, json.dumps(body).encode()))
-            next_progress = now + PROGRESS_S
+            await post(f"{base}/progress", body | {"loss": 1.0, "world_size": NODES})
+            next_progress = now + periods["progress_s"]
         index, began = checkpoint_round(rank.job, now, t0=t0, period=checkpoint_s)
         if index > reported:
             reported, at = index, int((began - t0) * STEPS_PER_S)
             report: dict[str, Any] = {"step": at, "generation": 0, "rank": rank.node, "ok": False}
             report |= {"world_size": NODES, "error": "simulated", "files": {}, "pieces": [], "tensors": {}}
             report |= {"meta_digest": "", "rank_meta": {}, "context": {}}
-            path = f"{base}/checkpoints?seq=0"
-            await wire.send(wire.request("POST", path, rank.token, json.dumps(report).encode()))
+            await post(f"{base}/checkpoints?seq=0", report)
         due = min(next_beat, next_progress) if rank.node == 0 else next_beat
         await asyncio.sleep(max(0.05, min(due, began + checkpoint_s) - now))
 
@@ -296,6 +318,9 @@ def sample(url: str, etcd: str, pids: tuple[int, int]) -> dict[str, float]:
         "time": time.monotonic(),
         "pass_sum": prom_value(service, "elastrain_reconciler_pass_duration_seconds_sum") or 0.0,
         "pass_count": prom_value(service, "elastrain_reconciler_pass_duration_seconds_count") or 0.0,
+        "round_trips": by_label(service, "elastrain_etcd_requests_total", "op"),
+        "heartbeat_s": prom_value(service, "elastrain_worker_heartbeat_period_seconds") or math.nan,
+        "progress_s": prom_value(service, "elastrain_worker_progress_period_seconds") or math.nan,
         "db": prom_value(store, "etcd_mvcc_db_total_size_in_bytes") or math.nan,
         "revision": prom_value(store, "etcd_debugging_mvcc_current_revision") or math.nan,
         "service_cpu": cpu_s(pids[0]),
@@ -349,10 +374,10 @@ async def drive(
     players = [asyncio.create_task(play(wire, r, stop, t0=t0, checkpoint_s=args.checkpoint_s)) for r in ranks]
     await asyncio.sleep(args.warmup)
     first = await asyncio.to_thread(sample, url, etcd, pids)
-    first |= {"load_cpu": time.process_time(), "sent": wire.sent + probes.sent}
+    first |= {"load_cpu": time.process_time(), "sent": wire.sent + probes.sent, "kinds": dict(wire.kinds)}
     lat = await probe(probes, token, jobs, stop, args.probe_rate)
     last = await asyncio.to_thread(sample, url, etcd, pids)
-    last |= {"load_cpu": time.process_time(), "sent": wire.sent + probes.sent}
+    last |= {"load_cpu": time.process_time(), "sent": wire.sent + probes.sent, "kinds": dict(wire.kinds)}
     await asyncio.gather(*players)
     for runner in runners:
         runner.cancel()
@@ -372,6 +397,11 @@ def report(label: str, jobs: int, out: dict[str, Any], submits: float | None, re
     print(f"{label}: {jobs} jobs x {NODES} nodes ({os.cpu_count()} cores shared with the load generator)")
     print(f"  reconciler pass: {ms:.1f} ms mean ({passes:.0f} passes), {ms / jobs:.3f} ms per job")
     print(f"  CPU: service {svc:.2f} + etcd {etc:.2f} = {svc + etc:.2f} cores")
+    trips = {op: (n - a["round_trips"].get(op, 0.0)) / span for op, n in b["round_trips"].items()}
+    ops = ", ".join(f"{op} {n:.0f}" for op, n in sorted(trips.items(), key=lambda t: -t[1]) if n >= 0.5)
+    print(f"  the service's etcd round trips: {sum(trips.values()):.0f}/s ({ops})")
+    beat, progress = b["heartbeat_s"], b["progress_s"]
+    print(f"  workers asked for a heartbeat every {beat:g} s, progress every {progress:g} s")
     print(
         f"  etcd: db {b['db'] / 2**20:.1f} MiB, {writes:.0f} revisions/s, grows {growth / 2**10:.1f} KiB/s; "
         f"after an hour <= {hour / 2**20:.0f} MiB ({retained:.0f} revisions kept: {kept:.0f} s)"
@@ -381,8 +411,10 @@ def report(label: str, jobs: int, out: dict[str, Any], submits: float | None, re
         f"{1e3 * p99(lat['page']):.1f} ms ({len(lat['job'])} each)"
     )
     sent, load = b["sent"] - a["sent"], b["load_cpu"] - a["load_cpu"]
+    kinds = {k: (n - a["kinds"].get(k, 0)) / span for k, n in b["kinds"].items()}
+    kinds_line = ", ".join(f"{k} {n:.0f}" for k, n in sorted(kinds.items(), key=lambda t: -t[1]) if n >= 0.5)
     print(
-        f"  load generator: {sent / span:.0f} requests/s, {load / span:.2f} cores, "
+        f"  load generator: {sent / span:.0f} requests/s ({kinds_line}), {load / span:.2f} cores, "
         f"{1e3 * load / max(sent, 1):.3f} ms CPU a request"
     )
     if submits is not None:
@@ -420,7 +452,12 @@ def main() -> int:
         "--idle", type=int, default=0, help="also: one playing job next to this many finished"
     )
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--warmup", type=float, default=15.0)
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=45.0,
+        help="s before measuring (the ranks take up the periods the service asks for)",
+    )
     parser.add_argument("--checkpoint-s", type=float, default=60.0)
     parser.add_argument("--probe-rate", type=float, default=10.0, help="GETs of each kind per second")
     parser.add_argument("--connections", type=int, default=8)
