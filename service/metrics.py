@@ -108,6 +108,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.pass_cpu = Counter(
+            "elastrain_reconciler_pass_cpu_seconds_total",
+            "CPU time the reconciler's full passes took on their thread (their duration also holds "
+            "the time they waited for the interpreter while requests were served)",
+            registry=r,
+        )
         self.launches = Counter("elastrain_scheduler_launches_total", "Node launches", registry=r)
         self.cancels = Counter("elastrain_scheduler_cancels_total", "Node cancels", registry=r)
         self._jobs(r)

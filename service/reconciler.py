@@ -176,7 +176,7 @@ class Reconciler:
         reconciles the jobs written since the last pass and those :func:`woken_pass_takes`; the
         others wait for the next full pass (every ``interval_s``, or ``idle_interval_s`` while all
         are steadily RUNNING), so a write costs a pass no more than the listing and its own job."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         fence = self.election.campaign()
         self.metrics.is_leader.set(1 if fence else 0)
         if fence is None:
@@ -244,6 +244,7 @@ class Reconciler:
         self._passed_at = self.clock()
         self.metrics.last_pass.set(self._passed_at)
         self.metrics.pass_seconds.observe(time.perf_counter() - started)
+        self.metrics.pass_cpu.inc(time.thread_time() - cpu_started)
         return True
 
     @property

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from benchmarks.control_plane_scale import (
+    by_label,
     checkpoint_round,
     cost_ratio,
     db_after,
@@ -23,6 +24,9 @@ elastrain_reconciler_pass_duration_seconds_sum 1.5
 elastrain_reconciler_pass_duration_seconds_count 30.0
 elastrain_jobs{state="RUNNING"} 4.0
 elastrain_jobs{state="SUCCEEDED"} 6.0
+elastrain_etcd_requests_total{op="get",outcome="ok"} 7.0
+elastrain_etcd_requests_total{op="get",outcome="error"} 1.0
+elastrain_etcd_requests_total{op="commit",outcome="ok"} 2.0
 """
 
 
@@ -38,6 +42,11 @@ def test_prom_value_sums_a_series_over_its_labels() -> None:
     assert prom_value(METRICS, "elastrain_jobs") == 10.0
     assert prom_value(METRICS, "elastrain_reconciler_pass_duration_seconds_count") == 30.0
     assert prom_value(METRICS, "etcd_debugging_mvcc_current_revision") is None
+
+
+def test_by_label_sums_a_series_by_one_label() -> None:
+    assert by_label(METRICS, "elastrain_etcd_requests_total", "op") == {"get": 8.0, "commit": 2.0}
+    assert by_label(METRICS, "elastrain_jobs", "op") == {}
 
 
 def test_per_pass_ms_is_the_mean_between_two_readings() -> None:
