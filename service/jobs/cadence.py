@@ -4,9 +4,10 @@ The service sets both from how many ranks and jobs it hears, and tells every wor
 answer (``Ack``): what a thousand ranks at a fixed period would cost grows with the work while one
 instance's capacity does not. Small services keep the fastest periods; past
 :data:`HEARTBEATS_PER_S` heartbeats a second the period lengthens, up to a third of the heartbeat
-timeout, so a live node still beats three times before it could be judged silent (as a Kubernetes
-node lease is renewed four times within its grace, and YARN scales its nodes' heartbeat interval
-with the cluster). Progress follows at most as slowly as heartbeats. Pure.
+timeout, so a live node still beats three times before it could be judged silent (a Kubernetes
+node renews its lease four times within its grace; Hadoop's JobTracker likewise spread its
+trackers' heartbeats to a fixed number a second as the cluster grew). Progress is never asked for
+less often than heartbeats. Pure.
 """
 
 from __future__ import annotations
