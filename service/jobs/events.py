@@ -26,6 +26,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.jobs import incidents, slots
+from service.jobs.cadence import HEARTBEAT_S
 from service.jobs.machine import Policy, fail, move
 from service.jobs.model import JobRecord, JobState, Progress, RecoveryKind
 
@@ -115,7 +116,7 @@ def apply_worker_event(
     progress_at: float | None = None,
     window_s: float = WINDOW_S,
     heard: Mapping[str, float] | None = None,
-    beat_s: float = incidents.BEAT_S,
+    beat_s: float = HEARTBEAT_S,
 ) -> JobRecord:
     """Fold one worker event into the record. Events for a finished job change nothing.
     ``progress_at``: when the newest progress came (the old group's last sign of life);

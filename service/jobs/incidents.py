@@ -26,8 +26,8 @@ The rules (the peer contract's, ``/work/notes/peer-contract.md``):
   worker measures a lost member's end (its connection closed); a member that stopped (SIGSTOP)
   or hung closes nothing, and the workers' time is then when they noticed. So when the service
   last heard from a lost node (its quietest rank's newest heartbeat, or the group's newest
-  progress) more than :data:`BEAT_S` before the workers' time, that sign of life is the failure
-  (:func:`last_sign`).
+  progress) more than a heartbeat period (:mod:`service.jobs.cadence`) before the workers' time,
+  that sign of life is the failure (:func:`last_sign`).
 * ``step_before`` is the step the group had reached: the workers' own count once a report gave
   one, else the newest of the progress and of the steps ranks reported as they stopped
   (:func:`step_reached`).
@@ -56,10 +56,6 @@ from service.jobs.model import (
 )
 
 Join = Literal["lost", "member", "replacement"]
-BEAT_S = HEARTBEAT_S
-"""How often a worker sends its heartbeat at the fastest (the service sets the period, see
-:mod:`service.jobs.cadence`; rank 0's progress comes at least as often): a lost node silent for
-longer than the period before the workers' failure time was not alive until then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +182,7 @@ def step_reached(job: JobRecord) -> int | None:
     return _newest(job.last_step, job.reached_step)
 
 
-def last_sign(measured: float, heard: float | None, *, beat_s: float = BEAT_S) -> float:
+def last_sign(measured: float, heard: float | None, *, beat_s: float = HEARTBEAT_S) -> float:
     """When what was lost was last alive: the workers' ``measured`` time, unless the service's
     newest sign of it (``heard``) is older by more than a beat: a stopped or hung member closes
     no connection, and the workers' time is their detection then."""
@@ -260,7 +256,7 @@ def fold_report(
     window_s: float,
     heard: Mapping[str, float] | None = None,
     progress_at: float | None = None,
-    beat_s: float = BEAT_S,
+    beat_s: float = HEARTBEAT_S,
 ) -> tuple[JobRecord, int]:
     """Fold a worker's report into its incident (opening one when none claims it). Returns the
     job and the index of the incident's recovery. ``heard``: by launch id, when the service last

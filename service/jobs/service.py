@@ -22,11 +22,11 @@ from typing import NamedTuple
 from service.etcd.kv import Fence, KVStore, Write, read_all
 from service.jobs import keys, peer
 from service.jobs.cache import RevisionCache, TTLCache
+from service.jobs.cadence import HEARTBEAT_S
 from service.jobs.claims import check_free, claim_write
 from service.jobs.errors import ConflictError, NotFoundError
 from service.jobs.events import WINDOW_S, WorkerEvent, apply_worker_event, first_step_done, merge_progress
 from service.jobs.heartbeats import Heartbeats
-from service.jobs.incidents import BEAT_S
 from service.jobs.machine import request_cancel, request_scale
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.objectstore import ObjectStorage, is_s3
@@ -438,7 +438,7 @@ class JobService:
             merged = merge_progress(record, progress)
             return apply_worker_event(
                 merged, event, self.clock(), progress_at=progress_at, window_s=self.merge_window_s,
-                heard=heard, beat_s=beats.cadence.heartbeat_s if beats is not None else BEAT_S,
+                heard=heard, beat_s=beats.cadence.heartbeat_s if beats is not None else HEARTBEAT_S,
             )  # fmt: skip
 
         return self.update(job_id, change)

@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from service.jobs.cadence import HEARTBEAT_S
 from service.jobs.events import WorkerEvent, apply_worker_event
-from service.jobs.incidents import BEAT_S, last_sign, step_reached
+from service.jobs.incidents import last_sign, step_reached
 from service.jobs.model import JobRecord, JobState
 from tests.unit.service.jobs.test_incidents import POLICY, Step, run, running_job, worker
 from tests.unit.service.jobs.test_jobs_progress import setup
@@ -37,7 +38,7 @@ def incident(*, failed_at: float, heard: dict[str, float], **more: Any) -> JobRe
 
 def test_the_workers_measure_stands_unless_the_service_heard_nothing_for_longer_than_a_beat() -> None:
     assert last_sign(160.0, None) == 160.0
-    assert last_sign(160.0, 160.0 - BEAT_S) == 160.0  # a crash: the EOF is the better measure
+    assert last_sign(160.0, 160.0 - HEARTBEAT_S) == 160.0  # a crash: the EOF is the better measure
     assert last_sign(160.0, 100.5) == 100.5  # silent for a minute before it was noticed
     assert last_sign(160.0, 165.0) == 160.0  # heard after the failure (it came back): no news
 
