@@ -41,7 +41,7 @@ class Heartbeats:
         self._pruned_at = -math.inf
         self.cadence = Cadence()
         """The periods every answer to a worker asks for (the leader's reconciler sets them each
-        full pass from the ranks it runs, :func:`service.jobs.cadence.cadence_for`)."""
+        full pass from the jobs it runs, :func:`service.jobs.cadence.cadence_of`)."""
 
     @property
     def deferred(self) -> bool:
