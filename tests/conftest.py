@@ -1,4 +1,5 @@
-"""Hooks for the whole suite: a failed fault-row trial says its seed (tests/seeds.py)."""
+"""Hooks for the whole suite: a failed fault-row trial says its seed (tests/seeds.py), and a failed
+test shows the logs of the services it started (tests/evidence.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import sys
 from collections.abc import Generator
 
 import pytest
+
+from tests import evidence
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    evidence.test_started(item.nodeid)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -20,4 +28,6 @@ def pytest_runtest_makereport(
             ("fault seed", f"failed with seed={seed}: rerun with ELASTRAIN_FAULT_SEED={seed}")
         )
         sys.stderr.write(f"\nFAULT ROW FAILED: {item.nodeid} seed={seed}\n")
+    if report.failed and call.when == "call":
+        report.sections.extend(evidence.sections(item.nodeid))
     return report

@@ -28,6 +28,7 @@ from scripts.prometheus_tools import ensure_tools
 from service.cli import main as elastrain
 from service.jobs.recovery import PHASES
 from service.ports import free_port
+from tests import evidence
 from tests.integration.launch import REPO, run_worker, worker_env, write_spec
 from tests.integration.worker.traces import committed
 from tests.waiting import eventually
@@ -74,6 +75,7 @@ class Service:
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        evidence.keep(lambda: self.proc is not None and self.proc.poll() is None, self.logs)
 
     def start(self) -> None:
         assert ELASTRAIN.exists(), f"no elastrain console script next to {sys.executable}: run `make venv`"
@@ -90,6 +92,14 @@ class Service:
         """Everything the service wrote, start after start."""
         logs = sorted(self.data_dir.glob("service-*.log"), key=lambda p: int(p.stem.split("-")[1]))
         return "".join(p.read_text(errors="replace") for p in logs)
+
+    def logs(self) -> dict[str, str]:
+        """The service's log and each node's stderr, by name (what a failed test shows)."""
+        out = {f"service {self.data_dir}": self.log()}
+        for path in sorted((self.data_dir / "nodes").glob("*/**/stderr*")):
+            if path.is_file():
+                out[str(path.relative_to(self.data_dir))] = path.read_text(errors="replace")
+        return out
 
     def job_dir(self, job_id: str) -> str:
         """The job's checkpoint directory (where the service keeps it: no request needed)."""
