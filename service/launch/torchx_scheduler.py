@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,9 +170,13 @@ class TorchXScheduler:
         node directory (local) or a Volcano Job (kubernetes) that already exists is that launch."""
         if isinstance(plan, KubernetesLaunch):
             return self._schedule_kubernetes(plan)
-        if plan.node_dir.exists():
+        if plan.node_dir.exists() and not cut_off(plan.node_dir, _commands()):
             return plan.handle  # launched before
-        plan.node_dir.mkdir(parents=True)
+        if plan.node_dir.exists():
+            log.warning(
+                "%s: its launch was cut off before the node started; launching it", plan.node_dir.name
+            )
+        plan.node_dir.mkdir(parents=True, exist_ok=True)
         plan.spec_path.write_text(plan.spec_json, encoding="utf-8")
         try:
             torchx_handle = self._runner.schedule(plan.request)
@@ -363,6 +367,28 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def cut_off(node_dir: Path, commands: Iterable[bytes]) -> bool:
+    """A launch begun and never started: the node's directory exists, its wrapper recorded
+    neither its start nor its end, and none of ``commands`` (the machine's processes' command
+    lines) runs anything of the node (each names the directory, see :func:`_alive`). A service
+    killed between making the directory and starting the wrapper leaves this; without it, every
+    later launch of the node would take the directory for a node that runs."""
+    if (node_dir / NODE_FILE).exists() or (node_dir / EXIT_FILE).exists():
+        return False
+    mark = str(node_dir).encode()
+    return not any(mark in command for command in commands)
+
+
+def _commands() -> Iterator[bytes]:
+    """The command line of every other process of this machine (Linux /proc)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                yield (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
 
 
 def _alive(pid: int, node_dir: Path) -> bool:

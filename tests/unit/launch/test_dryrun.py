@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from torchx.specs import AppDryRunInfo
 
+from service.launch import torchx_scheduler
 from service.launch.apps import SchedulerSettings, node_env
 from service.launch.dryrun import KubernetesLaunch, LocalLaunch, kubernetes_dryrun, worker_pod
 from service.launch.protocol import NodeLaunch
@@ -148,3 +149,24 @@ def test_the_jobs_queue_and_priority_class_are_in_the_volcano_job() -> None:
     )
     spec = kubernetes_dryrun(low, service_queue)["spec"]
     assert spec["queue"] == "batch" and spec["priorityClassName"] == "elastrain-priority-minus-5"
+
+
+def test_a_launch_cut_off_before_its_node_started_is_launched_again_and_only_then(
+    local: TorchXScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[object] = []
+    monkeypatch.setattr(
+        local._runner, "schedule", lambda request: started.append(request) or "local_cwd://t/x"
+    )
+    plan = local.dryrun(NODE)
+    assert isinstance(plan, LocalLaunch)
+    plan.node_dir.mkdir(parents=True)  # a service killed after making the directory, before the wrapper
+    plan.spec_path.write_text(plan.spec_json)
+    assert local.schedule(plan) == plan.handle and len(started) == 1  # started now
+    # the wrapper is starting: its command line names the directory (it has not written node.json)
+    booting = [b"python\0-m\0service.launch.node_exec\0--state-dir\0" + str(plan.node_dir).encode()]
+    monkeypatch.setattr(torchx_scheduler, "_commands", lambda: iter(booting))
+    assert local.schedule(plan) == plan.handle and len(started) == 1
+    monkeypatch.setattr(torchx_scheduler, "_commands", lambda: iter([b"python\0-m\0other"]))
+    (plan.node_dir / "node.json").write_text('{"pid": 1}')  # it started: the launch is that one
+    assert local.schedule(plan) == plan.handle and len(started) == 1
