@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,16 +291,26 @@ async def play(wire: Wire, rank: Rank, stop: float, *, t0: float, checkpoint_s: 
         await asyncio.sleep(max(0.05, min(due, began + checkpoint_s) - now))
 
 
-async def probe(wire: Wire, token: str, jobs: list[str], stop: float, per_s: float) -> dict[str, list[float]]:
-    """GET a random job and a page of jobs, ``per_s`` each per second; latencies in s."""
+def probe(url: str, token: str, jobs: list[str], stop: float, per_s: float) -> dict[str, list[float]]:
+    """GET a random job and a page of jobs, ``per_s`` each per second until ``time.monotonic()``
+    is ``stop`` (one clock for every process of the machine); latencies in s. Runs in a process
+    of its own (:func:`probing`): a user's GET does not wait on the load generator's event loop,
+    which holds thousands of simulated ranks."""
     lat: dict[str, list[float]] = {"job": [], "page": []}
-    while time.monotonic() < stop:
-        for kind, path in (("job", f"/v1/jobs/{random.choice(jobs)}"), ("page", "/v1/jobs?limit=50")):
-            t0 = time.perf_counter()
-            await wire.send(wire.request("GET", path, token))
-            lat[kind].append(time.perf_counter() - t0)
-        await asyncio.sleep(1.0 / per_s)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as http:
+        while time.monotonic() < stop:
+            for kind, path in (("job", f"/v1/jobs/{random.choice(jobs)}"), ("page", "/v1/jobs?limit=50")):
+                t0 = time.perf_counter()
+                http.get(path).raise_for_status()
+                lat[kind].append(time.perf_counter() - t0)
+            time.sleep(1.0 / per_s)
     return lat
+
+
+async def probing(url: str, token: str, jobs: list[str], stop: float, per_s: float) -> dict[str, list[float]]:
+    """:func:`probe` in a new process (spawned: nothing of this loop's state crosses)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return await asyncio.wrap_future(pool.submit(probe, url, token, jobs, stop, per_s))
 
 
 # ---------------------------------------------------------------- one run
@@ -368,21 +380,20 @@ async def drive(
         **json.loads((args.workdir / "etcd" / "ports.json").read_text())
     )
     pids = (args.proc.pid, int((args.workdir / "etcd" / "etcd.pid").read_text()))
-    wire, probes = Wire(url, args.connections), Wire(url, 1)
-    runners = [asyncio.create_task(w.run()) for w in (wire, probes)]
+    wire = Wire(url, args.connections)
+    runner = asyncio.create_task(wire.run())
     t0 = time.monotonic()
     stop = t0 + args.warmup + args.seconds
     players = [asyncio.create_task(play(wire, r, stop, t0=t0, checkpoint_s=args.checkpoint_s)) for r in ranks]
     await asyncio.sleep(args.warmup)
     first = await asyncio.to_thread(sample, url, etcd, pids)
-    first |= {"load_cpu": time.process_time(), "sent": wire.sent + probes.sent, "kinds": dict(wire.kinds)}
-    lat = await probe(probes, token, jobs, stop, args.probe_rate)
+    first |= {"load_cpu": time.process_time(), "sent": wire.sent, "kinds": dict(wire.kinds)}
+    lat = await probing(url, token, jobs, stop, args.probe_rate)
     last = await asyncio.to_thread(sample, url, etcd, pids)
-    last |= {"load_cpu": time.process_time(), "sent": wire.sent + probes.sent, "kinds": dict(wire.kinds)}
+    last |= {"load_cpu": time.process_time(), "sent": wire.sent, "kinds": dict(wire.kinds)}
     await asyncio.gather(*players)
-    for runner in runners:
-        runner.cancel()
-    return {"first": first, "last": last, "lat": lat, "errors": wire.errors | probes.errors}
+    runner.cancel()
+    return {"first": first, "last": last, "lat": lat, "errors": wire.errors}
 
 
 def report(label: str, jobs: int, out: dict[str, Any], submits: float | None, retained: float) -> float:
