@@ -44,6 +44,9 @@ class ProgressBuffer:
         self._on_change = on_change
         self._clock = clock
         self._held: dict[str, _Held] = {}
+        self._this_term: set[str] = set()
+        """Jobs that reported to this instance since its leadership term began: only the leader
+        takes reports (a standby forwards them), so for these the held report is the newest."""
 
     def report(self, job: JobRecord, progress: Progress) -> None:
         """Take a worker's report; write it when due (see the module docstring)."""
@@ -55,7 +58,18 @@ class ProgressBuffer:
             self._held[job.id] = _Held(progress, written=True, written_at=now)
         else:
             self._held[job.id] = _Held(progress, written=False, written_at=held.written_at)
+        self._this_term.add(job.id)
         self._on_change(job.id)
+
+    def new_term(self) -> None:
+        """Leadership changed hands: reports held from before may be older than etcd's."""
+        self._this_term = set()
+
+    def in_hand(self, job_id: str) -> Progress | None:
+        """The newest progress when it needs no read: the job reported since this leadership
+        term began (None: ask :meth:`newest`). Only meaningful while this instance leads."""
+        held = self._held.get(job_id) if job_id in self._this_term else None
+        return held.progress if held is not None else None
 
     def newest(self, job_id: str) -> Progress | None:
         """The newest progress: etcd's, or the newer one this instance holds but has not written."""

@@ -150,9 +150,10 @@ class JobService:
         self._on_change(job_id)
 
     def forget_all(self) -> None:
-        """Drop every record :meth:`get_recent` holds: leadership changed hands, and records
-        written under the other leader may differ."""
+        """Drop every record :meth:`get_recent` holds, and take no held progress for the newest:
+        leadership changed hands, and what the other leader wrote may differ."""
         self._recent.clear()
+        self.progress.new_term()
 
     def cached_recent(self, job_id: str) -> JobRecord | None:
         """What :meth:`get_recent` holds of the job now (None: it would read etcd)."""

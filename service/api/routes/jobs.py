@@ -83,15 +83,33 @@ def list_jobs(
 async def get_job(job_id: str, ctx: ContextDep) -> Response:
     """State, world size, nodes, restarts, last published step, progress, recent events.
     Served from a short-lived cache that this instance's own writes invalidate."""
-    body = ctx.views.get(job_id)
+    body = ctx.views.get(job_id) or _render_in_hand(ctx, job_id)
     if body is None:
         body = await run_in_threadpool(_render, ctx, job_id)
     return Response(body, media_type="application/json")
 
 
+def _render_in_hand(ctx: Context, job_id: str) -> bytes | None:
+    """The job's view rendered on the event loop when it needs no etcd read: this instance
+    leads, holds the record (the workers' callbacks keep it) and the progress reported in this
+    term. Else None (a worker thread reads etcd): a thread would wait for the interpreter
+    behind the reconciler's and the callbacks' threads."""
+    if not ctx.leader():
+        return None
+    stamp = ctx.views.stamp()
+    record = ctx.jobs.cached_recent(job_id)
+    progress = ctx.progress.in_hand(job_id) if record is not None else None
+    if record is None or progress is None:
+        return None
+    body = public(record, progress).model_dump_json().encode()
+    ctx.views.put(job_id, body, stamp=stamp)
+    return body
+
+
 def _render(ctx: Context, job_id: str) -> bytes:
+    stamp = ctx.views.stamp()
     body = public(ctx.jobs.get(job_id), ctx.progress.newest(job_id)).model_dump_json().encode()
-    ctx.views.put(job_id, body)
+    ctx.views.put(job_id, body, stamp=stamp)
     return body
 
 

@@ -82,6 +82,31 @@ def test_beats_and_progress_on_the_event_loop_are_taken_and_checked(leader: Lead
     assert bad.status_code == 422
 
 
+def test_a_job_the_leader_holds_is_shown_without_reading_etcd_and_fresh_after_a_write(
+    leader: Leader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id, worker = leader.job()
+    leader.beat(job_id, worker, f"{job_id}-n0-a0")
+    progress = {"step": 7, "samples_seen": 56, "samples_per_s": 1.0, "loss": 1.0, "world_size": 1}
+    assert leader.client.post(f"/v1/jobs/{job_id}/workers/progress", json=progress, headers=worker).is_success
+    reads: list[str] = []
+    store = leader.parts.records.store
+    real_get = store.get
+    monkeypatch.setattr(store, "get", lambda key: reads.append(key) or real_get(key))
+    shown = leader.client.get(f"/v1/jobs/{job_id}", headers=AUTH).json()
+    assert shown["step"] == 7 and shown["samples_seen"] == 56 and not reads
+    leader.client.delete(f"/v1/jobs/{job_id}", headers=AUTH)  # a write: the view and record drop
+    reads.clear()
+    shown = leader.client.get(f"/v1/jobs/{job_id}", headers=AUTH).json()
+    assert shown["cancel_requested"] is True and shown["step"] == 7 and reads  # read again
+    leader.parts.records.forget_all()  # a new term: held progress may be older than etcd's
+    leader.beat(job_id, worker, f"{job_id}-n0-a0")
+    leader.parts.views.drop(job_id)
+    reads.clear()
+    assert leader.client.get(f"/v1/jobs/{job_id}", headers=AUTH).json()["step"] == 7
+    assert any("progress" in key for key in reads)
+
+
 def test_a_job_that_ended_refuses_its_workers_on_the_event_loop_too(leader: Leader) -> None:
     job_id, worker = leader.job()
     leader.beat(job_id, worker, f"{job_id}-n0-a0")

@@ -60,6 +60,23 @@ def test_progress_is_written_at_most_every_flush_interval_but_read_fresh(tmp_pat
     assert stored_step(store, job_id) == 6  # five seconds on: written
 
 
+def test_held_progress_needs_no_read_only_within_a_leadership_term(tmp_path: Path) -> None:
+    parts, store, clock, job_id = setup(tmp_path)
+    record = parts.records.get(job_id)
+    assert parts.progress.in_hand(job_id) is None  # nothing reported yet: read etcd
+    parts.progress.report(record, Progress(step=1, time=clock.now))
+    clock.now += 1
+    parts.progress.report(record, Progress(step=2, time=clock.now))  # held, not written
+    assert parts.progress.in_hand(job_id) == Progress(step=2, time=clock.now)
+    parts.records.forget_all()  # leadership changed hands: another leader may have written since
+    assert parts.progress.in_hand(job_id) is None
+    newer = Progress(step=9, time=clock.now + 5)
+    store.put(keys.progress(job_id), newer.model_dump_json().encode())  # the other leader's
+    assert parts.progress.newest(job_id) == newer
+    parts.progress.report(record, Progress(step=10, time=clock.now + 6))
+    assert parts.progress.in_hand(job_id) == Progress(step=10, time=clock.now + 6)
+
+
 def test_recovering_progress_is_written_at_once_and_finished_jobs_flush(tmp_path: Path) -> None:
     parts, store, clock, job_id = setup(tmp_path)
     record = parts.records.get(job_id)
