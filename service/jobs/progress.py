@@ -71,8 +71,12 @@ class ProgressBuffer:
         held = self._held.get(job_id) if job_id in self._this_term else None
         return held.progress if held is not None else None
 
-    def newest(self, job_id: str) -> Progress | None:
-        """The newest progress: etcd's, or the newer one this instance holds but has not written."""
+    def newest(self, job_id: str, *, leading: bool = False) -> Progress | None:
+        """The newest progress: etcd's, or the newer one this instance holds but has not written.
+        ``leading``: this instance leads, so a report taken in this term is the newest (no read:
+        :meth:`in_hand`)."""
+        if leading and (held := self.in_hand(job_id)) is not None:
+            return held
         found = self._writes.store.get(keys.progress(job_id))
         return self._newer(job_id, _decode(found.value) if found else None)
 

@@ -209,7 +209,7 @@ def _report(
 ) -> CheckpointOutcome:
     """A rank's report, checked against the job (world size, step window, budget), then phase 2."""
     check_world_size(record, shape.world_size)
-    newest = ctx.progress.newest(record.id)
+    newest = ctx.progress.newest(record.id, leading=ctx.leader())
     check_step(record, shape.step, newest=newest.step if newest else record.last_step)
     _write(ctx, auth, record, len(body))
     try:

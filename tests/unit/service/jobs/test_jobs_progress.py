@@ -68,6 +68,10 @@ def test_held_progress_needs_no_read_only_within_a_leadership_term(tmp_path: Pat
     clock.now += 1
     parts.progress.report(record, Progress(step=2, time=clock.now))  # held, not written
     assert parts.progress.in_hand(job_id) == Progress(step=2, time=clock.now)
+    planted = Progress(step=99, time=clock.now + 100)  # what a read would find (none happens)
+    store.put(keys.progress(job_id), planted.model_dump_json().encode())
+    assert parts.progress.newest(job_id, leading=True) == Progress(step=2, time=clock.now)
+    assert parts.progress.newest(job_id) == planted
     parts.records.forget_all()  # leadership changed hands: another leader may have written since
     assert parts.progress.in_hand(job_id) is None
     newer = Progress(step=9, time=clock.now + 5)
