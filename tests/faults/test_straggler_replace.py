@@ -25,7 +25,7 @@ from tests.integration.worker.test_service_e2e import Service, digest, job_spec,
 from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-STEPS = 150  # room for the slow windows a loaded machine blurs: named within 40-90 steps here
+STEPS = 90
 
 
 def spec(**over: Any) -> dict[str, Any]:
