@@ -301,7 +301,7 @@ def poisoned(body: dict[str, Any], how: str, token: str, pick: int) -> tuple[byt
         path = ("extra",)
         body = body | {"extra": MARK}
     text = json.dumps(body).replace(json.dumps(MARK), token)
-    return text.encode(), ".".join(str(p) for p in path)
+    return text.encode(), ".".join(str(p) for p in path) or "body"  # a lone "" key: as above
 
 
 def _numbers(value: Any, path: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
