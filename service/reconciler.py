@@ -402,13 +402,14 @@ class Reconciler:
         ``read``: its progress and heartbeats as the pass read them for every job at once;
         ``grant``: what the queue allows it (the pass computes it from the same listing)."""
         stored, revision = known if known is not None else self.jobs.get_versioned(job_id)
-        progress = read[0] if read is not None else self.progress.newest(job_id)
+        statuses = self._statuses(stored)  # first: a step reported before a node ended is in the progress
+        progress = self._newest(job_id, read[0] if read is not None else self.progress.newest(job_id))
         record = merge_progress(stored, progress)
         if progress is not None and progress.time > record.state_since:
             # a step after re-forming
             record = first_step_done(record, progress.step, progress.time, world_size=progress.world_size)
         seen = read[1] if read is not None else self.heartbeats.seen(job_id)
-        observation = dataclasses.replace(self._observe(record, progress, seen), grant=grant)
+        observation = dataclasses.replace(self._observe(statuses, progress, seen), grant=grant)
         decision = reconcile(record, observation, self.policy)
         # The step alone is not worth an etcd write each pass (GET reads it from the progress
         # key); it is persisted with the next real change, and recoveries read it merged above.
@@ -454,7 +455,13 @@ class Reconciler:
             self._drop_transient(job_id, fence)
             del self._sweep_again[job_id]
 
-    def _observe(self, record: JobRecord, progress: Progress | None, seen: Seen) -> Observation:
+    def _newest(self, job_id: str, read: Progress | None) -> Progress | None:
+        """The job's progress as the pass read it, or a newer report taken since (held in
+        memory: the pass read every job's at its start, seconds ago with many jobs)."""
+        held = self.progress.in_hand(job_id)
+        return held if held is not None and (read is None or held.time > read.time) else read
+
+    def _statuses(self, record: JobRecord) -> dict[str, NodeStatus]:
         statuses: dict[str, NodeStatus] = {}
         for node in record.nodes:
             if node.handle and node.phase in (NodePhase.RUNNING, NodePhase.STOPPING):
@@ -463,6 +470,9 @@ class Reconciler:
                 except Exception as exc:
                     log.warning("status of %s failed: %s", node.handle, exc)
                     statuses[node.launch_id] = UNKNOWN
+        return statuses
+
+    def _observe(self, statuses: dict[str, NodeStatus], progress: Progress | None, seen: Seen) -> Observation:
         last_seen, last_heard = seen
         return Observation(
             now=self.clock(),

@@ -13,7 +13,7 @@ from service.etcd.memory import MemoryStore
 from service.jobs import keys
 from service.jobs.errors import NotLeaderError
 from service.jobs.machine import Observation, reconcile
-from service.jobs.model import JobState, NodePhase
+from service.jobs.model import JobState, NodePhase, Progress
 from service.jobs.parts import JobParts
 from service.launch.protocol import NodeLaunch, node_launch
 from service.reconciler import LaunchContext, Reconciler
@@ -271,3 +271,21 @@ def test_a_gang_launched_before_a_crash_is_launched_again_as_the_same_gang(world
     gang = [f"{job_id}-n0-a0", f"{job_id}-n1-a0"]
     assert world.scheduler.gangs_launched == [gang, gang] and world.scheduler.launch_ids == gang
     assert [n.handle for n in world.jobs.get(job_id).nodes] == [f"fake://{i}" for i in gang]
+
+
+def test_a_step_reported_while_a_pass_runs_counts_in_the_recovery_it_opens(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = world.submit(nodes="1", recovery={"mode": "restart"})
+    r = world.reconciler()
+    r.run_once()
+    r.run_once()
+    assert world.jobs.get(job_id).state == JobState.RUNNING
+    # the pass reads every job's progress at its start; the report comes in after that read
+    monkeypatch.setattr(world.parts.progress, "newest_of", lambda ids: dict.fromkeys(ids))
+    world.parts.progress.report(world.jobs.get(job_id), Progress(step=12, time=world.clock()))
+    world.scheduler.finish(f"{job_id}-n0-a0", exit_code=1)
+    r.run_once()
+    record = world.jobs.get(job_id)
+    assert record.state == JobState.RECOVERING
+    assert record.recoveries[0].step_before == 12  # the step the group had reached, not unknown

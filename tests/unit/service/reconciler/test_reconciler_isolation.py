@@ -164,14 +164,14 @@ def test_a_job_the_reconciler_keeps_failing_on_is_failed_and_the_others_go_on(
     """A bug (here: any exception while one job is reconciled) fails that job after three passes
     in a row, with the error in its reason; every other job is reconciled in each of them."""
     bad, healthy = world.submit(name="bad"), world.submit(name="healthy")
-    observe = world.reconciler._observe
+    statuses = world.reconciler._statuses
 
-    def broken(record: JobRecord, progress: Any, seen: Any) -> Any:
+    def broken(record: JobRecord) -> Any:
         if record.id == bad:
             raise TypeError("unsupported operand type(s) for -: 'NoneType' and 'float'")
-        return observe(record, progress, seen)
+        return statuses(record)
 
-    monkeypatch.setattr(world.reconciler, "_observe", broken)
+    monkeypatch.setattr(world.reconciler, "_statuses", broken)
     for _ in range(2):
         assert world.reconciler.run_once()
         assert world.jobs.get(bad).state == JobState.PENDING
