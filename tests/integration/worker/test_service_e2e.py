@@ -96,10 +96,13 @@ class Service:
     def logs(self) -> dict[str, str]:
         """The service's log and each node's stderr, by name (what a failed test shows)."""
         out = {f"service {self.data_dir}": self.log()}
-        for path in sorted((self.data_dir / "nodes").glob("*/**/stderr*")):
-            if path.is_file():
-                out[str(path.relative_to(self.data_dir))] = path.read_text(errors="replace")
+        for path in self._stderr_files("*"):
+            out[str(path.relative_to(self.data_dir))] = path.read_text(errors="replace")
         return out
+
+    def _stderr_files(self, job_id: str) -> list[Path]:
+        """The stderr files of the nodes of ``job_id`` (a glob: ``*`` for every job's)."""
+        return [p for p in sorted((self.data_dir / "nodes").glob(f"{job_id}/**/stderr*")) if p.is_file()]
 
     def job_dir(self, job_id: str) -> str:
         """The job's checkpoint directory (where the service keeps it: no request needed)."""
@@ -111,8 +114,7 @@ class Service:
 
     def node_logs(self, job_id: str) -> str:
         """Everything the job's nodes (torchrun agents and their workers) wrote to stderr."""
-        logs = sorted((self.data_dir / "nodes" / job_id).glob("**/stderr*"))
-        return "".join(p.read_text(errors="replace") for p in logs if p.is_file())
+        return "".join(p.read_text(errors="replace") for p in self._stderr_files(job_id))
 
     def _ready(self) -> bool:
         try:
