@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # many tests wait on processes they started, so a third keeps the cores busier
 TEST_WORKERS ?= 3
 
-.PHONY: venv run test test-installed test-gpu lint types unit integration bench faults deploy-sync clean
+.PHONY: wrk venv run test test-installed test-gpu lint types unit integration bench faults deploy-sync clean
 
 venv: $(STAMP)
 
@@ -38,10 +38,16 @@ integration: $(STAMP)
 
 # Each test runs once: the installed-distribution subset (the unit tests and a few launches, see
 # scripts/test_installed.py) against the wheel, everything else from the tree. Every benchmark's
-# short run is `make bench QUICK=1`, which CI runs after this (.ci/run).
-test: lint types
-	$(PY) -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS)
-	$(PY) -m scripts.test_installed -n $(TEST_WORKERS) --dist loadscope
+# short run (`make bench QUICK=1`, numbers not kept) runs beside them, so that a benchmark that
+# breaks fails the suite; its output goes to build/bench-quick.log and is shown when it fails.
+BENCH_LOG := build/bench-quick.log
+test: lint types wrk
+	@mkdir -p build; $(PY) -m benchmarks.run_all --quick --no-table >$(BENCH_LOG) 2>&1 & bench=$$!; failed=0; \
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadscope $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS) || failed=1; \
+	$(PY) -m scripts.test_installed -n $(TEST_WORKERS) --dist loadscope || failed=1; \
+	echo "waiting for the benchmarks' short runs ($(BENCH_LOG))"; \
+	if wait $$bench; then tail -n 1 $(BENCH_LOG); else tail -n 80 $(BENCH_LOG); echo "a benchmark failed: $(BENCH_LOG)"; failed=1; fi; \
+	exit $$failed
 
 # Part of the suite against the distribution users install: a wheel of this tree, installed (not
 # editable) into build/installed/venv, run from a copy of tests/ with no service/ or worker/
@@ -60,11 +66,13 @@ test-gpu: $(STAMP)
 # benchmarks/service_api.py; installed with apt-get when missing and we are root, otherwise that
 # benchmark says it ran without it.
 QUICK ?=
-bench: $(STAMP)
+bench: $(STAMP) wrk
+	$(PY) -m benchmarks.run_all $(if $(QUICK),--quick)
+
+wrk:
 	@command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		echo "installing Debian's wrk for the API load benchmark" && \
 		(apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); } || true
-	$(PY) -m benchmarks.run_all $(if $(QUICK),--quick)
 
 # The fault matrix, each row TRIALS times with recorded seeds; writes a results table.
 TRIALS ?= 1
