@@ -294,10 +294,18 @@ class InstrumentedStore:
             return self.inner.get(key)
 
     def list_prefix(
-        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+        self,
+        prefix: str,
+        *,
+        start_after: str | None = None,
+        limit: int = 0,
+        keys_only: bool = False,
+        last: str | None = None,
     ) -> list[Entry]:
         with self._metrics.etcd_call("list_prefix"):
-            return self.inner.list_prefix(prefix, start_after=start_after, limit=limit, keys_only=keys_only)
+            return self.inner.list_prefix(
+                prefix, start_after=start_after, limit=limit, keys_only=keys_only, last=last
+            )
 
     def commit(self, writes: Sequence[Write], *, fence: Fence | None = None) -> bool:
         with self._metrics.etcd_call("commit"):

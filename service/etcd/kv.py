@@ -76,10 +76,17 @@ class KVStore(Protocol):
     def get(self, key: str) -> Versioned | None: ...
 
     def list_prefix(
-        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+        self,
+        prefix: str,
+        *,
+        start_after: str | None = None,
+        limit: int = 0,
+        keys_only: bool = False,
+        last: str | None = None,
     ) -> list[Entry]:
-        """Keys under ``prefix`` in key order, after ``start_after`` when given; ``limit`` 0 = all;
-        ``keys_only``: every value is ``b""`` (etcd sends none)."""
+        """Keys under ``prefix`` in key order, after ``start_after`` when given and up to ``last``
+        (included) when given; ``limit`` 0 = all; ``keys_only``: every value is ``b""`` (etcd
+        sends none)."""
         ...
 
     def commit(self, writes: Sequence[Write], *, fence: Fence | None = None) -> bool:
@@ -138,8 +145,8 @@ def read_all(
             out.append(Entry(first, b"" if keys_only else found.value, found.mod_revision))
         after = first
     while True:
-        batch = store.list_prefix(prefix, start_after=after, limit=page, keys_only=keys_only)
-        out += [entry for entry in batch if last is None or entry.key <= last]
+        batch = store.list_prefix(prefix, start_after=after, limit=page, keys_only=keys_only, last=last)
+        out += batch
         if len(batch) < page or (last is not None and batch[-1].key >= last):
             return out
         after = batch[-1].key
@@ -207,10 +214,19 @@ class EtcdStore:
         return Versioned(unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"]))
 
     def list_prefix(
-        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+        self,
+        prefix: str,
+        *,
+        start_after: str | None = None,
+        limit: int = 0,
+        keys_only: bool = False,
+        last: str | None = None,
     ) -> list[Entry]:
         start = (start_after + "\0") if start_after is not None else prefix
-        body: dict[str, Any] = {"key": b64(start), "range_end": b64(range_end(prefix))}
+        end = range_end(prefix)
+        if last is not None:  # the smallest key after ``last``, when that ends the range sooner
+            end = min(end.encode(), (last + "\0").encode()).decode()
+        body: dict[str, Any] = {"key": b64(start), "range_end": b64(end)}
         if limit:
             body["limit"] = limit
         if keys_only:

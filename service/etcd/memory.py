@@ -47,13 +47,21 @@ class MemoryStore:
             return Versioned(item[0], item[1]) if item else None
 
     def list_prefix(
-        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+        self,
+        prefix: str,
+        *,
+        start_after: str | None = None,
+        limit: int = 0,
+        keys_only: bool = False,
+        last: str | None = None,
     ) -> list[Entry]:
         with self._lock:
             self._check()
             keys = sorted(k for k in self._data if k.startswith(prefix))
             if start_after is not None:
                 keys = [k for k in keys if k > start_after]
+            if last is not None:
+                keys = [k for k in keys if k.encode() <= last.encode()]
             keys = keys[:limit] if limit else keys
             return [Entry(k, b"" if keys_only else self._data[k][0], self._data[k][1]) for k in keys]
 

@@ -187,6 +187,17 @@ def test_list_prefix_is_ordered_and_pages(store: KVStore, etcd_prefix: str) -> N
     assert [(e.key, e.value, e.mod_revision) for e in bare] == [
         (e.key, b"", e.mod_revision) for e in page + rest
     ]
+    upto = store.list_prefix(f"{etcd_prefix}/list/", last=f"{etcd_prefix}/list/2")  # 2 included
+    assert [e.value for e in upto] == [b"1", b"2"]
+    assert (
+        store.list_prefix(f"{etcd_prefix}/list/", start_after=page[0].key, last=f"{etcd_prefix}/list/2")[
+            0
+        ].value
+        == b"2"
+    )
+    assert [e.value for e in store.list_prefix(f"{etcd_prefix}/list/", last=f"{etcd_prefix}/lisz")] == [
+        b"1", b"2", b"3",
+    ]  # fmt: skip
     store.commit([Write(f"{etcd_prefix}/list/", None, None, prefix=True)])
     assert store.list_prefix(f"{etcd_prefix}/list/") == []
     assert store.get(f"{etcd_prefix}/listx") is not None

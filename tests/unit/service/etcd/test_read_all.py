@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.etcd.kv import read_all
+from service.etcd.kv import Entry, read_all
 from service.etcd.memory import MemoryStore
 
 
@@ -32,3 +32,30 @@ def test_read_all_between_two_keys_includes_both_whether_or_not_they_exist() -> 
         ]  # fmt: skip
         only = read_all(store, "/a/", page=page, first="/a/08", last="/a/08", keys_only=True)
         assert [(e.key, e.value) for e in only] == [("/a/08", b"")]
+
+
+class CountingStore(MemoryStore):
+    """Counts the entries its range reads answer with (what etcd would send)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0
+
+    def list_prefix(self, prefix: str, **kwargs: object) -> list[Entry]:
+        entries = super().list_prefix(prefix, **kwargs)  # type: ignore[arg-type]
+        self.sent += len(entries)
+        return entries
+
+
+def test_a_bounded_read_asks_for_no_key_past_the_last() -> None:
+    """A page of jobs reads its own jobs' keys, not every key after its first one."""
+    store = CountingStore()
+    for i in range(100):
+        store.put(f"/a/{i:03d}", b"x" * 100)
+    for page in (7, 1000):
+        store.sent = 0
+        entries = read_all(store, "/a/", page=page, first="/a/010", last="/a/019")
+        assert [e.key for e in entries] == [f"/a/{i:03d}" for i in range(10, 20)]
+        assert store.sent <= 9 + 1  # the keys after the first one, and a page that ends at the last
+    assert [e.key for e in store.list_prefix("/a/", last="/a/001")] == ["/a/000", "/a/001"]
+    assert store.list_prefix("/a/", start_after="/a/050", last="/a/020") == []

@@ -33,10 +33,18 @@ class CountingStore(MemoryStore):
         return found
 
     def list_prefix(
-        self, prefix: str, *, start_after: str | None = None, limit: int = 0, keys_only: bool = False
+        self,
+        prefix: str,
+        *,
+        start_after: str | None = None,
+        limit: int = 0,
+        keys_only: bool = False,
+        last: str | None = None,
     ) -> list[Entry]:
         self.reads += 1
-        entries = super().list_prefix(prefix, start_after=start_after, limit=limit, keys_only=keys_only)
+        entries = super().list_prefix(
+            prefix, start_after=start_after, limit=limit, keys_only=keys_only, last=last
+        )
         self.value_bytes += sum(len(e.value) for e in entries)
         return entries
 
