@@ -38,11 +38,12 @@ integration: $(STAMP)
 
 # Each test runs once: the installed-distribution subset (the unit tests and a few launches, see
 # scripts/test_installed.py) against the wheel, everything else from the tree. Every benchmark's
-# short run (`make bench QUICK=1`, numbers not kept) runs beside them, so that a benchmark that
-# breaks fails the suite; its output goes to build/bench-quick.log and is shown when it fails.
+# short run (`make bench QUICK=1`, numbers not kept) runs beside them at a lower priority (nice),
+# so that a benchmark that breaks fails the suite; its output goes to build/bench-quick.log and
+# is shown when one fails.
 BENCH_LOG := build/bench-quick.log
 test: lint types wrk
-	@mkdir -p build; $(PY) -m benchmarks.run_all --quick --no-table >$(BENCH_LOG) 2>&1 & bench=$$!; failed=0; \
+	@mkdir -p build; nice -n 10 $(PY) -m benchmarks.run_all --quick --no-table >$(BENCH_LOG) 2>&1 & bench=$$!; failed=0; \
 	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadscope $$($(PY) -m scripts.test_installed --rest) $(PYTEST_ARGS) || failed=1; \
 	$(PY) -m scripts.test_installed -n $(TEST_WORKERS) --dist loadscope || failed=1; \
 	echo "waiting for the benchmarks' short runs ($(BENCH_LOG))"; \
