@@ -88,6 +88,7 @@ def create_app(
     app.include_router(workers.router)
     app.include_router(gateway.router)
     app.include_router(health.router)
+    app.add_middleware(workers.InHandCallbacks)  # innermost: a leader's own callbacks in hand
     if forward is not None and leader is not None:
         app.add_middleware(
             ForwardToLeader,

@@ -195,13 +195,19 @@ def from_http(status: int, detail: str) -> ApiError:
     return ApiError(status, "http_error", detail)
 
 
+def error_response(err: ApiError, on_error: Callable[[str], None]) -> JSONResponse:
+    """The answer to ``err``; ``on_error(code)`` counts it (the handlers :func:`install` registers,
+    and a route's handler called from outside FastAPI's exception handling)."""
+    on_error(err.code)
+    body = error_body(err.code, err.message, err.field)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
 def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
     """Register the handlers; ``on_error(code)`` counts every error response."""
 
     def respond(err: ApiError) -> JSONResponse:
-        on_error(err.code)
-        body = error_body(err.code, err.message, err.field)
-        return JSONResponse(body, status_code=err.status, headers=err.headers)
+        return error_response(err, on_error)
 
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
-from pydantic import ValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.auth import bearer
 from service.api.deps import Context, ContextDep, WorkerAuth
-from service.api.errors import ApiError, error_responses, from_validation
+from service.api.errors import ApiError, error_response, error_responses, from_domain, from_validation
 from service.api.schemas import (
     MAX_COUNT,
     MAX_ROUND,
@@ -30,6 +36,7 @@ from service.jobs.callbacks import check_event, check_node, check_open, check_st
 from service.jobs.errors import OverBudgetError
 from service.jobs.model import JobRecord, JobState, Progress
 from service.jobs.tokens import hash_token
+from worker.errors import ElastrainError
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["workers"])
 # What each route can answer besides success (413 and a too-deep 422 are app-wide, see app.py).
@@ -252,3 +259,84 @@ def resume(
     if ctx.checkpoints is None:
         return ResumeAnswer(job=job_id, checkpoint=None, load_plan=None)
     return ctx.checkpoints.resumes.resume(record, world_size=world_size, rank=rank)
+
+
+# ------------------------------------------------------------------ callbacks in hand, unrouted
+
+_IN_HAND_PATH = re.compile(r"/v1/jobs/([^/]+)/workers/(heartbeat|progress)")
+_IN_HAND: dict[str, tuple[type[BaseModel], Callable[..., Ack]]] = {
+    "heartbeat": (HeartbeatRequest, _heartbeat),
+    "progress": (ProgressRequest, _progress),
+}
+
+
+class InHandCallbacks:
+    """ASGI middleware, inside the door, the body limit and leader forwarding: a heartbeat or
+    progress report from the job's own worker token, for a job in hand (:func:`_in_hand`), with
+    a body its route takes, is handled here by the route's own handler, without FastAPI's
+    routing and dependency resolution: about half of such a callback's time on the event loop,
+    where thousands of ranks' callbacks queue ahead of the users' reads. The answer, its errors
+    and its metrics are the route's. Everything else goes on to the routes unchanged (so every
+    refusal before the handler runs, and every other caller, is answered by the routes)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._routes: dict[str, BaseRoute] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = None
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("query_string"):
+            found = _IN_HAND_PATH.fullmatch(scope["path"])
+        if found is None:
+            await self.app(scope, receive, send)
+            return
+        messages = [await receive()]
+        while messages[-1]["type"] == "http.request" and messages[-1].get("more_body"):
+            messages.append(await receive())
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        if messages[-1]["type"] == "http.request":
+            answer = self._take(scope, replay, found.group(1), found.group(2), body)
+            if answer is not None:
+                await answer(scope, replay, send)
+                return
+        await self.app(scope, replay, send)
+
+    def _take(self, scope: Scope, receive: Receive, job_id: str, kind: str, body: bytes) -> Response | None:
+        """The route's answer, or None when the routes must take the request."""
+        ctx: Context = scope["app"].state.ctx
+        headers = Headers(scope=scope)
+        record = _in_hand(ctx, job_id)
+        token = bearer(headers.get("authorization"))
+        if record is None or token is None or hash_token(token) != record.worker_token_hash:
+            return None
+        if headers.get("content-type") != "application/json":
+            return None
+        model, handle = _IN_HAND[kind]
+        try:
+            parsed = model.model_validate(json.loads(body))
+        except ValueError:  # not JSON, or not this route's body (ValidationError): the route says why
+            return None
+        route = self._route(kind)
+        if route is None:
+            return None
+        scope["route"] = route  # the request's metrics are labelled with its route, as routed
+        counted = ctx.metrics.errors.labels
+        try:
+            ack = handle(ctx, job_id, parsed, "worker", Request(scope, receive), record)
+        except ApiError as exc:
+            return error_response(exc, lambda code: counted(code).inc())
+        except ElastrainError as exc:
+            return error_response(from_domain(exc), lambda code: counted(code).inc())
+        return Response(ack.model_dump_json().encode(), media_type="application/json")
+
+    def _route(self, kind: str) -> BaseRoute | None:
+        if not self._routes:
+            for route in router.routes:
+                path = getattr(route, "path", "")
+                if path.endswith(("/workers/heartbeat", "/workers/progress")):
+                    self._routes[path.rsplit("/", 1)[1]] = route
+        return self._routes.get(kind)

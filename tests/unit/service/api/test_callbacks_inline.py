@@ -114,3 +114,39 @@ def test_a_job_that_ended_refuses_its_workers_on_the_event_loop_too(leader: Lead
     leader.parts.records.get_recent(job_id)
     assert held(leader, job_id).state == JobState.FAILED
     assert leader.beat(job_id, worker, f"{job_id}-n0-a0")[0] == 409
+
+
+def test_a_callback_in_hand_skips_the_routing_and_answers_exactly_as_the_route(
+    leader: Leader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In hand, a heartbeat or progress report is handled without FastAPI resolving the route's
+    dependencies (its token check among them: counted here), with the same answer, headers and
+    metrics; a body the route refuses still reaches the route."""
+    import service.api.deps as deps
+
+    routed: list[str | None] = []
+    real = deps.authorize
+    monkeypatch.setattr(
+        deps, "authorize", lambda token, **kw: routed.append(kw["job_id"]) or real(token, **kw)
+    )
+    job_id, worker = leader.job()
+    routed.clear()  # the submit's
+    url = f"/v1/jobs/{job_id}/workers/heartbeat"
+    body = {"launch_id": f"{job_id}-n0-a0", "local_rank": 0, "step": 3}
+    first = leader.client.post(url, json=body, headers=worker)  # routed: the record is not held yet
+    assert routed == [job_id]
+    held(leader, job_id)
+    second = leader.client.post(url, json=body, headers=worker)
+    assert routed == [job_id]  # not routed
+    assert (second.status_code, second.headers, second.content) == (
+        first.status_code, first.headers, first.content,
+    )  # fmt: skip
+    progress = {"step": 7, "samples_seen": 56, "samples_per_s": 1.0, "loss": 1.0, "world_size": 1}
+    assert leader.client.post(f"/v1/jobs/{job_id}/workers/progress", json=progress, headers=worker).is_success
+    assert routed == [job_id] and leader.parts.progress.newest(job_id).step == 7  # type: ignore[union-attr]
+    refused = leader.client.post(url, json={"launch_id": body["launch_id"]}, headers=worker)
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "local_rank"
+    assert routed == [job_id, job_id]  # the route said why
+    metrics = leader.client.get("/metrics").text
+    assert 'route="/v1/jobs/{job_id}/workers/heartbeat",status="200"} 2.0' in metrics
+    assert 'route="/v1/jobs/{job_id}/workers/progress",status="200"} 1.0' in metrics
