@@ -264,24 +264,32 @@ def resume(
 # ------------------------------------------------------------------ callbacks in hand, unrouted
 
 _IN_HAND_PATH = re.compile(r"/v1/jobs/([^/]+)/workers/(heartbeat|progress)")
-_IN_HAND: dict[str, tuple[type[BaseModel], Callable[..., Ack]]] = {
-    "heartbeat": (HeartbeatRequest, _heartbeat),
-    "progress": (ProgressRequest, _progress),
-}
+
+
+def _in_hand_routes() -> dict[str, tuple[type[BaseModel], Callable[..., Ack], BaseRoute]]:
+    """Per callback taken in hand: its body's model, its handler and its route (for metrics)."""
+    handlers: dict[str, tuple[type[BaseModel], Callable[..., Ack]]] = {
+        "heartbeat": (HeartbeatRequest, _heartbeat),
+        "progress": (ProgressRequest, _progress),
+    }
+    routes = {getattr(r, "path", "").rsplit("/", 1)[-1]: r for r in router.routes}
+    return {kind: (model, handle, routes[kind]) for kind, (model, handle) in handlers.items()}
+
+
+_IN_HAND = _in_hand_routes()
 
 
 class InHandCallbacks:
     """ASGI middleware, inside the door, the body limit and leader forwarding: a heartbeat or
     progress report from the job's own worker token, for a job in hand (:func:`_in_hand`), with
     a body its route takes, is handled here by the route's own handler, without FastAPI's
-    routing and dependency resolution: about half of such a callback's time on the event loop,
-    where thousands of ranks' callbacks queue ahead of the users' reads. The answer, its errors
-    and its metrics are the route's. Everything else goes on to the routes unchanged (so every
-    refusal before the handler runs, and every other caller, is answered by the routes)."""
+    routing and dependency resolution, which cost the event loop more than the handler itself
+    (and there thousands of ranks' callbacks queue ahead of the users' reads). The answer, its
+    errors and its metrics are the route's. Everything else goes on to the routes unchanged (so
+    every refusal before the handler runs, and every other caller, is answered by the routes)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._routes: dict[str, BaseRoute] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         found = None
@@ -299,44 +307,37 @@ class InHandCallbacks:
 
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
         if messages[-1]["type"] == "http.request":
-            answer = self._take(scope, replay, found.group(1), found.group(2), body)
+            answer = _answer_in_hand(scope, replay, found.group(1), found.group(2), body)
             if answer is not None:
                 await answer(scope, replay, send)
                 return
         await self.app(scope, replay, send)
 
-    def _take(self, scope: Scope, receive: Receive, job_id: str, kind: str, body: bytes) -> Response | None:
-        """The route's answer, or None when the routes must take the request."""
-        ctx: Context = scope["app"].state.ctx
-        headers = Headers(scope=scope)
-        record = _in_hand(ctx, job_id)
-        token = bearer(headers.get("authorization"))
-        if record is None or token is None or hash_token(token) != record.worker_token_hash:
-            return None
-        if headers.get("content-type") != "application/json":
-            return None
-        model, handle = _IN_HAND[kind]
-        try:
-            parsed = model.model_validate(json.loads(body))
-        except ValueError:  # not JSON, or not this route's body (ValidationError): the route says why
-            return None
-        route = self._route(kind)
-        if route is None:
-            return None
-        scope["route"] = route  # the request's metrics are labelled with its route, as routed
-        counted = ctx.metrics.errors.labels
-        try:
-            ack = handle(ctx, job_id, parsed, "worker", Request(scope, receive), record)
-        except ApiError as exc:
-            return error_response(exc, lambda code: counted(code).inc())
-        except ElastrainError as exc:
-            return error_response(from_domain(exc), lambda code: counted(code).inc())
-        return Response(ack.model_dump_json().encode(), media_type="application/json")
 
-    def _route(self, kind: str) -> BaseRoute | None:
-        if not self._routes:
-            for route in router.routes:
-                path = getattr(route, "path", "")
-                if path.endswith(("/workers/heartbeat", "/workers/progress")):
-                    self._routes[path.rsplit("/", 1)[1]] = route
-        return self._routes.get(kind)
+def _answer_in_hand(scope: Scope, receive: Receive, job_id: str, kind: str, body: bytes) -> Response | None:
+    """The route's answer to a callback in hand, or None when the routes must take it."""
+    ctx: Context = scope["app"].state.ctx
+    headers = Headers(scope=scope)
+    record = _in_hand(ctx, job_id)
+    token = bearer(headers.get("authorization"))
+    if record is None or token is None or hash_token(token) != record.worker_token_hash:
+        return None
+    if headers.get("content-type") != "application/json":
+        return None
+    model, handle, route = _IN_HAND[kind]
+    try:
+        parsed = model.model_validate(json.loads(body))
+    except ValueError:  # not JSON, or not this route's body (ValidationError): the route says why
+        return None
+    scope["route"] = route  # the request's metrics are labelled with its route, as routed
+
+    def count(code: str) -> None:
+        ctx.metrics.errors.labels(code).inc()
+
+    try:
+        ack = handle(ctx, job_id, parsed, "worker", Request(scope, receive), record)
+    except ApiError as exc:
+        return error_response(exc, count)
+    except ElastrainError as exc:
+        return error_response(from_domain(exc), count)
+    return Response(ack.model_dump_json().encode(), media_type="application/json")
