@@ -2,7 +2,8 @@
 simulated.
 
 ``python -m benchmarks.control_plane_scale [--jobs 10 100] [--seconds 60] [--quick]`` starts
-``elastrain serve``'s ``serve()`` in a child process (embedded etcd) with :class:`SimScheduler`,
+``elastrain serve``'s ``serve()`` in a child process (embedded etcd; the workers' calls on a port
+of their own, ``ELASTRAIN_WORKER_PORT``, unless ``--one-port``) with :class:`SimScheduler`,
 a scheduler that starts nothing and reports every node running; it is selected by this module's
 hidden ``--serve`` entry point, which ships in no package. For each N it submits N jobs of 10
 nodes x 1 process (submits/s), waits for their 10 x N launches, and then plays every rank over
@@ -128,7 +129,7 @@ class SimScheduler:
             if node.spec.name == "finished":
                 self.done.add(handle)
             line = {"job": node.job_id, "node": node.node_index, "launch_id": node.launch_id}
-            line["token"] = node.env["ELASTRAIN_WORKER_TOKEN"]
+            line |= {"token": node.env["ELASTRAIN_WORKER_TOKEN"], "url": node.env["ELASTRAIN_SERVICE_URL"]}
             with self.path.open("a") as f:
                 f.write(json.dumps(line) + "\n")
         return handle
@@ -242,6 +243,8 @@ class Rank:
     launch_id: str
     node: int
     token: str
+    url: str
+    """Where the service told the node to call."""
 
 
 def checkpoint_round(job: str, now: float, *, t0: float, period: float) -> tuple[int, float]:
@@ -368,7 +371,7 @@ def wait_launches(path: Path, count: int, timeout_s: float) -> list[Rank]:
         lines = path.read_text().splitlines() if path.exists() else []
         if len(lines) >= count or time.monotonic() > deadline:
             raw = [json.loads(line) for line in lines]
-            return [Rank(r["job"], r["launch_id"], r["node"], r["token"]) for r in raw]
+            return [Rank(r["job"], r["launch_id"], r["node"], r["token"], r["url"]) for r in raw]
         time.sleep(0.5)
 
 
@@ -380,7 +383,7 @@ async def drive(
         **json.loads((args.workdir / "etcd" / "ports.json").read_text())
     )
     pids = (args.proc.pid, int((args.workdir / "etcd" / "etcd.pid").read_text()))
-    wire = Wire(url, args.connections)
+    wire = Wire(ranks[0].url, args.connections)  # every node is told the same URL
     runner = asyncio.create_task(wire.run())
     t0 = time.monotonic()
     stop = t0 + args.warmup + args.seconds
@@ -393,7 +396,8 @@ async def drive(
     last |= {"load_cpu": time.process_time(), "sent": wire.sent, "kinds": dict(wire.kinds)}
     await asyncio.gather(*players)
     runner.cancel()
-    return {"first": first, "last": last, "lat": lat, "errors": wire.errors}
+    calls = "the API's port" if ranks[0].url == url else "a port of their own (ELASTRAIN_WORKER_PORT)"
+    return {"first": first, "last": last, "lat": lat, "errors": wire.errors, "calls": calls}
 
 
 def report(label: str, jobs: int, out: dict[str, Any], submits: float | None, retained: float) -> float:
@@ -409,6 +413,7 @@ def report(label: str, jobs: int, out: dict[str, Any], submits: float | None, re
     hour = db_after(b["db"], growth, retention_s=kept)
     lat, passes = out["lat"], b["pass_count"] - a["pass_count"]
     print(f"{label}: {jobs} jobs x {NODES} nodes ({os.cpu_count()} cores shared with the load generator)")
+    print(f"  workers call {out['calls']}")
     print(
         f"  reconciler full pass: {cpu:.1f} ms CPU ({cpu / jobs:.3f} ms per job), {ms:.1f} ms wall "
         f"({ms / jobs:.3f} ms per job), mean of {passes:.0f}"
@@ -443,10 +448,14 @@ def report(label: str, jobs: int, out: dict[str, Any], submits: float | None, re
 
 def one_run(args: argparse.Namespace, playing: int, finished: int, label: str) -> float:
     from benchmarks.service_api import start_service
+    from service.ports import free_port
 
+    settings = {} if args.one_port else {"ELASTRAIN_WORKER_PORT": str(free_port())}
     with tempfile.TemporaryDirectory(prefix="elastrain-scale-") as tmp:
         args.workdir = Path(tmp)
-        args.proc, url, token = start_service(args.workdir, module="benchmarks.control_plane_scale")
+        args.proc, url, token = start_service(
+            args.workdir, module="benchmarks.control_plane_scale", settings=settings
+        )
         try:
             done, _ = asyncio.run(submit(url, token, [spec("finished")] * finished))
             ids, rate = asyncio.run(submit(url, token, [spec()] * playing))
@@ -478,6 +487,11 @@ def main() -> int:
     parser.add_argument("--checkpoint-s", type=float, default=60.0)
     parser.add_argument("--probe-rate", type=float, default=10.0, help="GETs of each kind per second")
     parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument(
+        "--one-port",
+        action="store_true",
+        help="workers call the API's port (default: a port of their own, as the chart deploys)",
+    )
     parser.add_argument(
         "--retained-revisions", type=float, default=10_000, help="the embedded etcd's compaction retention"
     )

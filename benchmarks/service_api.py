@@ -80,10 +80,12 @@ def start_service(
     token: str | None = None,
     etcd_password: str | None = None,
     module: str = "benchmarks.service_api",
+    settings: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     """``elastrain serve`` in a child process: on its own embedded etcd, or on ``etcd`` (then
     with the API token ``token``, as replicas share one, and etcd's root password); ``module``:
-    the benchmark whose hidden ``--serve`` entry point runs it with that benchmark's scheduler."""
+    the benchmark whose hidden ``--serve`` entry point runs it with that benchmark's scheduler;
+    ``settings``: more ``ELASTRAIN_*`` variables of the service's."""
     from service.ports import free_port
 
     port = free_port()
@@ -93,6 +95,7 @@ def start_service(
         env["ELASTRAIN_API_TOKEN"] = token
     if etcd_password is not None:
         env["ELASTRAIN_ETCD_PASSWORD"] = etcd_password
+    env |= settings or {}
     cmd = [sys.executable, "-m", module, "--serve", str(port), "--data-dir", str(workdir)]
     cmd += ["--etcd", etcd] if etcd else []
     log = open(workdir / "service.log", "wb")  # noqa: SIM115 - the child owns it

@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -295,10 +296,12 @@ _WILDCARDS = {"0.0.0.0": "every IPv4 interface", "::": "every interface", "": "e
 
 
 def serving_line(settings: Settings) -> str:
-    """What ``serve`` logs at start: the address it listens on, and the one workers are told
-    (the advertise URL; for a wildcard host without one, loopback)."""
+    """What ``serve`` logs at start: the address it listens on (and the workers' listener's),
+    and the one workers are told (the advertise URL; for a wildcard host without one, loopback)."""
     where = _WILDCARDS.get(settings.host)
     listens = settings.listen_url + (f" ({where})" if where else "")
+    if settings.worker_listen_url is not None:
+        listens += f", workers' calls on {settings.worker_listen_url}"
     return (
         f"listening on {listens}; workers reach it at {settings.service_url}; "
         f"checkpoints under {settings.checkpoint_root}"
@@ -326,6 +329,75 @@ class _Server(uvicorn.Server):
         if self._loop is not None and self._wake is not None:
             with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing to wake
                 self._loop.call_soon_threadsafe(self._wake.set)
+
+    def open_connections(self) -> int:
+        return len(self.server_state.connections)
+
+
+SWITCH_INTERVAL_S = 0.001
+"""How long a thread keeps the interpreter while another waits for it, with two event loops in
+the process (CPython's default is 5 ms): a loop woken by a request waits at most this long
+for the loop that is busy with the workers' calls."""
+
+
+def bind(host: str, port: int, setting: str) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening); :class:`SettingsError` naming
+    ``setting`` when the address cannot be had (in use, not this host's)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SettingsError(
+            f"{setting}: cannot listen on {host}:{port} ({exc.strerror}); free the port or choose another"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextlib.contextmanager
+def worker_listener(
+    settings: Settings, app: FastAPI, sock: socket.socket | None, protocol: type[asyncio.Protocol]
+) -> Iterator[_Server | None]:
+    """Serve ``app`` on ``sock`` (the workers' port) from an event loop in a thread of its own,
+    for as long as the block runs; None and nothing started without a socket. A burst of
+    heartbeats from thousands of ranks then queues on that loop, not in front of a user's
+    request on the API's. Both loops share the interpreter (the app's state is already
+    shared with the request threads), so the switch interval is shortened to
+    :data:`SWITCH_INTERVAL_S`. The listener starts before the API's, whose lifespan starts the
+    reconciler that launches nodes told this port, and stops after it."""
+    if sock is None:
+        yield None
+        return
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.worker_port or 0,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        http=protocol,
+    )
+    server = _Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="worker-listener", daemon=True
+    )
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.01)
+    try:
+        if not server.started:
+            raise SettingsError(
+                f"ELASTRAIN_WORKER_PORT: the workers' listener on {settings.worker_listen_url} did not start"
+            )
+        yield server
+    finally:
+        server.handle_exit(signal.SIGTERM, None)
+        thread.join(timeout=30)
+        sys.setswitchinterval(before)
 
 
 def connection_limits(settings: Settings, nofile: int) -> ConnectionLimits:
@@ -375,9 +447,28 @@ def serve(settings: Settings, *, scheduler: Scheduler | None = None) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     limits = connection_limits(settings, raise_file_limit())
-    with etcd_for(settings) as (endpoints, credentials):
+    workers_sock = None
+    if settings.worker_port is not None:  # taken first: a port in use fails the start at once
+        workers_sock = bind(settings.host, settings.worker_port, "ELASTRAIN_WORKER_PORT")
+    with contextlib.ExitStack() as stack:
+        if workers_sock is not None:
+            stack.callback(workers_sock.close)
+        endpoints, credentials = stack.enter_context(etcd_for(settings))
         app, reconciler = build_app(settings, endpoints, credentials=credentials, scheduler=scheduler)
+        stack.callback(reconciler.scheduler.close)
         metrics: Metrics = app.state.ctx.metrics
+        servers: list[_Server] = []  # the API's and the workers', each counting the other's connections
+
+        def guarded(index: int) -> type[asyncio.Protocol]:
+            def elsewhere() -> int:
+                return sum(s.open_connections() for i, s in enumerate(servers) if i != index)
+
+            return guarded_protocol(
+                limits,
+                on_cut=lambda reason: metrics.connections_cut.labels(reason).inc(),
+                elsewhere=elsewhere,
+            )
+
         collect_less()
         log.info("%s", serving_line(settings))
         config = uvicorn.Config(
@@ -387,10 +478,11 @@ def serve(settings: Settings, *, scheduler: Scheduler | None = None) -> int:
             log_level="warning",
             access_log=False,
             lifespan="on",
-            http=guarded_protocol(limits, on_cut=lambda reason: metrics.connections_cut.labels(reason).inc()),
+            http=guarded(0),
         )
-        try:
-            _Server(config).run()
-        finally:
-            reconciler.scheduler.close()
+        servers.append(_Server(config))
+        workers = stack.enter_context(worker_listener(settings, app, workers_sock, guarded(1)))
+        if workers is not None:
+            servers.append(workers)
+        servers[0].run()
     return 0

@@ -25,6 +25,11 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     """Address uvicorn binds."""
     port: int = Field(default=8080, ge=0, le=65535)
+    worker_port: int | None = Field(default=None, ge=1, le=65535)
+    """A second port, for the workers' calls (heartbeats, progress, events, checkpoint reports,
+    the key-value gateway), served on an event loop of its own so that a user's request never
+    waits behind a burst of them; the nodes launched are told this port. Unset: workers call
+    ``port`` like everyone else. The same routes and tokens are served on both."""
     data_dir: Path = Path(".elastrain")
     """Embedded etcd data, the generated API token."""
     etcd: str = ""
@@ -70,10 +75,12 @@ class Settings(BaseSettings):
     """The most client connections open at once (at most three quarters of the file limit, so
     that etcd, checkpoint files and launches keep theirs); one over it is answered 503 and closed."""
     advertise_url: str = ""
-    """URL workers use to reach this service; default http://HOST:PORT (loopback for 0.0.0.0)."""
+    """URL workers use to reach this service; default http://HOST:WORKER_PORT, else
+    http://HOST:PORT (loopback for 0.0.0.0)."""
     instance_url: str = ""
     """URL the other service instances use to reach this one (a standby forwards writes to the
-    leader there); default: the advertise URL. On Kubernetes the chart sets the pod's IP."""
+    leader there); default: the advertise URL, or http://HOST:PORT when a worker port is set (the
+    advertise URL then names the workers' port). On Kubernetes the chart sets the pod's IP."""
     factory_allowlist: str | None = None
     """Comma-separated module prefixes the factories of a spec (model, data, loss) may come from:
     ``team_a`` allows ``team_a:f`` and ``team_a.models:f``. Unset: any module (whoever holds the
@@ -155,6 +162,11 @@ class Settings(BaseSettings):
                 raise ValueError(
                     "scheduler 'kubernetes' needs ELASTRAIN_ETCD: pods cannot reach the embedded etcd"
                 )
+        if self.worker_port is not None and self.worker_port == self.port:
+            raise ValueError(
+                f"ELASTRAIN_WORKER_PORT {self.worker_port} is also ELASTRAIN_PORT: give the workers "
+                "another port, or leave ELASTRAIN_WORKER_PORT unset to serve them on the API's port"
+            )
         if not self.checkpoint_mount.startswith("/"):
             raise ValueError(f"checkpoint_mount {self.checkpoint_mount!r} must be an absolute path")
         tls = self.etcd_tls  # raises when only one of the certificate and its key is given
@@ -196,7 +208,9 @@ class Settings(BaseSettings):
 
     @property
     def instance_address(self) -> str:
-        return self.instance_url or self.service_url
+        if self.instance_url:
+            return self.instance_url
+        return self.service_url if self.worker_port is None else self._loopback_url(self.port)
 
     @property
     def listen_url(self) -> str:
@@ -206,10 +220,23 @@ class Settings(BaseSettings):
 
     @property
     def service_url(self) -> str:
+        """The URL the nodes launched are given: the advertise URL, else this host's workers'
+        port (the API's when no worker port is set)."""
         if self.advertise_url:
             return self.advertise_url
+        return self._loopback_url(self.worker_port or self.port)
+
+    @property
+    def worker_listen_url(self) -> str | None:
+        """The address the workers' listener binds, as a URL; None without a worker port."""
+        return (
+            None if self.worker_port is None else self.listen_url.rsplit(":", 1)[0] + f":{self.worker_port}"
+        )
+
+    def _loopback_url(self, port: int) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}"
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}"
 
 
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

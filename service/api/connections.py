@@ -78,11 +78,15 @@ def _answer(status: bytes, code: str, message: str) -> bytes:
 
 
 def guarded_protocol(
-    limits: ConnectionLimits, *, on_cut: Callable[[str], None] = lambda reason: None
+    limits: ConnectionLimits,
+    *,
+    on_cut: Callable[[str], None] = lambda reason: None,
+    elsewhere: Callable[[], int] = lambda: 0,
 ) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with ``limits`` (pass it as ``uvicorn.Config(http=...)``);
     ``on_cut(reason)`` hears of every connection it closes (header_timeout, body_timeout,
-    over_limit)."""
+    over_limit); ``elsewhere()``: the connections the process's other listener holds, which
+    count against the same limit (one file limit for both)."""
     too_slow = _answer(
         b"408 Request Timeout",
         "request_timeout",
@@ -102,7 +106,7 @@ def guarded_protocol(
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
+            if len(self.connections) + elsewhere() > limits.max_connections:
                 self._cut("over_limit", too_many)
                 return
             self._arm(limits.header_timeout_s, "header_timeout")

@@ -91,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(
         host=args.host,
         port=args.port,
+        worker_port=args.worker_port,
         data_dir=args.data_dir,
         etcd=args.etcd,
         storage_root=args.storage_root,
@@ -252,6 +253,9 @@ def register(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the control plane (API, reconciler, embedded etcd)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8080)")
+    serve.add_argument(
+        "--worker-port", type=int, help="a port of its own for the workers' calls (default: --port)"
+    )
     serve.add_argument("--data-dir", help="state directory (default ./.elastrain)")
     serve.add_argument("--etcd", help="etcd endpoints URL[,URL]; empty starts an embedded etcd")
     serve.add_argument("--storage-root", help="checkpoint root (default <data-dir>/checkpoints)")

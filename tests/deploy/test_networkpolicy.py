@@ -82,7 +82,7 @@ def test_required_flows_get_through(render: Renderer) -> None:
     must: list[tuple[Endpoint, Endpoint, int, str]] = [
         (CLIENT, c["service"], 8080, "clients -> REST API"),
         (c["service1"], c["service"], 8080, "standby -> leader (forwarded writes)"),
-        (c["worker0"], c["service"], 8080, "workers -> service (resume, shard reports)"),
+        (c["worker0"], c["service"], 8081, "workers -> the service's workers' port (resume, shard reports)"),
         (c["service"], c["etcd0"], 2379, "service -> etcd"),
         (c["etcd0"], c["etcd1"], 2380, "etcd peers"),
         (c["worker0"], c["worker1"], 29500, "c10d store"),
@@ -112,7 +112,8 @@ def test_everything_else_is_denied(render: Renderer) -> None:
         (c["worker0"], c["etcd0"], 2379, "workers -> etcd client port (job code is untrusted)"),
         (c["worker0"], c["etcd0"], 2380, "workers -> etcd peer port"),
         (c["worker0"], c["etcd0"], 2381, "workers -> etcd metrics"),
-        (c["worker0"], c["service"], 9400, "workers -> the service off its API port"),
+        (c["worker0"], c["service"], 9400, "workers -> the service off its workers' port"),
+        (c["worker0"], c["service"], 8080, "workers -> the users' API port (they call their own)"),
         (c["service"], c["worker0"], 29500, "service -> workers"),
         (c["service1"], c["service"], 9400, "standby -> leader, off the API port"),
         (c["service"], INTERNET, 80, "service -> internet"),
@@ -154,7 +155,7 @@ def test_namespace_default_deny_is_opt_in(render: Renderer) -> None:
     # Other pods of the namespace now need their own egress policy to call the API...
     assert not allowed(p, CLIENT, c["service"], 8080)
     # ...while the release's own flows are unchanged.
-    assert allowed(p, c["worker0"], c["service"], 8080)
+    assert allowed(p, c["worker0"], c["service"], 8081)
     assert allowed(p, PROMETHEUS, c["worker0"], 9400)
 
 

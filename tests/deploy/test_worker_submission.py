@@ -84,9 +84,33 @@ def test_every_chart_variable_is_a_setting(render: Renderer, monkeypatch: pytest
             assert name.removeprefix("ELASTRAIN_").lower() in fields, name
     settings = _settings(render(), monkeypatch)
     assert settings.scheduler == "kubernetes"
-    assert settings.service_url == "http://elastrain:8080"  # the chart's Service, reachable by workers
+    assert settings.service_url == "http://elastrain:8081"  # the chart's Service, its workers' port
     # where the other replicas reach this one (a standby forwards writes to the leader): the pod
     assert settings.instance_address == f"http://{POD_IP}:8080"
+
+
+def _serve_command(objects: list[Obj]) -> tuple[list[str], dict[str, int], dict[str, object]]:
+    """The service container's args and named ports, and the Service's ports by name."""
+    container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    service = {p["name"]: p["targetPort"] for p in one(objects, "Service", "elastrain")["spec"]["ports"]}
+    return [str(a) for a in container["args"]], ports, service
+
+
+def test_workers_call_a_port_of_their_own_unless_it_is_0(
+    render: Renderer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart's default: `serve --worker-port 8081`, the Service's `workers` port in front of
+    it and the workers told it; `service.workerPort=0`: one port for everyone."""
+    objects = render()
+    args, ports, service = _serve_command(objects)
+    assert args[args.index("--worker-port") + 1] == "8081" and ports["workers"] == 8081
+    assert service == {"http": "http", "workers": "workers"}
+    assert _settings(objects, monkeypatch).service_url == "http://elastrain:8081"
+    objects = render(set_values=("service.workerPort=0",))
+    args, ports, service = _serve_command(objects)
+    assert "--worker-port" not in args and set(ports) == {"http"} and set(service) == {"http"}
+    assert _settings(objects, monkeypatch).service_url == "http://elastrain:8080"
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

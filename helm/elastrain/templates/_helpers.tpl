@@ -66,6 +66,11 @@ app.kubernetes.io/component: {{ .component }}
 {{/* Images ----------------------------------------------------------------------------------- */}}
 
 {{/* (dict "image" .Values.x.image "ctx" $) -> repository@digest or repository:tag */}}
+{{- /* The port worker pods call: the workers' port, or the API's when it is 0. */}}
+{{- define "elastrain.workerPort" -}}
+{{- .Values.service.workerPort | default .Values.service.port -}}
+{{- end }}
+
 {{- define "elastrain.image" -}}
 {{- if .image.digest -}}
 {{- printf "%s@%s" .image.repository .image.digest -}}

@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -63,11 +64,18 @@ class Service:
     (``env`` may change between starts). Its logs: ``service-<n>.log``, one per start."""
 
     def __init__(
-        self, data_dir: Path, env: dict[str, str], *, etcd: str = "", token: str | None = None
+        self,
+        data_dir: Path,
+        env: dict[str, str],
+        *,
+        etcd: str = "",
+        token: str | None = None,
+        worker_port: int | None = None,
     ) -> None:
         """``etcd``: endpoints of an etcd of the test's (default: the service's embedded one);
-        ``token``: the API token, to share one between replicas (default: a new one)."""
-        self.data_dir, self.env, self.etcd = data_dir, env, etcd
+        ``token``: the API token, to share one between replicas (default: a new one);
+        ``worker_port``: ``serve --worker-port`` (default: none, workers call the API's port)."""
+        self.data_dir, self.env, self.etcd, self.worker_port = data_dir, env, etcd, worker_port
         self.port, self.token = free_port(), token or secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(
@@ -85,6 +93,7 @@ class Service:
         log = (self.data_dir / f"service-{self.starts}.log").open("w")
         cmd = [str(ELASTRAIN), "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)]
         cmd += ["--etcd", self.etcd] if self.etcd else []
+        cmd += ["--worker-port", str(self.worker_port)] if self.worker_port else []
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         until(lambda: self._ready(), "the service to be ready", 120)
 
@@ -360,6 +369,61 @@ def test_service_kill9_and_restart_keeps_the_job(tmp_path: Path, bare_digest: st
     assert len(final["nodes"]) == 1 and final["nodes"][0]["attempt"] == 0, final["nodes"]
     assert final["restarts"] == 0
     assert digest(Path(final["checkpoint_dir"])) == bare_digest
+
+
+def node_env(checkpoint_dir: str) -> dict[str, str] | None:
+    """The environment of a process the service launched for the job whose checkpoints are in
+    ``checkpoint_dir`` (read from ``/proc``), or None while there is none."""
+    wanted = f"ELASTRAIN_CHECKPOINT_DIR={checkpoint_dir}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            raw = (entry / "environ").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if wanted in raw.split(b"\0"):
+            pairs = (kv.decode(errors="replace").partition("=") for kv in raw.split(b"\0") if kv)
+            return {k: v for k, _, v in pairs}
+    return None
+
+
+def test_workers_call_a_port_of_their_own(tmp_path: Path) -> None:
+    """`serve --worker-port`: the nodes are told that port, not the API's, and a job whose ranks
+    beat, report progress and publish checkpoints through it alone succeeds; users keep the
+    API's port."""
+    svc = Service(tmp_path / "svc", {}, worker_port=free_port())
+    svc.data_dir.mkdir()
+    svc.start()
+    try:
+        job_id = svc.submit(job_spec(max_steps=20))
+        where = svc.job(job_id)["checkpoint_dir"]
+        env = until(lambda: node_env(where), f"a node of {job_id}", 120)
+        workers_url = f"http://127.0.0.1:{svc.worker_port}"
+        assert env["ELASTRAIN_SERVICE_URL"] == workers_url and svc.url != workers_url
+        assert env["ELASTRAIN_KV_GATEWAY"] == f"{workers_url}/v1/jobs/{job_id}/kv"
+        final = svc.finished(job_id)
+        assert final["state"] == "SUCCEEDED" and final["step"] == 20, final
+        listed = svc.http.get(f"/v1/jobs/{job_id}/checkpoints").json()["checkpoints"]
+        assert [c["step"] for c in listed][-1] == 20
+        assert f"workers' calls on http://127.0.0.1:{svc.worker_port}" in svc.log()
+    finally:
+        svc.stop()
+    assert svc.proc is not None and svc.proc.returncode == 0, svc.log()[-2000:]
+
+
+def test_a_worker_port_in_use_is_refused_at_start_naming_it(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [str(ELASTRAIN), "serve", "--port", str(free_port()), "--worker-port", str(port)]
+        out = subprocess.run(
+            [*cmd, "--data-dir", str(tmp_path)], env=worker_env({}), cwd=REPO,
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert out.returncode != 0
+    assert f"ELASTRAIN_WORKER_PORT: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert not (tmp_path / "etcd").exists(), "refused before anything started"
 
 
 def test_cli_talks_to_the_service(service: Service, capsys: pytest.CaptureFixture[str]) -> None:

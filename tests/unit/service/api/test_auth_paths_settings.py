@@ -141,6 +141,25 @@ def test_environment_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.service_url == "http://127.0.0.1:9000"
 
 
+def test_a_worker_port_is_what_nodes_are_told_and_the_api_keeps_its_own() -> None:
+    settings = load_settings(host="0.0.0.0", port=9000, worker_port=9001)
+    assert settings.service_url == "http://127.0.0.1:9001"  # what a launched node calls
+    assert settings.worker_listen_url == "http://0.0.0.0:9001"
+    assert settings.instance_address == "http://127.0.0.1:9000"  # a standby forwards to the API
+    advertised = load_settings(port=9000, worker_port=9001, advertise_url="http://svc:9001")
+    assert (
+        advertised.service_url == "http://svc:9001" and advertised.instance_address == "http://127.0.0.1:9000"
+    )
+    plain = load_settings(port=9000, advertise_url="http://svc:9000")
+    assert plain.worker_listen_url is None and plain.instance_address == "http://svc:9000"
+    assert load_settings(host="::1", port=9000, worker_port=9001).service_url == "http://[::1]:9001"
+    from service.server import serving_line
+
+    line = serving_line(settings)
+    assert "workers' calls on http://0.0.0.0:9001" in line
+    assert "workers reach it at http://127.0.0.1:9001" in line
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
@@ -152,6 +171,8 @@ def test_environment_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"api_token": "short"}, "at least 16"),
         ({"max_body_bytes": 10}, "ELASTRAIN_MAX_BODY_BYTES"),
         ({"checkpoint_mount": "rel"}, "absolute"),
+        ({"worker_port": 8080}, "ELASTRAIN_WORKER_PORT 8080 is also ELASTRAIN_PORT"),
+        ({"worker_port": 0}, "ELASTRAIN_WORKER_PORT"),
     ],
 )
 def test_nonsense_is_refused_with_the_name(overrides: dict[str, object], match: str) -> None:
