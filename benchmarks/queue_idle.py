@@ -1,6 +1,6 @@
 """Idle means idle: one job training next to a full queue, against the same job with none.
 
-``python -m benchmarks.queue_idle [--queued 1000] [--rounds 2] [--seconds 30] [--quick]`` runs a
+``python -m benchmarks.queue_idle [--queued 1000] [--rounds 5] [--seconds 30] [--quick]`` runs a
 real ``elastrain serve`` of this checkout (embedded etcd, the local scheduler with
 ``ELASTRAIN_LOCAL_SLOTS=1``) and one real training job of 1 node x 1 process in its only slot.
 Then, in interleaved rounds, it
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> tuple[list[float], list[float], list[float]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queued", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--quick", action="store_true", help="50 queued, 1 round of 5 s windows")
     args = parser.parse_args()
