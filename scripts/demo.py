@@ -80,6 +80,12 @@ def worker_pids(job_id: str = "", *, launch_id: str | None = None) -> list[int]:
     return sorted(found)
 
 
+def process_env(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with (Linux /proc)."""
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+
+
 def _stat(pid: int) -> list[str] | None:
     """The fields of /proc/PID/stat after the command name (state first), None when it is gone."""
     try:

@@ -215,8 +215,7 @@ class Settings(BaseSettings):
     @property
     def listen_url(self) -> str:
         """The address uvicorn binds, as a URL (``http://0.0.0.0:8080`` binds every interface)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return _url(self.host, self.port)
 
     @property
     def service_url(self) -> str:
@@ -229,14 +228,15 @@ class Settings(BaseSettings):
     @property
     def worker_listen_url(self) -> str | None:
         """The address the workers' listener binds, as a URL; None without a worker port."""
-        return (
-            None if self.worker_port is None else self.listen_url.rsplit(":", 1)[0] + f":{self.worker_port}"
-        )
+        return None if self.worker_port is None else _url(self.host, self.worker_port)
 
     def _loopback_url(self, port: int) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{port}"
+        """This host at ``port``, as others on it reach it (loopback for a wildcard address)."""
+        return _url("127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host, port)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

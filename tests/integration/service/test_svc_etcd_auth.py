@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.demo import worker_pids
+from scripts.demo import process_env, worker_pids
 from service.etcd.access import EtcdAuth, rendezvous_prefix
 from service.etcd.server import EtcdServer
 from service.jobs import keys
@@ -60,11 +60,6 @@ def test_enabling_auth_is_idempotent_and_keeps_roots_password(etcd: list[EtcdEnd
     assert "guess" not in str(err.value) and "check the etcd user and password" in str(err.value)
 
 
-def _env(pid: int) -> dict[str, str]:
-    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
-
-
 def test_a_restart_mode_job_rendezvous_through_the_gateway_and_reaches_nothing_else(tmp_path: Path) -> None:
     svc = Service(tmp_path / "svc", {"ELASTRAIN_FAILPOINTS": "after_grad_sync=sleep:0.05"})
     svc.data_dir.mkdir()
@@ -76,7 +71,7 @@ def test_a_restart_mode_job_rendezvous_through_the_gateway_and_reaches_nothing_e
         spec["recovery"] = {"mode": "restart"}
         job_id = svc.submit(spec)
         until(lambda: (svc.job(job_id)["step"] or 0) >= 5, "the job to train", 180)
-        env = _env(worker_pids(job_id)[0])
+        env = process_env(worker_pids(job_id)[0])
         assert not [k for k in env if k.startswith("ELASTRAIN_ETCD")] and "ELASTRAIN_API_TOKEN" not in env
         assert root_password not in "\n".join(env.values()) and etcd_port not in "\n".join(env.values())
         gateway = EtcdEndpoint.from_url(env[GATEWAY_ENV])

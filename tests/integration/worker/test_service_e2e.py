@@ -25,6 +25,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from scripts.demo import process_env, worker_pids
 from scripts.prometheus_tools import ensure_tools
 from service.cli import main as elastrain
 from service.jobs.recovery import PHASES
@@ -371,21 +372,6 @@ def test_service_kill9_and_restart_keeps_the_job(tmp_path: Path, bare_digest: st
     assert digest(Path(final["checkpoint_dir"])) == bare_digest
 
 
-def node_env(checkpoint_dir: str) -> dict[str, str] | None:
-    """The environment of a process the service launched for the job whose checkpoints are in
-    ``checkpoint_dir`` (read from ``/proc``), or None while there is none."""
-    wanted = f"ELASTRAIN_CHECKPOINT_DIR={checkpoint_dir}".encode()
-    for entry in Path("/proc").iterdir():
-        try:
-            raw = (entry / "environ").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
-            continue
-        if wanted in raw.split(b"\0"):
-            pairs = (kv.decode(errors="replace").partition("=") for kv in raw.split(b"\0") if kv)
-            return {k: v for k, _, v in pairs}
-    return None
-
-
 def test_workers_call_a_port_of_their_own(tmp_path: Path) -> None:
     """`serve --worker-port`: the nodes are told that port, not the API's, and a job whose ranks
     beat, report progress and publish checkpoints through it alone succeeds; users keep the
@@ -395,8 +381,7 @@ def test_workers_call_a_port_of_their_own(tmp_path: Path) -> None:
     svc.start()
     try:
         job_id = svc.submit(job_spec(max_steps=20))
-        where = svc.job(job_id)["checkpoint_dir"]
-        env = until(lambda: node_env(where), f"a node of {job_id}", 120)
+        env = process_env(until(lambda: worker_pids(job_id), f"a worker of {job_id}", 120)[0])
         workers_url = f"http://127.0.0.1:{svc.worker_port}"
         assert env["ELASTRAIN_SERVICE_URL"] == workers_url and svc.url != workers_url
         assert env["ELASTRAIN_KV_GATEWAY"] == f"{workers_url}/v1/jobs/{job_id}/kv"
