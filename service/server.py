@@ -218,7 +218,11 @@ def build_app(
     log.info("API token: %s", where)
     scheduler = scheduler if scheduler is not None else build_scheduler(settings, endpoints)
     election = LeaderElection(
-        store, holder_id(settings), ttl_s=settings.leader_ttl_s, address=settings.instance_address
+        store,
+        holder_id(settings),
+        ttl_s=settings.leader_ttl_s,
+        address=settings.instance_address,
+        workers_address=settings.instance_workers_address or "",
     )
     wake = threading.Event()  # any write of a job wakes the reconciler at once, for that job
     written: set[str] = set()
@@ -285,6 +289,7 @@ def build_app(
         leader=lambda: reconciler.is_leader,
         stalled=reconciler.stalled,
         forward=LeaderLookup(lambda: leader_address(store)),
+        forward_workers=LeaderLookup(lambda: leader_address(store, workers=True)),
         holder=election.holder,
         lifespan=lifespan,
         kv=kv,

@@ -213,6 +213,16 @@ class Settings(BaseSettings):
         return self.service_url if self.worker_port is None else self._loopback_url(self.port)
 
     @property
+    def instance_workers_address(self) -> str | None:
+        """Where the other instances reach this one's workers' listener: the instance address's
+        host at the workers' port; None without a worker port. A standby passes the workers'
+        calls it receives there, so they stay off the leader's users' port."""
+        if self.worker_port is None:
+            return None
+        host = urlparse(self.instance_address).hostname or "127.0.0.1"
+        return _url(host, self.worker_port)
+
+    @property
     def listen_url(self) -> str:
         """The address uvicorn binds, as a URL (``http://0.0.0.0:8080`` binds every interface)."""
         return _url(self.host, self.port)

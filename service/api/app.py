@@ -13,7 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from service.api import errors
 from service.api.deps import Context
 from service.api.door import Door
-from service.api.forward import ForwardToLeader, LeaderLookup
+from service.api.forward import ForwardToLeader, LeaderLookup, WorkersListener
 from service.api.limits import BodyLimit
 from service.api.request_metrics import RequestMetrics
 from service.api.routes import gateway, health, workers
@@ -47,6 +47,7 @@ def create_app(
     leader: Callable[[], bool] | None = None,
     stalled: Callable[[], str | None] | None = None,
     forward: LeaderLookup | None = None,
+    forward_workers: LeaderLookup | None = None,
     holder: str = "",
     lifespan: Lifespan | None = None,
     kv: KvGateway | None = None,
@@ -54,7 +55,8 @@ def create_app(
     """Build the app. ``store`` must be reachable (the worker-token secret is read from it)
     unless ``parts`` (the job duties, built on the same store) are given. With ``forward`` (and
     ``leader``) a standby passes writes to the leader's published address
-    (:mod:`service.api.forward`). ``stalled`` says why the leader is not ready (see
+    (:mod:`service.api.forward`), and with ``forward_workers`` those that came in on its workers'
+    port to the leader's workers' listener. ``stalled`` says why the leader is not ready (see
     :meth:`service.reconciler.Reconciler.stalled`)."""
     metrics = metrics or Metrics()
     if parts is None:
@@ -98,6 +100,7 @@ def create_app(
             holder=holder,
             on_forward=lambda outcome: metrics.forwarded.labels(outcome).inc(),
             forget=parts.records.forget,
+            workers=_workers_listener(settings, forward_workers),
         )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outside: bounds what is forwarded
     app.add_middleware(
@@ -110,6 +113,14 @@ def create_app(
     app.add_middleware(RequestMetrics, metrics=metrics)
     _document_spec(app)
     return app
+
+
+def _workers_listener(settings: Settings, lookup: LeaderLookup | None) -> WorkersListener | None:
+    """This instance's workers' listener, for forwarding; None without a worker port."""
+    own = settings.instance_workers_address
+    if settings.worker_port is None or lookup is None or own is None:
+        return None
+    return WorkersListener(port=settings.worker_port, lookup=lookup, own_url=own)
 
 
 def _public_paths(app: FastAPI) -> frozenset[str]:

@@ -87,6 +87,18 @@ class LeaderLookup:
         self._cached = (float("-inf"), None)
 
 
+@dataclass(frozen=True)
+class WorkersListener:
+    """This instance's workers' listener (``ELASTRAIN_WORKER_PORT``): a write that arrives on
+    ``port`` goes to the leader's workers' listener (``lookup``: the address it published) when
+    it has one, so that forwarded callbacks do not queue in front of the leader's users;
+    ``own_url``: this instance's own workers' address."""
+
+    port: int
+    lookup: LeaderLookup
+    own_url: str
+
+
 class ForwardToLeader:
     """ASGI middleware; inside :class:`~service.api.limits.BodyLimit`, so the body is bounded."""
 
@@ -101,11 +113,13 @@ class ForwardToLeader:
         timeout_s: float = 10.0,
         on_forward: Callable[[str], None] = lambda outcome: None,
         forget: Callable[[str], None] = lambda job_id: None,
+        workers: WorkersListener | None = None,
     ) -> None:
         self.app = app
         self.leading = leading
         self.lookup = lookup
         self.own_url = own_url
+        self.workers = workers
         self.holder = holder
         self.on_forward = on_forward
         self.forget = forget
@@ -119,8 +133,11 @@ class ForwardToLeader:
         ):
             await self.app(scope, receive, send)
             return
+        workers = (
+            self.workers if self.workers is not None and _local_port(scope) == self.workers.port else None
+        )
         try:
-            target = forward_target(await anyio.to_thread.run_sync(self.lookup.get), self.own_url)
+            target = await anyio.to_thread.run_sync(self._target, workers)
         except Exception as exc:  # etcd unreachable: the route would fail the same way
             log.warning("cannot read the leader's address: %s", exc)
             target = None
@@ -139,6 +156,8 @@ class ForwardToLeader:
             answer = await self.client.request(scope["method"], url, content=body, headers=headers)
         except httpx.HTTPError as exc:
             self.lookup.forget()
+            if self.workers is not None:
+                self.workers.lookup.forget()
             self.on_forward("unreachable")
             log.warning(
                 "forwarding %s %s to the leader at %s failed: %s", scope["method"], scope["path"], target, exc
@@ -161,6 +180,19 @@ class ForwardToLeader:
         out.append((b"content-length", str(len(answer.content)).encode()))
         await send({"type": "http.response.start", "status": answer.status_code, "headers": out})
         await send({"type": "http.response.body", "body": answer.content})
+
+    def _target(self, workers: WorkersListener | None) -> str | None:
+        """Where to forward: the leader's workers' listener for a request that came in on ours
+        (when the leader published one), else the leader's address."""
+        if workers is not None and (found := workers.lookup.get()):
+            return forward_target(found, workers.own_url)
+        return forward_target(self.lookup.get(), self.own_url)
+
+
+def _local_port(scope: Scope) -> int | None:
+    """The port of this server the request came in on (uvicorn's ``server``: host and port)."""
+    server = scope.get("server")
+    return server[1] if server else None
 
 
 async def _read_body(receive: Receive) -> bytes:

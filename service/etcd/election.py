@@ -18,9 +18,16 @@ def address_key(leader_key: str = LEADER_KEY) -> str:
     return f"{leader_key}-address"
 
 
-def leader_address(store: KVStore, leader_key: str = LEADER_KEY) -> str | None:
-    """The address the current leader published, or None (no leader, or it published none)."""
-    found = store.get(address_key(leader_key))
+def workers_address_key(leader_key: str = LEADER_KEY) -> str:
+    """The key holding the leader's workers' listener address (``ELASTRAIN_WORKER_PORT``), on
+    the same lease; absent when the leader serves workers on its API's port."""
+    return f"{leader_key}-workers-address"
+
+
+def leader_address(store: KVStore, leader_key: str = LEADER_KEY, *, workers: bool = False) -> str | None:
+    """The address the current leader published (``workers``: its workers' listener's), or None
+    (no leader, or it published none)."""
+    found = store.get(workers_address_key(leader_key) if workers else address_key(leader_key))
     return found.value.decode() if found is not None and found.value else None
 
 
@@ -40,12 +47,15 @@ class LeaderElection:
         ttl_s: int = 10,
         key: str = LEADER_KEY,
         address: str = "",
+        workers_address: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self.holder = holder
         self.address = address
         """Where the other instances reach this one: published with the leader key, on its lease."""
+        self.workers_address = workers_address
+        """Where they reach its workers' listener (empty: it has none), published the same way."""
         self._ttl_s = ttl_s
         self._key = key
         self._clock = clock
@@ -71,6 +81,10 @@ class LeaderElection:
         writes = [Write(self._key, self.holder.encode(), expected, lease_id)]
         if self.address:
             writes.append(Write(address_key(self._key), self.address.encode(), None, lease_id))
+        if self.workers_address:
+            writes.append(
+                Write(workers_address_key(self._key), self.workers_address.encode(), None, lease_id)
+            )
         if self._store.commit(writes):
             self.fence = Fence(self.holder, lease_id, self._key)
             self._refreshed = self._clock()

@@ -13,9 +13,11 @@ import httpx
 import pytest
 from svc_process import ServiceProcess, job_spec, wait_for
 
+from service.etcd.election import leader_address
 from service.etcd.kv import EtcdStore
 from service.etcd.server import EtcdServer
 from service.jobs import keys
+from service.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +81,47 @@ def test_a_standby_forwards_writes_to_the_leader(tmp_path: Path) -> None:
                 assert looped.status_code == 503 and "not the leader" in looped.text
             FORWARDED = "elastrain_api_forwarded_total"
             assert b.metric(FORWARDED, outcome="forwarded") == 4 and a.metric(FORWARDED) == 0
+        finally:
+            a.stop()
+            b.stop()
+
+
+def test_a_standby_passes_workers_calls_to_the_leaders_workers_listener(tmp_path: Path) -> None:
+    """Both replicas with a workers' port: the leader publishes its workers' listener, and a
+    heartbeat that reached the standby's workers' port is applied by the leader through it
+    (which port it took is the unit tests' part: tests/unit/service/api/test_forward.py)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    token = secrets.token_urlsafe(24)
+    ports = {"a": free_port(), "b": free_port()}
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        a = ServiceProcess(
+            tmp_path / "a", etcd=etcd.endpoint, token=token, env={"ELASTRAIN_WORKER_PORT": str(ports["a"])}
+        ).start()
+        b = ServiceProcess(
+            tmp_path / "b", etcd=etcd.endpoint, token=token, env={"ELASTRAIN_WORKER_PORT": str(ports["b"])}
+        )
+        b.nodes_dir = a.nodes_dir
+        try:
+            wait_for(lambda: httpx.get(f"{a.url}/readyz").json()["leader"], what="a leads")
+            b.start()
+            store = EtcdStore([etcd.endpoint])
+            assert leader_address(store, workers=True) == f"http://127.0.0.1:{ports['a']}"
+            with a.client() as on_a:
+                job = on_a.post("/v1/jobs", json=SPEC).json()["id"]
+                launch = f"{job}-n0-a0"
+                wait_for(lambda: on_a.get(f"/v1/jobs/{job}").json()["state"] == "RUNNING", what="RUNNING")
+                env = a.launch_env(launch)
+                assert env["ELASTRAIN_SERVICE_URL"] == f"http://127.0.0.1:{ports['a']}"
+            beat = httpx.post(
+                f"http://127.0.0.1:{ports['b']}/v1/jobs/{job}/workers/heartbeat",
+                json={"launch_id": launch, "local_rank": 0, "step": 4},
+                headers={"Authorization": f"Bearer {env['ELASTRAIN_WORKER_TOKEN']}"},
+            )
+            assert beat.status_code == 200, beat.text
+            stored = wait_for(lambda: store.get(keys.heartbeat(job, launch, 0)), what="the beat")
+            assert b'"step": 4' in stored.value
+            assert b.metric("elastrain_api_forwarded_total", outcome="forwarded") == 1
         finally:
             a.stop()
             b.stop()

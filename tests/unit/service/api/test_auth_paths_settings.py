@@ -153,6 +153,12 @@ def test_a_worker_port_is_what_nodes_are_told_and_the_api_keeps_its_own() -> Non
     plain = load_settings(port=9000, advertise_url="http://svc:9000")
     assert plain.worker_listen_url is None and plain.instance_address == "http://svc:9000"
     assert load_settings(host="::1", port=9000, worker_port=9001).service_url == "http://[::1]:9001"
+    assert (
+        settings.instance_workers_address == "http://127.0.0.1:9001"
+        and plain.instance_workers_address is None
+    )
+    pod = load_settings(port=9000, worker_port=9001, instance_url="http://10.1.2.3:9000")
+    assert pod.instance_workers_address == "http://10.1.2.3:9001"  # a standby forwards callbacks there
     from service.server import serving_line
 
     line = serving_line(settings)

@@ -4,9 +4,21 @@ real services in tests/integration/service/test_svc_forward.py."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
-from service.api.forward import FORWARDED_HEADER, LeaderLookup, forward_target, job_of, wants_forward
+import httpx
+import pytest
+from starlette.types import Message, Receive, Scope, Send
+
+from service.api.forward import (
+    FORWARDED_HEADER,
+    ForwardToLeader,
+    LeaderLookup,
+    WorkersListener,
+    forward_target,
+    job_of,
+    wants_forward,
+)
 from service.etcd.election import LeaderElection, address_key, leader_address
 from service.etcd.memory import MemoryStore
 from tests.unit.service.svc_fakes import Clock
@@ -90,3 +102,65 @@ def test_leader_lookup_reads_at_most_once_per_max_age() -> None:
 )
 def test_the_job_a_forwarded_write_touched(path: str, expected: str | None) -> None:
     assert job_of(path) == expected
+
+
+def test_a_leader_publishes_its_workers_listener_beside_its_address_on_its_lease() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    a = LeaderElection(
+        store, "a", ttl_s=10, address="http://a:8080", workers_address="http://a:8081", clock=clock
+    )
+    assert a.campaign() is not None
+    assert leader_address(store) == "http://a:8080" and leader_address(store, workers=True) == "http://a:8081"
+    a.resign()
+    assert leader_address(store, workers=True) is None
+    b = LeaderElection(store, "b", ttl_s=10, address="http://b:8080", clock=clock)  # one port
+    assert b.campaign() is not None and leader_address(store, workers=True) is None
+
+
+def _forwarded_to(local_port: int, *, leader_workers: str | None) -> str:
+    """The URL a standby's :class:`ForwardToLeader` sends a heartbeat to, when it came in on
+    ``local_port`` (its API's 8080 or its workers' 8081). The HTTP hop is a mock transport here;
+    tests/integration/service/test_svc_forward.py runs it between two real services."""
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(str(request.url))
+        return httpx.Response(200, json={})
+
+    async def not_reached(scope: Scope, receive: Receive, send: Send) -> None:
+        raise AssertionError("a standby's write must be forwarded")
+
+    workers = WorkersListener(8081, LeaderLookup(lambda: leader_workers), "http://10.0.0.6:8081")
+    middleware = ForwardToLeader(
+        not_reached,
+        leading=lambda: False,
+        lookup=LeaderLookup(lambda: "http://10.0.0.5:8080"),
+        own_url="http://10.0.0.6:8080",
+        holder="b",
+        workers=workers,
+    )
+    middleware.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    scope = {
+        "type": "http", "method": "POST", "path": "/v1/jobs/j/workers/heartbeat",
+        "raw_path": b"/v1/jobs/j/workers/heartbeat", "query_string": b"", "headers": AUTH,
+        "server": ("10.0.0.6", local_port),
+    }  # fmt: skip
+    messages: list[Message] = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def receive() -> Message:
+        return messages.pop(0)
+
+    async def send(message: Message) -> None:
+        return None
+
+    asyncio.run(middleware(scope, receive, send))
+    assert len(sent) == 1
+    return sent[0].removesuffix("/v1/jobs/j/workers/heartbeat")
+
+
+def test_a_standby_passes_workers_calls_to_the_leaders_workers_listener() -> None:
+    assert _forwarded_to(8081, leader_workers="http://10.0.0.5:8081") == "http://10.0.0.5:8081"
+    assert _forwarded_to(8080, leader_workers="http://10.0.0.5:8081") == "http://10.0.0.5:8080"
+    # a leader with one port published no workers' listener: its API's port takes them
+    assert _forwarded_to(8081, leader_workers=None) == "http://10.0.0.5:8080"
