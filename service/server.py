@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI
@@ -339,6 +340,16 @@ class _Server(uvicorn.Server):
         return len(self.server_state.connections)
 
 
+def uvicorn_config(
+    app: FastAPI, host: str, port: int, *, lifespan: Literal["on", "off"], http: type[asyncio.Protocol]
+) -> uvicorn.Config:
+    """uvicorn's settings for one of the service's listeners: quiet (no access log), ``http``
+    the guarded protocol, ``lifespan`` "on" only for the one that runs the reconciler."""
+    return uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan=lifespan, http=http
+    )
+
+
 SWITCH_INTERVAL_S = 0.001
 """How long a thread keeps the interpreter while another waits for it, with two event loops in
 the process (CPython's default is 5 ms): a loop woken by a request waits at most this long
@@ -375,16 +386,9 @@ def worker_listener(
     if sock is None:
         yield None
         return
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.worker_port or 0,
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        http=protocol,
+    server = _Server(
+        uvicorn_config(app, settings.host, settings.worker_port or 0, lifespan="off", http=protocol)
     )
-    server = _Server(config)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="worker-listener", daemon=True
     )
@@ -476,16 +480,9 @@ def serve(settings: Settings, *, scheduler: Scheduler | None = None) -> int:
 
         collect_less()
         log.info("%s", serving_line(settings))
-        config = uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            http=guarded(0),
+        servers.append(
+            _Server(uvicorn_config(app, settings.host, settings.port, lifespan="on", http=guarded(0)))
         )
-        servers.append(_Server(config))
         workers = stack.enter_context(worker_listener(settings, app, workers_sock, guarded(1)))
         if workers is not None:
             servers.append(workers)
