@@ -25,18 +25,19 @@ from tests.integration.worker.test_service_e2e import Service, digest, job_spec,
 from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-STEPS = 90
+STEPS = 150  # room for the spare's start-up, the 2 slow windows and the leave on a loaded machine
 
 
 def spec(**over: Any) -> dict[str, Any]:
     """The straggler row's model (a step computes over several stop periods) on 2 nodes. The
     threshold is 2x: the duty cycle slows the victim about tenfold, and the service's processes
-    share this machine's cores with the job (a rank named by noise would be replaced too)."""
+    share this machine's cores with the job (a rank named by noise would be replaced too). A save
+    every 30 steps keeps the record's last events those of the straggler."""
     return job_spec(
         nodes="2", nproc_per_node=1, max_steps=STEPS, recovery={"mode": "peer"}, spares=1,
         model={"name": "mlp", "kwargs": {"hidden": 512, "depth": 4}},
         data={"name": "synthetic", "samples": 8192, "kwargs": {"input_dim": 128}},
-        micro_batch_size=32,
+        micro_batch_size=32, checkpoint={"interval_steps": 30, "retention": {"keep_latest": 50}},
         stragglers={"window_steps": 10, "windows": 2, "slowdown": 2.0, "action": "replace"},
     ) | over  # fmt: skip
 
@@ -91,10 +92,18 @@ def test_a_straggler_leaves_and_the_spare_takes_its_place(
     until(lambda: (service.job(job_id)["step"] or 0) >= 10, "the job 10 steps in", 300)
     (victim_pid,) = until(lambda: worker_pids(launch_id=victim), "the victim's worker", 30)
     (survivor_pid,) = until(lambda: worker_pids(launch_id=survivor), "the survivor's worker", 30)
+    # Only a spare standing by takes the slot (without one the group of 2 keeps its straggler):
+    # on a loaded machine the spare's start-up can outlast the job's first windows.
+    spare = f"{job_id}-n2-a0"
+    until(lambda: '"spare_standby"' in service.node_output(job_id, spare), "the spare to stand by", 300)
     cycled = duty_cycle(service, job_id, victim_pid)
     what = f"seed={seed} victim node {node}, {cycled}"
     repaired = lambda: (r := service.job(job_id)["recoveries"]) and r[0]["first_step_at"]  # noqa: E731
-    until(repaired, f"{what}: the repaired group's first step", 120)
+    try:
+        until(repaired, f"{what}: the repaired group's first step", 120)
+    except AssertionError as exc:  # say what the group measured
+        windows = [ln for ln in service.node_output(job_id, victim).splitlines() if "straggler" in ln]
+        raise AssertionError(f"{exc}; the victim's straggler lines: {windows[-6:]}") from None
     assert not alive(victim_pid), f"{what}: the straggler's worker still runs after the group was repaired"
     os.kill(survivor_pid, 0)  # the survivor kept its process (raises if it is gone)
     final = service.finished(job_id)

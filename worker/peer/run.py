@@ -78,7 +78,7 @@ def run_peer(
         loop = PeerLoop(trainer, member, checkpointer=checkpointer, forwarder=forwarder, job_id=cfg.job_id)
         startgc.release()  # built, and standing ready: what start-up made lives on (worker/start/startgc.py)
         if role == "spare":
-            events.emit("spare_standby", member_id=member.member_id, control=member.me.control)
+            events.record("spare_standby", member_id=member.member_id, control=member.me.control)
         joined = threading.Event()
         threading.Thread(
             target=_leave_when_finished, args=(member, joined, events), name="elastrain-finished", daemon=True

@@ -106,13 +106,14 @@ class Service:
     def logs(self) -> dict[str, str]:
         """The service's log and each node's stderr, by name (what a failed test shows)."""
         out = {f"service {self.data_dir}": self.log()}
-        for path in self._stderr_files("*"):
+        for path in self._output_files("*"):
             out[str(path.relative_to(self.data_dir))] = path.read_text(errors="replace")
         return out
 
-    def _stderr_files(self, job_id: str) -> list[Path]:
-        """The stderr files of the nodes of ``job_id`` (a glob: ``*`` for every job's)."""
-        return [p for p in sorted((self.data_dir / "nodes").glob(f"{job_id}/**/stderr*")) if p.is_file()]
+    def _output_files(self, job_id: str, stream: str = "stderr") -> list[Path]:
+        """The stderr (or ``stream``) files of the nodes of ``job_id`` (a glob: ``*`` for every
+        job's; ``job_id/launch_id`` for one node's)."""
+        return [p for p in sorted((self.data_dir / "nodes").glob(f"{job_id}/**/{stream}*")) if p.is_file()]
 
     def job_dir(self, job_id: str) -> str:
         """The job's checkpoint directory (where the service keeps it: no request needed)."""
@@ -124,7 +125,12 @@ class Service:
 
     def node_logs(self, job_id: str) -> str:
         """Everything the job's nodes (torchrun agents and their workers) wrote to stderr."""
-        return "".join(p.read_text(errors="replace") for p in self._stderr_files(job_id))
+        return "".join(p.read_text(errors="replace") for p in self._output_files(job_id))
+
+    def node_output(self, job_id: str, launch_id: str) -> str:
+        """Everything one node's processes wrote to stdout (the workers' JSON event lines)."""
+        files = self._output_files(f"{job_id}/{launch_id}", "stdout")
+        return "".join(p.read_text(errors="replace") for p in files)
 
     def _ready(self) -> bool:
         try:
