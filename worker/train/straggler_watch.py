@@ -153,12 +153,21 @@ class StragglerWatch:
             self.events.say(straggler_line(fields))
         if spec.action == "replace":
             self._replace(found, nodes, spares=spares)
+            if not found and spares > 0 and self.spares is not None:  # a kept straggler, a spare now
+                again = stragglers.still_slow(self.streaks, ratios, found, step=step, threshold=spec.slowdown)
+                self._replace(again, nodes, spares=spares, only_leave=True)
 
     def _replace(
-        self, found: Sequence[stragglers.Named], nodes: Sequence[int | None], *, spares: int
+        self,
+        found: Sequence[stragglers.Named],
+        nodes: Sequence[int | None],
+        *,
+        spares: int,
+        only_leave: bool = False,
     ) -> None:
         """``stragglers.action: replace``: the slowest named rank's node leaves for a spare, or
-        stays and the event says why (:func:`worker.train.stragglers.replacement`)."""
+        stays and the event says why (:func:`worker.train.stragglers.replacement`); with
+        ``only_leave`` (a rank kept before, still slow) nothing is said when it stays again."""
         named = stragglers.slowest(found)
         if named is None:
             return
@@ -166,6 +175,8 @@ class StragglerWatch:
             decision = stragglers.Replacement(False, None, (), "the job does not run in peer mode")
         else:
             decision = stragglers.replacement(named, nodes, spares=spares, min_world=self.min_world)
+        if only_leave and not decision.leave:
+            return
         fields = {
             "rank": named.rank, "node": decision.node, "slowdown": round(named.slowdown, 4),
             "step": named.step, "ranks": list(decision.ranks), "why": decision.why,

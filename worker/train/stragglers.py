@@ -112,6 +112,21 @@ def judge(
     return Streaks(since, count, named), found
 
 
+def still_slow(
+    streaks: Streaks, ratios: Sequence[float | None], found: Sequence[Named], *, step: int, threshold: float
+) -> list[Named]:
+    """The ranks named in an earlier window that were slower than ``threshold`` again in this one
+    (``streaks`` as :func:`judge` left them; ``found``, the ranks it named now, are not among
+    them): a straggler kept because no spare waited is one again when a spare comes. Pure."""
+    now = {n.rank for n in found}
+    return [
+        Named(rank, float(ratio), streaks.slow_since[rank], step, streaks.count[rank])
+        for rank, ratio in enumerate(ratios)
+        if rank not in now and streaks.named.get(rank) == 0 and ratio is not None and ratio > threshold
+        and rank in streaks.slow_since
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class Replacement:
     """What ``stragglers.action: replace`` does about a named rank: whether its node leaves,

@@ -134,3 +134,39 @@ def test_a_bare_torchrun_refuses_replace(monkeypatch: pytest.MonkeyPatch) -> Non
     _replace_needs_peer("report")
     monkeypatch.setenv("ELASTRAIN_RECOVERY", "peer")
     _replace_needs_peer("replace")
+
+
+def slow_window(
+    watch: StragglerWatch, parts: Any, window: int, *, other_spares: int, factor: float = 2.0
+) -> None:
+    """One more window of 5 steps: rank 1 (this watch) ``factor`` times as slow as rank 0, whose
+    leader counts ``other_spares`` spares waiting."""
+    watched_steps(watch, parts[0], parts[1], 5)
+    mine = watch.ballot(window * 5, rank=1, world_size=2)
+    other = ballot(rank=0, world_size=2, seconds_per_step=mine[1] / factor, node=0, spares=other_spares)
+    watch.read(summed(mine, other), window * 5, rank=1, world_size=2)
+
+
+def said(events: Recorder, name: str) -> list[dict[str, Any]]:
+    return [f for n, f in events.seen if n == name]
+
+
+def test_a_kept_straggler_leaves_once_a_spare_waits_and_is_not_kept_twice() -> None:
+    left: list[str] = []
+    watch, events, parts = watch_on(node=4, spares=0, left=left)
+    two_slow_windows(watch, parts, other_node=0, other_spares=0)  # named, no spare: kept
+    slow_window(watch, parts, 3, other_spares=0)  # still slow, still no spare: nothing new said
+    assert len(said(events, "straggler_kept")) == 1 and left == []
+    slow_window(watch, parts, 4, other_spares=1)  # a spare stands by now: the slow node leaves
+    (replaced,) = said(events, "straggler_replaced")
+    assert replaced["rank"] == 1 and replaced["node"] == 4 and replaced["step"] == 20
+    assert "warm spare" in replaced["why"] and left == [preemption.STRAGGLER]
+    assert len(said(events, "straggler")) == 1  # named once, replaced later
+
+
+def test_a_kept_straggler_that_recovered_does_not_leave_when_a_spare_comes() -> None:
+    left: list[str] = []
+    watch, events, parts = watch_on(node=4, spares=0, left=left)
+    two_slow_windows(watch, parts, other_node=0, other_spares=0)
+    slow_window(watch, parts, 3, other_spares=1, factor=1.0)  # as fast as the others again
+    assert left == [] and not said(events, "straggler_replaced")
