@@ -67,8 +67,9 @@ def kinds(job: dict[str, Any]) -> list[str]:
 
 
 def duty_cycle(service: Service, job_id: str, pid: int) -> str:
-    """Stop and continue ``pid`` until the job's events say the straggler is replaced (or kept),
-    or the process is gone; it is left running. Says how many cycles ran."""
+    """Stop and continue ``pid`` until the job's events say the straggler is replaced (a straggler
+    kept for want of a spare leaves once one waits), or the process is gone; it is left running.
+    Says how many cycles ran."""
     asked = [0.0]
 
     def done() -> bool:
@@ -77,7 +78,7 @@ def duty_cycle(service: Service, job_id: str, pid: int) -> str:
         if time.monotonic() - asked[0] <= 0.5:  # the service's record, twice a second
             return False
         asked[0] = time.monotonic()
-        return bool({"straggler_replaced", "straggler_kept"} & set(kinds(service.job(job_id))))
+        return "straggler_replaced" in kinds(service.job(job_id))
 
     return stop_cycles(pid, done)
 
