@@ -24,6 +24,7 @@ may hold different generations, and its decision is an incident's record. Failpo
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from worker.failpoints import failpoint
 from worker.recovery.membership import KeyValueUnavailable, Membership
@@ -64,6 +65,16 @@ class PendingCommit:
         if self._thread.is_alive():
             return f"the compare-and-set did not answer within {timeout_s:.0f} s"
         return self._failure
+
+
+def announced_first(
+    *, planned: bool, old: GenRecord | None, lost: Sequence[str], leaving: Sequence[str]
+) -> bool:
+    """Whether a re-formation is a join, whose generation is announced first and written second:
+    a planned re-formation (joiners waiting) of a held generation that loses no member and lets
+    none leave. Whether the leader read the record ahead or just now does not matter (on a loaded
+    machine a slow window outlasts the read-ahead). Pure."""
+    return planned and old is not None and not lost and not leaving
 
 
 def supersedes(current: GenRecord | None, held: GenRecord | None) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 from worker.recovery.answers import Order, Refused, await_answer, fallback, order_from
 from worker.recovery.control import ControlError, connect
 from worker.recovery.hub import Hub, probe
-from worker.recovery.joincommit import PendingCommit, next_generation, supersedes
+from worker.recovery.joincommit import PendingCommit, announced_first, next_generation, supersedes
 from worker.recovery.membership import KeyValueUnavailable, Membership
 from worker.recovery.plan import Fallback, Form, Policy, decide
 from worker.recovery.readahead import Ahead, ReadAhead
@@ -109,7 +109,7 @@ class Leader:
         decision = self._decide(old, dead, since, ahead)
         if not isinstance(decision, Form):
             return decision
-        join = ahead is not None and old is not None and not decision.lost and not decision.leaving
+        join = announced_first(planned=planned, old=old, lost=decision.lost, leaving=decision.leaving)
         order = self._commit(decision, old, current, revision, since, background=join)
         if order is None and ahead is not None:  # the read-ahead's revision went stale: read, try once more
             current, revision = self.read_generation()

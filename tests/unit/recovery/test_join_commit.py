@@ -11,7 +11,7 @@ import pytest
 
 from worker.recovery.failure import classify
 from worker.recovery.hub import Hub
-from worker.recovery.joincommit import PendingCommit, next_generation, supersedes
+from worker.recovery.joincommit import PendingCommit, announced_first, next_generation, supersedes
 from worker.recovery.leader import Leader
 from worker.recovery.membership import Membership, MemoryKeyValue
 from worker.recovery.plan import Policy
@@ -116,3 +116,12 @@ def test_the_refusal_breaks_the_window_like_a_fence() -> None:
 def test_records_compare_by_every_field() -> None:
     held = record(2)
     assert supersedes(dataclasses.replace(held, store="h:other"), held)
+
+
+def test_a_join_is_announced_first_whether_or_not_the_record_was_read_ahead() -> None:
+    old = record(3)
+    assert announced_first(planned=True, old=old, lost=(), leaving=())  # read ahead or just now alike
+    assert not announced_first(planned=False, old=old, lost=(), leaving=()), "a failure writes first"
+    assert not announced_first(planned=True, old=old, lost=("b",), leaving=()), "a member lost on the way"
+    assert not announced_first(planned=True, old=old, lost=(), leaving=("b",)), "a node leaving"
+    assert not announced_first(planned=True, old=None, lost=(), leaving=()), "the first generation"
