@@ -311,6 +311,8 @@ def watch(
                     os.read(sight.woken, 64)
             if pidfd in woke:
                 reason = f"its agent (pid {parent}) exited"
+                if sight is not None:
+                    sight.look()  # stamps the first sight of its death: the bracket's end
         elif stop.wait(wait):
             return
         if reason is None and sight is not None and (why := sight.look()) is not None:

@@ -123,6 +123,27 @@ def test_the_last_words_carry_the_middle_of_the_last_live_look_and_the_first_dyi
     assert (sight.alive_at, sight.dying_at) == (3.0, 5.0)
 
 
+def test_an_exit_the_pidfd_told_first_is_bracketed_by_a_look_after_it() -> None:
+    """The agent exited between two looks (on a loaded machine the pidfd wakes the thread before
+    any look found a SIGKILL pending): the thread looks once more, which finds it gone and closes
+    the bracket with its own time."""
+    readable, writable = os.pipe()
+    os.write(writable, b"x")  # the agent has exited
+    looks = iter(["is gone"])
+    clock = iter([0.0, 1.0, 2.0]).__next__
+    said: list[float] = []
+    forget = on_last_words(said.append)
+    try:
+        sight = Sight(lambda: next(looks), clock=clock)
+        watch(100, poll_s=3600.0, getppid=lambda: 100, on_orphan=lambda _: None, pidfd=readable, sight=sight)
+    finally:
+        forget()
+        os.close(readable)
+        os.close(writable)
+    assert (sight.alive_at, sight.dying_at) == (0.0, 2.0)
+    assert said == [1.0]
+
+
 def test_the_death_is_the_middle_of_what_the_looks_bracket() -> None:
     """Pure: the middle of the last live look and the first dying one; a sight of death no later
     than the last live look (clocks stepped back) is the live look itself."""
