@@ -48,7 +48,12 @@ def test_a_join_etcd_did_not_record_applies_no_window(tmp_path: Path, etcd: str)
     rows = job.trace()
     assert 1 not in {r["generation"] for r in rows}, "a window was applied in a generation etcd never held"
     refused = job.events("generation_not_committed")
-    assert [e["generation"] for e in refused] == [1], refused
+    decided = [
+        (e.get("generation"), e.get("members"), e.get("reason")) for e in job.events("recovery_decided")
+    ]
+    assert [e["generation"] for e in refused] == [1], (
+        f"refused {refused}; decided {decided}\n{job.logs()[-6000:]}"
+    )
     assert {(r["generation"], r["world_size"]) for r in rows} == {(0, 2), (2, 3)}
     assert {r["rank"] for r in rows if r["generation"] == 2} == {0, 1, 2}
     assert sample_counts(rows) == Counter({(0, i): 1 for i in range(480)}), "a sample trained twice or never"
