@@ -10,15 +10,17 @@ replaces it. The pace is the median samples/s between rank 0's ``progress`` even
 steps): before = from step ``window`` to the slowdown's start; slowed = from then to the
 straggler's leave (the recovery's ``failed_at``); then each window of steps after the repaired
 group's first step. The record is the second window's pace over the pace before (target >= 0.9:
-the pace is back by the end of two windows). The first window after the join also carries the
-start of the new spare the local scheduler launches in the node's place (importing torch and
-building the trainer on the same cores), which a spare on its own machine would not.
+the pace is back by the end of two windows). The windows after the join also carry the start
+of the new spare the local scheduler launches in the node's place (importing torch and building
+the trainer on the same cores, until it stands by: printed), which a spare on its own machine
+would not.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -97,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         cycled = duty_cycle(svc, job_id, pid)
         final = svc.finished(job_id, timeout=1800)
         events = events_of(Path(final["checkpoint_dir"]) / "events.jsonl")
+        standby = sorted(
+            json.loads(line)["time"]
+            for launch in svc.launches(job_id)
+            for line in svc.node_output(job_id, launch).splitlines()
+            if '"spare_standby"' in line
+        )
     assert final["state"] == "SUCCEEDED", final["events"][-12:]
     replaced = [e["message"] for e in final["events"] if e["kind"] == "straggler_replaced"]
     # A rank the machine's load slowed before ours may have been replaced already: the recovery
@@ -115,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{recovery['bytes_from_storage'] or 0} bytes from storage")  # fmt: skip
     print(f"  samples/s before the slowdown {before:.1f}, slowed {(during or 0) / before:.2f}x; each window "
           f"after the spare joined: {ratios} x before")  # fmt: skip
+    late = [t - joined_at for t in standby if t > joined_at]  # the spare launched in the node's place
+    if late:
+        print(f"  the new spare stood by {late[0]:.1f} s after the repaired group's first step (its "
+              f"start-up shares these cores with the training until then)")  # fmt: skip
     print(f"  load average (1 min) before {load:.2f}, after {os.getloadavg()[0]:.2f}")
     emit(
         "samples/s in the second straggler window after the spare joined / before the slowdown",
@@ -122,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         target=">= 0.9",
         spread=f"window {args.window} steps; windows after the join {ratios}; slowed "
         f"{(during or 0) / before:.2f}x; recovery {recovery['seconds']:.2f} s, 0 restarts; "
-        f"load {load:.1f}-{os.getloadavg()[0]:.1f}",
+        f"load {load:.1f}-{os.getloadavg()[0]:.1f}"
+        + (f"; the new spare stood by {late[0]:.1f} s after the join" if late else ""),
     )
     return 0
 
