@@ -25,7 +25,7 @@ from tests.integration.worker.test_service_e2e import Service, digest, job_spec,
 from tests.seeds import seeded
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
-STEPS = 150  # room for the spare's start-up, the 2 slow windows and the leave on a loaded machine
+STEPS = 150  # room for the 2 slow windows, a spare still starting up and the leave
 
 
 def spec(**over: Any) -> dict[str, Any]:
@@ -93,10 +93,8 @@ def test_a_straggler_leaves_and_the_spare_takes_its_place(
     until(lambda: (service.job(job_id)["step"] or 0) >= 10, "the job 10 steps in", 300)
     (victim_pid,) = until(lambda: worker_pids(launch_id=victim), "the victim's worker", 30)
     (survivor_pid,) = until(lambda: worker_pids(launch_id=survivor), "the survivor's worker", 30)
-    # Only a spare standing by takes the slot (without one the group of 2 keeps its straggler):
-    # on a loaded machine the spare's start-up can outlast the job's first windows.
-    spare = f"{job_id}-n2-a0"
-    until(lambda: '"spare_standby"' in service.node_output(job_id, spare), "the spare to stand by", 300)
+    # Slowed from here on: a spare still starting up on a loaded machine cannot be outrun (the
+    # group keeps its straggler until the spare stands by, then replaces it).
     cycled = duty_cycle(service, job_id, victim_pid)
     what = f"seed={seed} victim node {node}, {cycled}"
     repaired = lambda: (r := service.job(job_id)["recoveries"]) and r[0]["first_step_at"]  # noqa: E731
